@@ -1,0 +1,226 @@
+"""Typed, immutable run configuration.
+
+`arguments.py` fills these from Megatron-LM-named flags and validates every
+cross-field rule; everything else in the package reads a `Config`. Each field's
+docstring names the flag that sets it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+class ConfigError(ValueError):
+    """An inconsistent or unusable flag; the message names the flag, the value and a fix."""
+
+
+def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Smallest multiple of divisible_by x TP that holds vocab_size, so every TP rank owns an equal slice."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 2
+    """Transformer layers (`--num-layers`)."""
+    hidden_size: int = 64
+    """Width of the residual stream (`--hidden-size`)."""
+    num_attention_heads: int = 4
+    """Attention heads; split whole across TP ranks (`--num-attention-heads`)."""
+    ffn_hidden_size: int = 256
+    """MLP inner width, default 4 x hidden (`--ffn-hidden-size`)."""
+    seq_length: int = 128
+    """Tokens per sample (`--seq-length`)."""
+    max_position_embeddings: int = 128
+    """Rows of the learned position table; >= seq_length (`--max-position-embeddings`)."""
+    vocab_size: Optional[int] = None
+    """Tokenizer vocabulary before padding; None until a tokenizer or `--vocab-size` gives it."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this x TP so it splits evenly (`--make-vocab-size-divisible-by`)."""
+    padded_vocab_size: Optional[int] = None
+    """Vocabulary after padding; derived, never set by a flag."""
+    hidden_dropout: float = 0.1
+    """Dropout on the residual branches and embeddings (`--hidden-dropout`)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (`--attention-dropout`)."""
+    position_embedding_type: str = "learned_absolute"
+    """`learned_absolute` or `rope` (`--position-embedding-type`)."""
+    rotary_base: int = 10000
+    """Base of the rotary frequencies (`--rotary-base`)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output head its own weight instead of reusing the embedding (`--untie-embeddings-and-output-weights`)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation (`--init-method-std`)."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon (`--layernorm-epsilon`)."""
+    recompute_activations: bool = False
+    """Recompute each transformer layer's activations in backward (`--recompute-activations`)."""
+    masked_softmax_fusion: bool = True
+    """Use the fused scaled-masked softmax kernel where it applies (`--no-masked-softmax-fusion` turns it off)."""
+    attention_softmax_in_fp32: bool = True
+    """Compute the attention softmax in fp32 for bf16/fp16 inputs (`--attention-softmax-in-fp32`)."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = 1
+    """Processes in the job, from the launcher's environment (WORLD_SIZE / SLURM_NTASKS)."""
+    tensor_model_parallel_size: int = 1
+    """TP degree: ranks that split each matrix (`--tensor-model-parallel-size`)."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree: stages the layers are split into (`--pipeline-model-parallel-size`)."""
+    data_parallel_size: int = 1
+    """DP degree, derived: world_size / (TP x PP)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3; 0 or 1 when PP > 1 (`--zero-stage`)."""
+    pipeline_partition_method: str = "cost"
+    """How layers are split into stages: cost, uniform, parameters, type:<regex> or a list like 3,3,2 (`--pipeline-partition-method`)."""
+    cpu_offload: bool = False
+    """Offload optimizer state to CPU through ZeRO (PP = 1, ZeRO >= 1) (`--cpu-offload`)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    micro_batch_size: int = 1
+    """Samples per micro-batch per data-parallel rank (`--micro-batch-size`)."""
+    global_batch_size: int = 1
+    """Samples per optimizer step over all DP ranks: micro x gas x DP (`--global-batch-size`)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated per step per DP rank (`--gradient-accumulation-steps`, or derived)."""
+    rampup_batch_size: Optional[Tuple[int, int, int]] = None
+    """(start, increment, ramp samples): grow the global batch during the first samples (`--rampup-batch-size`)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-4
+    """Peak learning rate (`--lr`)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay (`--min-lr`)."""
+    lr_decay_style: str = "cosine"
+    """constant, linear or cosine (`--lr-decay-style`)."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from 0 to lr (`--lr-warmup-iters`)."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which lr decays to min_lr; default train_iters (`--lr-decay-iters`)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay, not applied to biases and norms (`--weight-decay`)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1 (`--adam-beta1`)."""
+    adam_beta2: float = 0.999
+    """AdamW beta2 (`--adam-beta2`)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon (`--adam-eps`)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this; 0 disables (`--clip-grad`)."""
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    bf16: bool = False
+    """Train in bfloat16 (`--bf16`)."""
+    fp16: bool = False
+    """Train in float16 with loss scaling (`--fp16`)."""
+    loss_scale: Optional[float] = None
+    """Static loss scale for fp16; None means dynamic (`--loss-scale`)."""
+    initial_loss_scale: float = 2.0 ** 32
+    """Starting dynamic loss scale (`--initial-loss-scale`)."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale (`--min-loss-scale`)."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the dynamic scale grows (`--loss-scale-window`)."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale shrinks (`--hysteresis`)."""
+
+    @property
+    def dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_path: Tuple[str, ...] = ()
+    """Dataset prefixes, optionally weighted: `prefix` or `w1 prefix1 w2 prefix2` (`--data-path`)."""
+    split: str = "969,30,1"
+    """Train, valid, test weights over documents (`--split`)."""
+    tokenizer_type: Optional[str] = None
+    """SentencePieceTokenizer or NullTokenizer (`--tokenizer-type`)."""
+    tokenizer_model: Optional[str] = None
+    """Path of the SentencePiece model (`--tokenizer-model`)."""
+    data_cache_path: Optional[str] = None
+    """Folder for cached sample indices; default next to the data (`--data-cache-path`)."""
+    num_workers: int = 1
+    """DataLoader workers per rank (`--num-workers`)."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    train_iters: int = 10
+    """Optimizer steps to train for (`--train-iters`)."""
+    eval_interval: int = 1000
+    """Evaluate every this many steps (`--eval-interval`)."""
+    eval_iters: int = 10
+    """Batches per evaluation (`--eval-iters`)."""
+    save: Optional[str] = None
+    """Checkpoint folder to write (`--save`)."""
+    load: Optional[str] = None
+    """Checkpoint folder to resume from (`--load`)."""
+    save_interval: Optional[int] = None
+    """Save every this many steps; needs --save (`--save-interval`)."""
+    keep_last: Optional[int] = None
+    """Keep only this many newest checkpoints (`--keep-last`)."""
+    exit_interval: Optional[int] = None
+    """Save and exit when the iteration is a multiple of this (`--exit-interval`)."""
+    exit_signal_handler: bool = False
+    """Save and exit 0 on SIGTERM/SIGUSR1 at the next step boundary (`--exit-signal-handler`)."""
+    seed: int = 1234
+    """Seed of every random generator (`--seed`)."""
+    deepspeed_config: Optional[str] = None
+    """Extra DeepSpeed JSON merged under ours (`--deepspeed-config`)."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    """Print and record metrics every this many steps (`--log-interval`)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard events here (`--tensorboard-dir`)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and regularisation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP / DP degrees and ZeRO."""
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    """Micro-batch, gradient accumulation and global batch."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW and the learning-rate schedule."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """fp32 / bf16 / fp16 and loss scaling."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Datasets and tokenizer."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Iterations, evaluation, checkpoints, seed."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console and TensorBoard logging."""
+
+    def replace(self, **sections) -> "Config":
+        """A copy with whole sections or `section__field=value` entries replaced."""
+        updates = {}
+        for key, value in sections.items():
+            if "__" in key:
+                section, name = key.split("__", 1)
+                base = updates.get(section, getattr(self, section))
+                updates[section] = dataclasses.replace(base, **{name: value})
+            else:
+                updates[key] = value
+        return dataclasses.replace(self, **updates)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,1 @@
+"""Tokenizer, Megatron-format indexed datasets, GPT samples and blending."""

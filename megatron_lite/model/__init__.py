@@ -1,0 +1,1 @@
+"""The GPT: transformer layers built from parallel/ layers, the fused softmax, pipeline specs."""

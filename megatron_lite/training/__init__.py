@@ -1,0 +1,1 @@
+"""DeepSpeed configuration, the training loop, checkpoints and metrics."""

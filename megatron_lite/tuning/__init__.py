@@ -1,0 +1,1 @@
+"""Memory estimates and the TP/PP/micro-batch/gas tuning recipe."""

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install what the tests need (CPU torch first, so nothing pulls CUDA wheels), build the
+# package's C++ extension, and run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q --no-build-isolation -e ".[test]"
+python3 -m pytest "$@"

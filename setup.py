@@ -1,0 +1,55 @@
+"""Build and install megatron_lite.
+
+The compiled extension `megatron_lite._C` holds every C++ source under csrc/
+(CPU kernels and dataset helpers), and the CUDA sources too when torch was
+built with CUDA and nvcc is found. Sources register their ops with
+TORCH_LIBRARY_FRAGMENT(megatron_lite, ...), so adding a kernel means adding a
+file, not editing a list. Install with `pip install --no-build-isolation -e .`
+so the build uses the torch already installed instead of fetching another.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError as e:  # pragma: no cover - only reached when torch is missing
+    raise SystemExit(
+        "megatron_lite builds its C++ kernels against torch: install torch first "
+        "(pip install torch==2.13.0 on a CPU machine), then pip install --no-build-isolation -e ."
+    ) from e
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def extension():
+    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    cu = sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("MEGATRON_LITE_NO_CUDA") != "1"
+    include_dirs = [os.path.join(HERE, "csrc")]
+    if with_cuda and cu:
+        return CUDAExtension(
+            "megatron_lite._C", cpp + cu, include_dirs=include_dirs,
+            define_macros=[("MEGATRON_LITE_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
+            extra_link_args=["-fopenmp"],
+        )
+    return CppExtension("megatron_lite._C", cpp, include_dirs=include_dirs,
+                        extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
+
+
+setup(
+    name="megatron_lite",
+    version="0.1.0",
+    description="A small Megatron-style 3D-parallel GPT pretraining framework on PyTorch and DeepSpeed",
+    packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch", "deepspeed", "sentencepiece", "numpy", "tensorboard", "pybind11"],
+    extras_require={"test": ["pytest"]},
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)

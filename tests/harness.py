@@ -1,0 +1,179 @@
+"""Run test code on N gloo processes, or launch scripts through torch.distributed.run.
+
+`run_distributed(fn, world_size, *args)` runs a module-level function on every
+rank and returns the per-rank results in rank order. Worker pools are kept per
+world size and reused across tests (starting 8 Python processes that import
+torch and DeepSpeed costs more than most tests), and thrown away after any
+failure or timeout so that a hang fails one test instead of stalling CI.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch.multiprocessing as mp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "240"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - any failure is reported to the parent
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            from megatron_lite.parallel import state
+
+            state.destroy()
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args, kwargs, timeout: float) -> List[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        deadline = time.monotonic() + timeout
+        got: Dict[int, Any] = {}
+        errors: Dict[int, str] = {}
+        while len(got) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:
+                # other ranks may be stuck in a collective with the failed one: give them a moment
+                remaining = min(remaining, 5.0)
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = self.results.get(timeout=remaining)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead and not errors:
+                    errors.update({r: f"rank {r} process died (exit code {self.procs[r].exitcode})" for r in dead})
+                break
+            (got if ok else errors)[rank] = value
+        missing = [r for r in range(self.world_size) if r not in got and r not in errors]
+        if errors or missing:
+            parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                parts.append(f"ranks {missing} did not finish within {timeout:.0f}s (hang or deadlock)")
+            raise DistributedTestError(f"{getattr(fn, '__name__', fn)} failed on {self.world_size} processes:\n"
+                                       + "\n".join(parts))
+        return [got[r] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+_POOLS: Dict[int, _Pool] = {}
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> List[Any]:
+    """Run fn(*args, **kwargs) on every rank of a gloo group; results in rank order.
+
+    fn must be importable by the workers (a module-level function). Raises
+    DistributedTestError with every failing rank's traceback, or on timeout.
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(graceful=False)
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except BaseException:
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=False)
+        raise
+
+
+def shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def run_launcher(
+    script_args: Sequence[str],
+    nproc: int,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[str] = None,
+    launcher: str = "torchrun",
+) -> subprocess.CompletedProcess:
+    """Launch `script_args` (script path first) on nproc local processes; output captured as text.
+
+    launcher: "torchrun" (python -m torch.distributed.run) or "deepspeed" (the deepspeed launcher).
+    """
+    port = str(free_port())
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", port, *script_args]
+    elif launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
+               "--master_addr", "127.0.0.1", "--master_port", port, *script_args]
+    else:
+        raise ValueError(f"unknown launcher {launcher!r}")
+    full_env = dict(os.environ)
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    full_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    # A new session lets a timeout kill the launcher and every worker it started.
+    proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise DistributedTestError(
+            f"{' '.join(cmd)} did not finish within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

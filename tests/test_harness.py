@@ -1,0 +1,56 @@
+import os
+import time
+
+import pytest
+
+from tests.harness import DistributedTestError, run_distributed, run_launcher
+
+
+def _rank_and_world():
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _fails_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    return "ok"
+
+
+def _rank_zero_waits_forever_in_a_collective():
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    return "returned"
+
+
+def test_run_distributed_returns_results_in_rank_order():
+    assert run_distributed(_rank_and_world, 2) == [(0, 2), (1, 2)]
+
+
+def test_a_failing_rank_reports_its_traceback():
+    with pytest.raises(DistributedTestError, match=r"(?s)--- rank 1 ---.*ValueError: rank one is broken"):
+        run_distributed(_fails_on_rank_one, 2)
+    # the pool is rebuilt after a failure
+    assert run_distributed(_rank_and_world, 2) == [(0, 2), (1, 2)]
+
+
+def test_a_hang_fails_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"ranks \[0\] did not finish within 5s"):
+        run_distributed(_rank_zero_waits_forever_in_a_collective, 2, timeout=5)
+    assert time.monotonic() - start < 30
+
+
+def test_run_launcher_starts_a_script_under_torch_distributed_run(tmp_path):
+    script = tmp_path / "show_rank.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
+                      "'local', os.environ['LOCAL_RANK'])\n")
+    result = run_launcher([str(script)], nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "rank 0 of 2 local 0" in result.stdout and "rank 1 of 2 local 1" in result.stdout

@@ -1,0 +1,47 @@
+import os
+import subprocess
+import sys
+
+from tests.harness import REPO_ROOT
+
+BAD = ["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+MESSAGE = "pipeline parallelism needs each stage's full gradients for gradient accumulation"
+
+
+def _launch(argv, **env):
+    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID")}
+    full_env.update(env)
+    return subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *argv], env=full_env,
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_bad_flag_combination_exits_2_with_message_and_no_traceback():
+    proc = _launch(BAD, WORLD_SIZE="2")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert MESSAGE in out and "--zero-stage 2" in out
+    assert "Traceback" not in out
+
+
+def test_bad_flag_combination_at_world_size_8_exits_2_on_every_rank_and_rank0_reports():
+    # What torchrun / srun give each of 8 processes: the same flags, RANK 0..7, WORLD_SIZE 8.
+    procs = [_launch(BAD + ["--tensor-model-parallel-size", "2"], WORLD_SIZE="8", RANK=str(r), LOCAL_RANK=str(r))
+             for r in range(8)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2] * 8
+    assert MESSAGE in outs[0]
+    assert all(out == "" for out in outs[1:]), "only rank 0 should print the error"
+    assert not any("Traceback" in out for out in outs)
+
+
+def test_unknown_flag_exits_2_with_usage():
+    proc = _launch(["--tensor-parallel-size", "2"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --tensor-parallel-size" in out and "Traceback" not in out
+
+
+def test_help_exits_0():
+    proc = _launch(["--help"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "--tensor-model-parallel-size" in out
