@@ -1,0 +1,115 @@
+"""Split the GPT's layer specs into contiguous pipeline stages.
+
+Each spec gets a cost from the config alone (no layer is built to count it):
+forward FLOPs per token, so the output head (2 h V) weighs what it costs and
+the embedding is not free. `cost` picks the boundaries that minimise the most
+expensive stage, with at least one transformer layer per stage. `uniform`,
+`parameters`, `type:<regex>` and explicit layer counts are there for users
+coming from DeepSpeed and Megatron-DeepSpeed.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from megatron_lite.arguments import layers_per_stage_uniform
+from megatron_lite.config import ConfigError
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    name: str
+    """Class name of the layer, matched by `type:<regex>`."""
+    flops: float
+    """Forward FLOPs per token."""
+    parameters: int
+    """Parameters this layer holds (whole model, before TP splitting)."""
+    is_transformer: bool
+    """A transformer layer: every stage must hold at least one."""
+
+
+def _balanced(costs: Sequence[float], transformer: Sequence[bool], stages: int) -> List[int]:
+    """Stage boundaries (len stages + 1) that minimise the largest stage cost.
+
+    Exact dynamic programme over contiguous splits: best[k][j] is the smallest
+    possible maximum when the first j specs form k stages. Ties go to the
+    split that puts earlier boundaries later, which keeps the lighter stages last.
+    """
+    n = len(costs)
+    prefix = [0.0]
+    layers = [0]
+    for c, t in zip(costs, transformer):
+        prefix.append(prefix[-1] + c)
+        layers.append(layers[-1] + int(t))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(1, n + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf or layers[j] - layers[i] < 1:
+                    continue
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value <= best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    if best[stages][n] == inf:
+        raise ConfigError(f"cannot split {layers[-1]} transformer layers into {stages} stages with at least one each")
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def _from_layer_counts(specs: Sequence[SpecCost], counts: Sequence[int]) -> List[int]:
+    """Boundaries that give stage s exactly counts[s] transformer layers; non-transformer
+    specs stay with the transformer layer next to them (embedding first, head last)."""
+    positions = [i for i, s in enumerate(specs) if s.is_transformer]
+    bounds = [0]
+    seen = 0
+    for count in counts[:-1]:
+        seen += count
+        bounds.append(positions[seen - 1] + 1)
+    bounds.append(len(specs))
+    return bounds
+
+
+def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> List[int]:
+    """Stage boundaries: stage s holds specs[bounds[s]:bounds[s+1]]."""
+    num_transformer = sum(s.is_transformer for s in specs)
+    if num_transformer < stages:
+        raise ConfigError(f"--num-layers {num_transformer} is smaller than --pipeline-model-parallel-size {stages}")
+    if method == "cost":
+        bounds = _balanced([s.flops for s in specs], [s.is_transformer for s in specs], stages)
+    elif method == "parameters":
+        bounds = _balanced([float(s.parameters) for s in specs], [s.is_transformer for s in specs], stages)
+    elif method == "uniform":
+        bounds = _from_layer_counts(specs, layers_per_stage_uniform(num_transformer, stages))
+    elif method.startswith("type:"):
+        pattern = re.compile(method[len("type:"):], re.IGNORECASE)
+        weights = [1.0 if pattern.search(s.name) else 0.0 for s in specs]
+        if not any(weights):
+            raise ConfigError(f"--pipeline-partition-method {method} matches no layer; layer names: "
+                              f"{', '.join(sorted({s.name for s in specs}))}")
+        bounds = _balanced(weights, [s.is_transformer for s in specs], stages)
+    else:
+        counts = [int(c) for c in method.split(",")]
+        if len(counts) != stages or sum(counts) != num_transformer or min(counts) < 1:
+            raise ConfigError(f"--pipeline-partition-method {method} must list {stages} layer counts, each >= 1, "
+                              f"summing to {num_transformer}")
+        bounds = _from_layer_counts(specs, counts)
+    return bounds
+
+
+def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int]) -> str:
+    """One line per stage: layers, transformer layers, parameters, cost relative to the mean stage."""
+    stage_costs = [sum(s.flops for s in specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    mean = sum(stage_costs) / len(stage_costs)
+    lines = [f"{'stage':>5} {'specs':>9} {'transformer':>11} {'parameters':>12} {'rel. cost':>9}  layers"]
+    for stage, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        part = specs[a:b]
+        names = ", ".join(sorted({s.name for s in part}, key=[s.name for s in part].index))
+        lines.append(f"{stage:>5} {f'{a}-{b - 1}':>9} {sum(s.is_transformer for s in part):>11} "
+                     f"{sum(s.parameters for s in part):>12,} {stage_costs[stage] / mean:>9.2f}  {names}")
+    return "\n".join(lines)

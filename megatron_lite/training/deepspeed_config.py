@@ -1,0 +1,84 @@
+"""Our Config -> DeepSpeed's config dict, merged with the user's `--deepspeed-config` JSON.
+
+Batch sizes come from `batching.py` only. The user's JSON may add anything we
+do not set (communication logging, flops profiler, ...) and may say "auto" for
+a value we set; a value that contradicts ours is an error naming both, since
+silently preferring either one trains a different model than the user thinks.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Dict, Optional
+
+from megatron_lite.config import Config, ConfigError
+
+
+def _ours(config: Config) -> Dict[str, Any]:
+    batch, precision = config.batch, config.precision
+    zero: Dict[str, Any] = {"stage": config.parallel.zero_stage}
+    if config.parallel.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    fp16: Dict[str, Any] = {"enabled": precision.fp16}
+    if precision.fp16:
+        fp16.update(
+            loss_scale=precision.loss_scale or 0,  # 0 = dynamic in DeepSpeed
+            initial_scale_power=int(round(math.log2(precision.initial_loss_scale))),
+            loss_scale_window=precision.loss_scale_window,
+            hysteresis=precision.hysteresis,
+            min_loss_scale=precision.min_loss_scale,
+        )
+    return {
+        "train_batch_size": batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+        "gradient_clipping": config.optimizer.clip_grad,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision.bf16},
+        "fp16": fp16,
+        # We print our own metrics line; DeepSpeed's would repeat it every step.
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _merge(ours: Dict[str, Any], theirs: Dict[str, Any], source: str, path: str = "") -> Dict[str, Any]:
+    merged = dict(ours)
+    for key, value in theirs.items():
+        where = f"{path}{key}"
+        if key not in ours or value == "auto":
+            if value != "auto":
+                merged[key] = value
+            continue
+        mine = ours[key]
+        if isinstance(mine, dict) and isinstance(value, dict):
+            merged[key] = _merge(mine, value, source, where + ".")
+        elif value != mine and not (isinstance(value, (int, float)) and isinstance(mine, (int, float))
+                                    and not isinstance(value, bool) and float(value) == float(mine)):
+            raise ConfigError(
+                f"--deepspeed-config {source}: \"{where}\" is {json.dumps(value)} but the command-line flags give "
+                f"{json.dumps(mine)}; remove it from the JSON (or set it to \"auto\") and use the flag instead"
+            )
+    return merged
+
+
+def deepspeed_config(config: Config, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The dict for `deepspeed.initialize(config=...)`.
+
+    `extra` defaults to the JSON named by `--deepspeed-config` (already checked to be an object).
+    """
+    source = config.training.deepspeed_config or "<dict>"
+    if extra is None and config.training.deepspeed_config:
+        with open(config.training.deepspeed_config) as f:
+            extra = json.load(f)
+    ours = _ours(config)
+    if not extra:
+        return ours
+    for key in ("optimizer", "scheduler"):
+        if key in extra:
+            raise ConfigError(
+                f"--deepspeed-config {source}: \"{key}\" is set, but megatron_lite builds the optimizer (AdamW) and "
+                f"the learning-rate schedule from --lr, --min-lr, --lr-decay-style, --lr-warmup-iters and "
+                f"--weight-decay; remove \"{key}\" from the JSON"
+            )
+    return _merge(ours, extra, source)

@@ -1,0 +1,55 @@
+import math
+
+import pytest
+import torch
+
+from megatron_lite.config import OptimizerConfig
+from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer, lr_at, parameter_groups
+
+
+def test_biases_and_norms_get_no_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    groups = parameter_groups(model.named_parameters(), 0.1)
+    decayed = {id(p) for p in groups[0]["params"]}
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    assert decayed == {id(model[0].weight), id(model[2].weight)}
+    assert {id(p) for p in groups[1]["params"]} == {id(model[0].bias), id(model[1].weight), id(model[1].bias)}
+
+
+@pytest.mark.parametrize("style, it, expected", [
+    ("cosine", 0, 0.1), ("cosine", 9, 1.0), ("cosine", 10, 1.0), ("cosine", 55, 0.55), ("cosine", 100, 0.1),
+    ("cosine", 150, 0.1), ("linear", 55, 0.55), ("linear", 32.5, 0.775), ("constant", 80, 1.0),
+])
+def test_lr_schedule_warmup_then_decay_to_min_lr(style, it, expected):
+    opt = OptimizerConfig(lr=1.0, min_lr=0.1, lr_decay_style=style, lr_warmup_iters=10, lr_decay_iters=100)
+    assert lr_at(it, opt) == pytest.approx(expected)
+
+
+def test_cosine_midpoint_is_halfway_between_lr_and_min_lr():
+    opt = OptimizerConfig(lr=2.0, min_lr=0.0, lr_decay_style="cosine", lr_warmup_iters=0, lr_decay_iters=10)
+    assert lr_at(5, opt) == pytest.approx(1.0)
+    assert lr_at(2, opt) == pytest.approx(1.0 + math.cos(math.pi * 0.2))
+
+
+def test_scheduler_state_resumes_the_same_curve():
+    opt = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=3, lr_decay_iters=20)
+    model = torch.nn.Linear(2, 2)
+
+    def run(steps, state=None):
+        optim = build_optimizer(model, opt)
+        sched = build_lr_scheduler(optim, opt)
+        if state:  # what a checkpoint restores: optimizer and scheduler together
+            optim.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+        lrs = []
+        for _ in range(steps):
+            lrs.append(optim.param_groups[0]["lr"])
+            optim.step()
+            sched.step()
+        return lrs, (optim.state_dict(), sched.state_dict())
+
+    straight, _ = run(10)
+    first, state = run(5)
+    second, _ = run(5, state)
+    assert first + second == pytest.approx(straight)
+    assert straight[0] == pytest.approx(lr_at(0, opt))
