@@ -164,3 +164,28 @@ def describe() -> Dict[str, int]:
         "pp_rank": get_pipeline_model_parallel_rank(), "pp_size": get_pipeline_model_parallel_world_size(),
         "dp_rank": get_data_parallel_rank(), "dp_size": get_data_parallel_world_size(),
     }
+
+
+class ModelParallelUnit:
+    """The `mpu` interface DeepSpeed's non-pipeline engine asks for (PP = 1: model parallel = TP).
+
+    The pipeline engine does not need it: it reads the same topology from the PipelineModule.
+    """
+
+    def get_model_parallel_rank(self) -> int:
+        return get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return get_tensor_model_parallel_group()
+
+    def get_data_parallel_rank(self) -> int:
+        return get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return get_data_parallel_group()

@@ -34,6 +34,8 @@ def _ours(config: Config) -> Dict[str, Any]:
         "gradient_accumulation_steps": batch.gradient_accumulation_steps,
         "gradient_clipping": config.optimizer.clip_grad,
         "zero_optimization": zero,
+        # ZeRO refuses optimizers it has not tested unless told; ours is torch's AdamW.
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": precision.bf16},
         "fp16": fp16,
         # We print our own metrics line; DeepSpeed's would repeat it every step.

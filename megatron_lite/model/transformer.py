@@ -1,0 +1,122 @@
+"""Pre-LayerNorm GPT transformer layer on tensor-parallel building blocks.
+
+Activations are [b, s, h] (batch first). Heads and the MLP's inner width are
+split across TP ranks by the Column/Row parallel layers; this file calls no
+process-group function itself.
+"""
+from __future__ import annotations
+
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
+from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.random import checkpoint, get_rng_tracker
+from megatron_lite.parallel.utils import tp_world_size
+
+
+def normal_init(std: float):
+    return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def scaled_normal_init(std: float, num_layers: int):
+    """Output projections of residual branches: std / sqrt(2 L), as in GPT-2 and Megatron-LM."""
+    return normal_init(std / math.sqrt(2.0 * num_layers))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer) applied to queries and keys, positions 0..s-1."""
+
+    def __init__(self, head_dim: int, base: int):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [b, np, s, hd]
+        s = x.shape[2]
+        positions = torch.arange(s, device=x.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]
+        cos = torch.cat((freqs, freqs), dim=-1).cos().to(x.dtype)
+        sin = torch.cat((freqs, freqs), dim=-1).sin().to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = h // heads
+        self.local_heads = heads // tp_world_size()
+        # stride=3: the master [3h, h] weight is [Q; K; V]; each rank takes whole heads of each.
+        self.query_key_value = ColumnParallelLinear(h, 3 * h, init_method=normal_init(config.init_method_std), stride=3)
+        self.softmax = FusedScaleMaskSoftmax(
+            attn_mask_type="causal", scale=1.0 / math.sqrt(self.head_dim),
+            softmax_in_fp32=config.attention_softmax_in_fp32, fusion=config.masked_softmax_fusion,
+        )
+        self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.dense = RowParallelLinear(h, h, input_is_parallel=True,
+                                       init_method=scaled_normal_init(config.init_method_std, config.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x)  # [b, s, h] -> [b, s, 3h/tp]
+        q, k, v = qkv.split(self.local_heads * self.head_dim, dim=-1)
+
+        def heads(t):  # [b, s, np*hd] -> [b, np, s, hd]
+            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(q), heads(k), heads(v)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, s]
+        probs = self.softmax(scores)
+        # Heads are split across TP ranks, so their dropout masks must differ per rank.
+        with get_rng_tracker().fork():
+            probs = self.attention_dropout(probs)
+        context = torch.matmul(probs, v)  # [b, np, s, hd]
+        context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
+        return self.dense(context)  # [b, s, h], reduced over TP
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size,
+                                                  init_method=normal_init(config.init_method_std))
+        self.dense_4h_to_h = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+                                               init_method=scaled_normal_init(config.init_method_std, config.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [b, s, h] -> [b, s, ffn/tp] -> [b, s, h]
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class TransformerLayer(nn.Module):
+    """x + dropout(attention(LN(x))), then x + dropout(MLP(LN(x))); optional activation recompute."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attention = ParallelAttention(config)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.mlp = ParallelMLP(config)
+        # The residual stream is replicated on every TP rank: its dropout uses the default
+        # generator, seeded identically on all TP ranks, so the replicas stay equal.
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.recompute = config.recompute_activations
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.hidden_dropout(self.attention(self.input_layernorm(x)))
+        return x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x)
+        return self._forward(x)

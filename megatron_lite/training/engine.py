@@ -1,0 +1,80 @@
+"""Model, optimizer and DeepSpeed engine for a validated config, behind one train/eval API.
+
+ZeRO 0/1 (any PP) runs the GPT as a PipelineModule under DeepSpeed's pipeline
+engine. ZeRO 2/3 needs PP = 1 (validated in arguments.py) and runs the same
+layers as one module under DeepSpeed's ordinary engine, which pulls the
+micro-batches itself here.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import Config
+from megatron_lite.model.gpt import GPTModel, build
+from megatron_lite.parallel import state
+from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
+
+
+class Engine:
+    """`train_batch(it)` runs one optimizer step over gas micro-batches; `eval_batch(it)` one batch."""
+
+    def __init__(self, config: Config, with_scheduler: bool = True):
+        self.config = config
+        self.pipelined = config.parallel.zero_stage < 2
+        if self.pipelined:
+            self.module = build(config, state.get_topology())
+            mpu = None  # the pipeline engine reads the topology from the module
+        else:
+            self.module = GPTModel(config)
+            mpu = state.ModelParallelUnit()
+        # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
+        model_parallel_seed(config.training.seed)
+        optimizer = build_optimizer(self.module, config.optimizer)
+        scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
+        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
+            config=deepspeed_config(config),
+        )
+
+    @property
+    def is_last_stage(self) -> bool:
+        return not self.pipelined or self.engine.is_last_stage()
+
+    def train_batch(self, data_iter: Iterator) -> Optional[float]:
+        """Loss averaged over micro-batches and DP ranks (None on stages that compute no loss)."""
+        if self.pipelined:
+            loss = self.engine.train_batch(data_iter=data_iter)
+            return loss.item() if self.engine.is_last_stage() else None
+        total = torch.zeros(())
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            (tokens, position_ids), (labels, loss_mask) = next(data_iter)
+            loss = self.engine(tokens, position_ids, labels, loss_mask)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.detach().float()
+        return self._dp_mean(total / self.engine.gradient_accumulation_steps())
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator) -> Optional[float]:
+        if self.pipelined:
+            loss = self.engine.eval_batch(data_iter=data_iter)
+            return loss.item() if self.engine.is_last_stage() else None
+        self.engine.eval()
+        total = torch.zeros(())
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            (tokens, position_ids), (labels, loss_mask) = next(data_iter)
+            total += self.engine(tokens, position_ids, labels, loss_mask).float()
+        self.engine.train()
+        return self._dp_mean(total / self.engine.gradient_accumulation_steps())
+
+    def _dp_mean(self, loss: torch.Tensor) -> float:
+        group = state.get_data_parallel_group()
+        loss = loss.to(self.engine.device)
+        dist.all_reduce(loss, group=group)
+        return loss.item() / dist.get_world_size(group=group)

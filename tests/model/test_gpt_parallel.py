@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.model.gpt_layouts import dense_losses, global_batches, micro_batches, tiny_config
+
+STEPS = 3
+
+
+def _train(tp, pp, dp, extra, steps):
+    import torch.distributed as dist
+
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+
+    config = tiny_config(tp, pp, dp, extra)
+    state.initialize(tp, pp)
+    engine = Engine(config, with_scheduler=False)
+    data = micro_batches(config, global_batches(config, steps), state.get_data_parallel_rank(), dp)
+    losses = [engine.train_batch(data) for _ in range(steps)]
+    # The tied word embedding lives on the first and the last stage: report a copy of each.
+    tied = [m.word_embeddings.weight.detach().clone() for m in engine.module.tied_modules.values()] \
+        if engine.pipelined else []
+    return {"rank": dist.get_rank(), "losses": losses, "tied": tied, "coord": state.describe()}
+
+
+def run_layout(tp, pp, dp, extra=(), steps=STEPS):
+    return run_distributed(_train, tp * pp * dp, tp, pp, dp, tuple(extra), steps)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = tiny_config()
+    return dense_losses(config, global_batches(config, STEPS))
+
+
+def assert_matches(results, reference):
+    last = [r for r in results if r["losses"][0] is not None]
+    assert last, "no rank reported a loss"
+    for r in last:
+        rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference))
+        assert rel <= 1e-4, f"rank {r['rank']} {r['coord']}: {r['losses']} vs dense {reference} (rel {rel:.2e})"
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2),
+                                        (2, 1, 2), (2, 2, 2), (4, 2, 1)])
+def test_first_steps_match_the_dense_gpt(tp, pp, dp, reference):
+    results = run_layout(tp, pp, dp)
+    assert_matches(results, reference)
+    assert reference[-1] < reference[0]
+
+
+def test_tied_embedding_copies_stay_identical_across_stages():
+    results = run_layout(1, 2, 1)
+    first, last = results[0]["tied"][0], results[1]["tied"][0]
+    assert torch.equal(first, last)
+
+
+def test_zero2_trains_at_pp1_and_matches_dense(reference):
+    assert_matches(run_layout(1, 1, 2, extra=("--zero-stage", "2")), reference)
+
+
+def test_zero1_under_a_pipeline_matches_dense(reference):
+    assert_matches(run_layout(1, 2, 2, extra=("--zero-stage", "1")), reference)
+
+
+def test_untied_head_trains_at_pp2():
+    config = tiny_config(extra=("--untie-embeddings-and-output-weights",))
+    expected = dense_losses(config, global_batches(config, STEPS))
+    assert_matches(run_layout(1, 2, 1, extra=("--untie-embeddings-and-output-weights",)), expected)
+
+
+def test_activation_recompute_gives_the_same_losses_with_dropout():
+    dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    plain = run_layout(2, 1, 1, extra=dropout)
+    recomputed = run_layout(2, 1, 1, extra=dropout + ("--recompute-activations",))
+    assert plain[0]["losses"] == pytest.approx(recomputed[0]["losses"], rel=1e-6)
+
+
+def test_zero2_with_pipeline_is_refused_before_any_collective():
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use --zero-stage 1, or --pipeline-model-parallel-size 1 for ZeRO 2/3"):
+        parse_args(["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], world_size=2)
