@@ -2,16 +2,17 @@
 
 Launch with torchrun, the deepspeed launcher or srun; see README.md.
 """
-import json
 import sys
 
-from megatron_lite.arguments import is_rank_zero_from_environment, parse_args_or_exit
+from megatron_lite.arguments import parse_args_or_exit
 
 
 def main(argv=None) -> None:
     config = parse_args_or_exit(argv)
-    if is_rank_zero_from_environment():
-        print(json.dumps(config.to_dict(), indent=1, sort_keys=True), flush=True)
+    # Imported after validation so a bad flag costs no torch/DeepSpeed start-up.
+    from megatron_lite.training.loop import main as train
+
+    train(config)
 
 
 if __name__ == "__main__":

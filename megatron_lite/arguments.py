@@ -385,6 +385,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Tuple[Config, List[st
             world_size=world_size, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             data_parallel_size=dp, zero_stage=args.zero_stage,
             pipeline_partition_method=args.pipeline_partition_method, cpu_offload=args.cpu_offload,
+            distributed_backend=args.distributed_backend,
         ),
         batch=batch,
         optimizer=OptimizerConfig(

@@ -79,6 +79,8 @@ class ParallelConfig:
     """How layers are split into stages: cost, uniform, parameters, type:<regex> or a list like 3,3,2 (`--pipeline-partition-method`)."""
     cpu_offload: bool = False
     """Offload optimizer state to CPU through ZeRO (PP = 1, ZeRO >= 1) (`--cpu-offload`)."""
+    distributed_backend: Optional[str] = None
+    """nccl or gloo; default nccl with CUDA, gloo otherwise (`--distributed-backend`)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.random import checkpoint, get_rng_tracker
-from megatron_lite.parallel.utils import tp_world_size
+from megatron_lite.parallel.tp import tp_world_size
 
 
 def normal_init(std: float):

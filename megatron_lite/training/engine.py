@@ -7,7 +7,7 @@ micro-batches itself here.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator
 
 import deepspeed
 import torch
@@ -42,15 +42,11 @@ class Engine:
             config=deepspeed_config(config),
         )
 
-    @property
-    def is_last_stage(self) -> bool:
-        return not self.pipelined or self.engine.is_last_stage()
-
-    def train_batch(self, data_iter: Iterator) -> Optional[float]:
-        """Loss averaged over micro-batches and DP ranks (None on stages that compute no loss)."""
+    def train_batch(self, data_iter: Iterator) -> float:
+        """Loss averaged over micro-batches and DP ranks, on every rank (the pipeline
+        engine broadcasts it from the last stage)."""
         if self.pipelined:
-            loss = self.engine.train_batch(data_iter=data_iter)
-            return loss.item() if self.engine.is_last_stage() else None
+            return self.engine.train_batch(data_iter=data_iter).item()
         total = torch.zeros(())
         for _ in range(self.engine.gradient_accumulation_steps()):
             (tokens, position_ids), (labels, loss_mask) = next(data_iter)
@@ -61,10 +57,9 @@ class Engine:
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator) -> Optional[float]:
+    def eval_batch(self, data_iter: Iterator) -> float:
         if self.pipelined:
-            loss = self.engine.eval_batch(data_iter=data_iter)
-            return loss.item() if self.engine.is_last_stage() else None
+            return self.engine.eval_batch(data_iter=data_iter).item()
         self.engine.eval()
         total = torch.zeros(())
         for _ in range(self.engine.gradient_accumulation_steps()):

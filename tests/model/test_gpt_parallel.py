@@ -35,9 +35,7 @@ def reference():
 
 
 def assert_matches(results, reference):
-    last = [r for r in results if r["losses"][0] is not None]
-    assert last, "no rank reported a loss"
-    for r in last:
+    for r in results:  # every rank: the pipeline engine broadcasts the loss from the last stage
         rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], reference))
         assert rel <= 1e-4, f"rank {r['rank']} {r['coord']}: {r['losses']} vs dense {reference} (rel {rel:.2e})"
 

@@ -1,0 +1,56 @@
+"""torch.distributed from whichever launcher started us: torchrun, the deepspeed launcher, or plain srun."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from typing import Optional
+
+import torch
+
+
+def _first_slurm_host() -> Optional[str]:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodelist.split(",")[0] if "[" not in nodelist else None
+
+
+def environment_from_launcher() -> None:
+    """Fill RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT where the launcher did not.
+
+    torchrun and the deepspeed launcher set them all. Plain `srun python pretrain_gpt.py` sets
+    only SLURM_* (DeepSpeed's PipelineModule reads LOCAL_RANK, so it must be mapped). A bare
+    `python pretrain_gpt.py` is a world of one.
+    """
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("MASTER_ADDR", _first_slurm_host() or "127.0.0.1")
+        # One port per job, so two jobs sharing a node do not collide.
+        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
+    if "RANK" not in env:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in env:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                env["MASTER_PORT"] = str(s.getsockname()[1])
+    env.setdefault("LOCAL_RANK", "0")
+
+
+def init_distributed(backend: Optional[str] = None) -> None:
+    import deepspeed
+
+    environment_from_launcher()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)

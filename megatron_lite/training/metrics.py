@@ -1,0 +1,130 @@
+"""Throughput, FLOPs, memory and the per-interval log line (console + TensorBoard).
+
+FLOPs follow Megatron-LM's accounting: per token, each layer does 8h^2 + 4hf
+(QKV, projection, MLP) plus 4sh (attention scores and weighted values, counted
+in full), the head 2hV; training costs 3x the forward, plus one more forward of
+every layer when activations are recomputed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+# Dense bf16/fp16 tensor-core peak per GPU (TFLOP/s), by a substring of the device name.
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
+
+
+def training_flops_per_token(model: ModelConfig, recompute: Optional[bool] = None) -> float:
+    h, f, s, L = model.hidden_size, model.ffn_hidden_size, model.seq_length, model.num_layers
+    v = model.padded_vocab_size or model.vocab_size or 0
+    recompute = model.recompute_activations if recompute is None else recompute
+    layer_forward = 2 * (4 * h * h + 2 * h * f) + 4 * s * h
+    return (3 + int(recompute)) * L * layer_forward + 3 * 2 * h * v
+
+
+def device_peak_tflops() -> Optional[float]:
+    """The GPU's bf16 peak if we know it; None on CPU or an unknown device (then no MFU)."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in PEAK_TFLOPS_BF16.items() if key in name), None)
+
+
+def memory_stats() -> Dict[str, float]:
+    """GPU allocated and peak (GiB), or the process's resident and peak RSS on CPU (GiB)."""
+    gib = 1024 ** 3
+    if torch.cuda.is_available():
+        return {"mem_allocated_gib": torch.cuda.memory_allocated() / gib,
+                "mem_peak_gib": torch.cuda.max_memory_allocated() / gib}
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    rss = resident_pages * os.sysconf("SC_PAGE_SIZE")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"mem_rss_gib": rss / gib, "mem_peak_rss_gib": peak / gib}
+
+
+@dataclass
+class IntervalStats:
+    iteration: int
+    consumed_samples: int
+    loss: float
+    lr: float
+    grad_norm: Optional[float]
+    loss_scale: Optional[float]
+    skipped_steps: int
+    seconds: float
+    """Wall time of the interval."""
+    iterations: int
+    """Steps in the interval."""
+    samples: int
+    """Samples trained in the interval (all DP ranks)."""
+
+
+def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int) -> Dict[str, float]:
+    per_iter = stats.seconds / max(stats.iterations, 1)
+    samples_per_s = stats.samples / stats.seconds
+    tokens_per_s = samples_per_s * model.seq_length
+    tflops_per_rank = tokens_per_s * training_flops_per_token(model) / world_size / 1e12
+    scalars = {
+        "loss": stats.loss, "lr": stats.lr, "ms_per_iteration": per_iter * 1e3, "samples_per_s": samples_per_s,
+        "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops_per_rank, "skipped_steps": stats.skipped_steps,
+        "consumed_samples": stats.consumed_samples,
+    }
+    if stats.grad_norm is not None and math.isfinite(stats.grad_norm):
+        scalars["grad_norm"] = stats.grad_norm
+    if stats.loss_scale is not None:
+        scalars["loss_scale"] = stats.loss_scale
+    peak = device_peak_tflops()
+    if peak:
+        scalars["mfu"] = tflops_per_rank / peak
+    scalars.update(memory_stats())
+    return scalars
+
+
+def format_line(iteration: int, train_iters: int, scalars: Dict[str, float]) -> str:
+    parts = [f"iteration {iteration:>7}/{train_iters}", f"consumed samples {int(scalars['consumed_samples']):>9}",
+             f"loss {scalars['loss']:.4f}", f"lr {scalars['lr']:.3e}"]
+    if "grad_norm" in scalars:
+        parts.append(f"grad norm {scalars['grad_norm']:.3f}")
+    if "loss_scale" in scalars:
+        parts.append(f"loss scale {scalars['loss_scale']:.0f}")
+    parts += [f"{scalars['ms_per_iteration']:.1f} ms/it", f"{scalars['samples_per_s']:.1f} samples/s",
+              f"{scalars['tokens_per_s']:.0f} tokens/s", f"{scalars['tflops_per_rank']:.3f} TFLOP/s/rank"]
+    if "mfu" in scalars:
+        parts.append(f"MFU {100 * scalars['mfu']:.1f}%")
+    if "mem_peak_gib" in scalars:
+        parts.append(f"mem {scalars['mem_allocated_gib']:.2f}/{scalars['mem_peak_gib']:.2f} GiB")
+    else:
+        parts.append(f"rss {scalars['mem_rss_gib']:.2f} GiB (peak {scalars['mem_peak_rss_gib']:.2f})")
+    if scalars.get("skipped_steps"):
+        parts.append(f"skipped {int(scalars['skipped_steps'])}")
+    return " | ".join(parts)
+
+
+class TensorBoardWriter:
+    """Every scalar under train/ or valid/, x-axis = iteration. A no-op without --tensorboard-dir."""
+
+    def __init__(self, log_dir: Optional[str]):
+        self.writer = None
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, prefix: str, scalars: Dict[str, float], iteration: int) -> None:
+        if self.writer is None:
+            return
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"{prefix}/{name}", value, iteration)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
