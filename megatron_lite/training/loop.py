@@ -186,4 +186,11 @@ def _log_eval(engine: Engine, valid_ds, config: Config, iteration: int, tb: Tens
 
 
 def main(config: Config) -> None:
-    sys.exit(pretrain(config))
+    """Entry point: a checkpoint that cannot be resumed is a clear error (exit 2), not a traceback."""
+    try:
+        code = pretrain(config)
+    except checkpointing.CheckpointError as e:
+        if dist.is_initialized() and dist.get_rank() == 0:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(code)
