@@ -25,5 +25,5 @@ OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node 2 pretrain_g
     --data-path "$OUT/corpus_text_document" --tokenizer-type SentencePieceTokenizer \
     --tokenizer-model "$OUT/spm.model" --split 98,2,0 --num-workers 0 \
     --log-interval 10 --eval-interval 50 --eval-iters 4 \
-    --save "$OUT/ckpt" --save-interval 50 --load "$OUT/ckpt" --tensorboard-dir "$OUT/tb"
+    --save "$OUT/ckpt" --save-interval 50 --tensorboard-dir "$OUT/tb"
 echo "quickstart done: checkpoints in $OUT/ckpt, TensorBoard logs in $OUT/tb (tensorboard --logdir $OUT/tb)"
