@@ -38,8 +38,8 @@ def _set_default_state(rng_state: RNGState) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def _seed_default(seed: int) -> None:
-    # Only the current CUDA device, so that swapping states back touches nothing else.
+def _seed_current(seed: int) -> None:
+    # The CPU and the current CUDA device only: the generators a tracked state swaps.
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
@@ -65,7 +65,7 @@ class RNGStatesTracker:
         if name in self._states:
             raise ValueError(f"RNG state {name!r} is already tracked; call reset() first")
         saved = _get_default_state()
-        _seed_default(seed)
+        _seed_current(seed)
         self._states[name] = _get_default_state()
         _set_default_state(saved)
 
@@ -93,7 +93,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 def model_parallel_seed(seed: int) -> None:
     """Seed the default generators with seed (same on all TP ranks) and the split stream per TP rank."""
-    _seed_default(seed)
+    torch.manual_seed(seed)  # CPU and every CUDA device, whichever one this rank ends up using
     _RNG_TRACKER.reset()
     _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
 

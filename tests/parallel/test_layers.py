@@ -33,6 +33,23 @@ def _qkv_of_rank(t, rank, tp, dim):
     return torch.cat([rank_slice(part, rank, tp, dim) for part in t.chunk(3, dim=dim)], dim=dim)
 
 
+def _dense_linear_case(in_features, out_features, bias=True):
+    """Dense nn.Linear holding the master weight (and a random bias), run on a random input and output grad."""
+    (weight,) = _masters((out_features, in_features))
+    dense = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+        if bias:
+            dense.bias.copy_(_randn(out_features))
+    x, grad = _randn(BATCH, SEQ, in_features), _randn(BATCH, SEQ, out_features)
+    return (dense, x, grad, *_dense_forward_backward(dense, x, grad))
+
+
+def _last_dim(tp, split):
+    """t, rank -> rank's slice of t's last dim if split, else t."""
+    return (lambda t, r: rank_slice(t, r, tp, -1)) if split else (lambda t, r: t)
+
+
 def _dense_forward_backward(module, x, grad_out):
     if x.is_floating_point():
         x = x.clone().requires_grad_()
@@ -131,14 +148,10 @@ def _assert_params_match(result, dense, rank, tp, split_dims):
 @pytest.mark.parametrize("gather_output", [False, True])
 @pytest.mark.parametrize("tp", TPS)
 def test_column_parallel_linear_matches_dense_linear(tp, gather_output):
-    (weight,) = _masters((OUT, HIDDEN))
-    bias, x, grad = _randn(OUT), _randn(BATCH, SEQ, HIDDEN), _randn(BATCH, SEQ, OUT)
-    dense = nn.Linear(HIDDEN, OUT)
-    dense.weight.data.copy_(weight), dense.bias.data.copy_(bias)
-    y, x_grad = _dense_forward_backward(dense, x, grad)
-
-    local = (lambda t, r: t) if gather_output else (lambda t, r: rank_slice(t, r, tp, -1))
-    results = _run(tp, functools.partial(_column, bias, gather_output), x, [local(grad, r) for r in range(tp)])
+    dense, x, grad, y, x_grad = _dense_linear_case(HIDDEN, OUT)
+    local = _last_dim(tp, split=not gather_output)
+    results = _run(tp, functools.partial(_column, dense.bias.detach(), gather_output), x,
+                   [local(grad, r) for r in range(tp)])
     for rank, result in enumerate(results):
         assert_matches(result["y"], local(y, rank), f"rank {rank} output")
         assert_matches(result["x_grad"], x_grad, f"rank {rank} input grad")
@@ -148,15 +161,10 @@ def test_column_parallel_linear_matches_dense_linear(tp, gather_output):
 @pytest.mark.parametrize("input_is_parallel", [True, False])
 @pytest.mark.parametrize("tp", TPS)
 def test_row_parallel_linear_matches_dense_linear_with_bias_added_once(tp, input_is_parallel):
-    (weight,) = _masters((HIDDEN, FFN))
-    bias, x, grad = _randn(HIDDEN), _randn(BATCH, SEQ, FFN), _randn(BATCH, SEQ, HIDDEN)
-    dense = nn.Linear(FFN, HIDDEN)
-    dense.weight.data.copy_(weight), dense.bias.data.copy_(bias)
-    y, x_grad = _dense_forward_backward(dense, x, grad)
-
-    local = (lambda t, r: rank_slice(t, r, tp, -1)) if input_is_parallel else (lambda t, r: t)
-    results = run_distributed(_forward_backward, tp, tp, functools.partial(_row, bias, input_is_parallel),
-                              [local(x, r) for r in range(tp)], [grad] * tp)
+    dense, x, grad, y, x_grad = _dense_linear_case(FFN, HIDDEN)
+    local = _last_dim(tp, split=input_is_parallel)
+    build = functools.partial(_row, dense.bias.detach(), input_is_parallel)
+    results = run_distributed(_forward_backward, tp, tp, build, [local(x, r) for r in range(tp)], [grad] * tp)
     for rank, result in enumerate(results):
         assert_matches(result["y"], y, f"rank {rank} output")
         assert_matches(result["x_grad"], local(x_grad, rank), f"rank {rank} input grad")
@@ -200,13 +208,8 @@ def test_column_gelu_row_mlp_matches_dense_mlp(tp):
 
 @pytest.mark.parametrize("tp", TPS)
 def test_fused_qkv_with_stride_3_gives_each_rank_whole_heads_of_q_k_and_v(tp):
-    (weight,) = _masters((3 * HIDDEN, HIDDEN))
-    bias, x, grad = _randn(3 * HIDDEN), _randn(BATCH, SEQ, HIDDEN), _randn(BATCH, SEQ, 3 * HIDDEN)
-    dense = nn.Linear(HIDDEN, 3 * HIDDEN)
-    dense.weight.data.copy_(weight), dense.bias.data.copy_(bias)
-    y, x_grad = _dense_forward_backward(dense, x, grad)
-
-    build = functools.partial(_column, bias, stride=3, split=_qkv_of_rank)
+    dense, x, grad, y, x_grad = _dense_linear_case(HIDDEN, 3 * HIDDEN)
+    build = functools.partial(_column, dense.bias.detach(), stride=3, split=_qkv_of_rank)
     results = _run(tp, build, x, [_qkv_of_rank(grad, r, tp, -1) for r in range(tp)])
     heads_per_rank, head_dim = HEADS // tp, HIDDEN // HEADS
     dense_heads = y.view(BATCH, SEQ, 3, HEADS, head_dim)  # [b, s, (q k v), heads, head_dim]
@@ -223,13 +226,8 @@ def test_fused_qkv_with_stride_3_gives_each_rank_whole_heads_of_q_k_and_v(tp):
 @pytest.mark.parametrize("parallel_output", [True, False])
 @pytest.mark.parametrize("tp", TPS)
 def test_parallel_lm_logits_on_tied_embedding_weight_matches_dense_matmul(tp, parallel_output):
-    (weight,) = _masters((VOCAB, HIDDEN))
-    hidden, grad = _randn(BATCH, SEQ, HIDDEN), _randn(BATCH, SEQ, VOCAB)
-    dense = nn.Linear(HIDDEN, VOCAB, bias=False)
-    dense.weight.data.copy_(weight)
-    y, hidden_grad = _dense_forward_backward(dense, hidden, grad)
-
-    local = (lambda t, r: rank_slice(t, r, tp, -1)) if parallel_output else (lambda t, r: t)
+    dense, hidden, grad, y, hidden_grad = _dense_linear_case(HIDDEN, VOCAB, bias=False)
+    local = _last_dim(tp, split=parallel_output)
     results = _run(tp, functools.partial(_TiedHead, parallel_output), hidden, [local(grad, r) for r in range(tp)])
     for rank, result in enumerate(results):
         assert_matches(result["y"], local(y, rank), f"rank {rank} logits")
@@ -296,3 +294,13 @@ def test_parameters_are_tagged_with_split_dim_and_stride():
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     assert is_model_parallel_parameter(row.weight) and not is_model_parallel_parameter(row.bias)
+
+
+def test_bf16_parameters_are_the_fp32_master_rounded_to_bf16():
+    from megatron_lite.parallel.layers import ColumnParallelLinear
+
+    (weight,) = _masters((OUT, HIDDEN))
+    torch.manual_seed(SEED)
+    layer = ColumnParallelLinear(HIDDEN, OUT, params_dtype=torch.bfloat16)
+    assert layer.weight.dtype == layer.bias.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, weight.bfloat16())

@@ -119,6 +119,7 @@ def test_fork_before_seeding_says_how_to_seed():
             pass
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_dropout_follows_the_tracker_and_recompute_replays_it():
     from megatron_lite.parallel.random import checkpoint, get_rng_tracker, model_parallel_seed
