@@ -1,0 +1,63 @@
+"""Cross entropy over vocab-split logits that never gathers the full [..., V] logits.
+
+    loss = log(sum_v exp(z_v - m)) - (z_target - m),   m = max_v z_v
+
+Each rank holds z[..., start:end]. The max and the sum of exponentials are
+all-reduced in fp32 over the TP group; the target logit comes from the one
+rank whose range holds the target (the others contribute 0 to the same sum).
+Gradient: softmax(z) - onehot(target), each rank for its own columns.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel.tp import all_reduce, partition_range, tp_rank
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target):
+        # Out of place: .float() of fp32 logits is the caller's own tensor.
+        logits = vocab_parallel_logits.float()  # [..., V/tp]
+        logits_max = all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)
+        logits = logits - logits_max.unsqueeze(-1)
+
+        start, end = partition_range(logits.size(-1), tp_rank())
+        outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        exp_logits = logits.exp()
+        # One collective for both sums: [2, ...]
+        sums = all_reduce(torch.stack([target_logit, exp_logits.sum(dim=-1)]))
+        target_logit, sum_exp = sums[0], sums[1]
+        loss = sum_exp.log() - target_logit  # [...]
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.logits_dtype = vocab_parallel_logits.dtype
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        # softmax - onehot(target) on the owning rank; softmax alone elsewhere.
+        grad = softmax.scatter_add(-1, local_target.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token fp32 loss [...] from logits [..., V/tp] and integer targets [...] in [0, V)."""
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target)
+
+
+def masked_mean(loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """sum(loss * mask) / sum(mask) over every position.
+
+    The denominator is clamped at 1 so that a micro-batch with every position
+    masked gives loss 0 instead of NaN (which would poison gradient accumulation).
+    """
+    loss_mask = loss_mask.float()
+    return (loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)

@@ -1,0 +1,157 @@
+"""Linear and embedding layers whose weights are split across tensor-parallel ranks.
+
+A TP = N layer computes what the TP = 1 layer computes: every rank builds the
+full-size master weight with the caller's RNG (so the same seed gives the same
+master on every rank), keeps its slice, and the mappings put the collectives
+where the math needs them.
+
+    ColumnParallelLinear  weight [out/tp, in]   y_r = x A_r^T          (x replicated)
+    RowParallelLinear     weight [out, in/tp]   y = sum_r x_r A_r^T + b
+    VocabParallelEmbedding weight [V/tp, h]     rows outside this rank's range give 0, then sum
+
+Every parameter carries `tensor_model_parallel`, `partition_dim` and
+`partition_stride`: the gradient norm counts split parameters on every rank
+and replicated ones once (DeepSpeed reads the same `tensor_model_parallel`
+flag), and checkpoint merging knows how to put slices back together.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron_lite.parallel.tp import partition_range, split_size, tp_rank, tp_world_size
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    nn.init.normal_(weight, mean=0.0, std=0.02)
+
+
+def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int = -1,
+                                         stride: int = 1) -> None:
+    """Tag a parameter; replicated ones (LayerNorm, row-parallel bias) get (False, -1, 1)."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = stride
+
+
+def _master_slice(full_shape, partition_dim: int, stride: int, init_method: InitMethod) -> torch.Tensor:
+    """This rank's slice of a full-size fp32 CPU master weight filled by init_method.
+
+    With stride s the split dim is cut into s x tp chunks and rank r takes
+    chunks r, r + tp, ...: a fused [q; k; v] weight gives each rank [q_r; k_r; v_r].
+    """
+    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    init_method(master)
+    world = tp_world_size()
+    if world == 1:
+        return master
+    chunk = split_size(full_shape[partition_dim], world * stride, f"dimension {partition_dim} of the weight")
+    chunks = torch.split(master, chunk, dim=partition_dim)
+    return torch.cat(chunks[tp_rank()::world], dim=partition_dim)
+
+
+def _parameter(shape, dtype: torch.dtype, value: torch.Tensor, is_parallel: bool, dim: int = -1,
+               stride: int = 1) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype))
+    with torch.no_grad():
+        param.copy_(value)
+    set_tensor_model_parallel_attributes(param, is_parallel, dim, stride)
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its output rows: each rank computes out/tp features."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 init_method: Optional[InitMethod] = None, stride: int = 1,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = tp_world_size()
+        if gather_output and stride > 1 and world > 1:
+            raise ValueError(f"gather_output=True with stride {stride} at TP {world} would return the output "
+                             "in per-rank [q_r k_r v_r] order, not the dense order; keep gather_output=False")
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.stride = gather_output, stride
+        self.output_size_per_partition = split_size(
+            output_size, world * stride, f"ColumnParallelLinear output_size (TP {world} x stride {stride})") * stride
+
+        weight = _master_slice((output_size, input_size), 0, stride, init_method or default_init_method)
+        self.weight = _parameter((self.output_size_per_partition, input_size), params_dtype, weight,
+                                 True, 0, stride)
+        self.bias = None
+        if bias:
+            self.bias = _parameter((self.output_size_per_partition,), params_dtype, torch.zeros(()),
+                                   True, 0, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight, self.bias)  # [..., in] -> [..., out/tp]
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A split along its input columns: partial products summed over ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
+                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = tp_world_size()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.input_size_per_partition = split_size(input_size, world, f"RowParallelLinear input_size (TP {world})")
+
+        weight = _master_slice((output_size, input_size), 1, 1, init_method or default_init_method)
+        self.weight = _parameter((output_size, self.input_size_per_partition), params_dtype, weight, True, 1)
+        # Replicated: added once after the reduce, so every rank holds the whole bias.
+        self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)  # [..., in] -> [..., in/tp]
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split into contiguous ranges, one per TP rank."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_method: Optional[InitMethod] = None,
+                 params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = tp_world_size()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = split_size(
+            num_embeddings, world, f"VocabParallelEmbedding num_embeddings (TP {world}; pad the vocabulary)")
+        self.vocab_start_index, self.vocab_end_index = partition_range(self.num_embeddings_per_partition, tp_rank())
+
+        weight = _master_slice((num_embeddings, embedding_dim), 0, 1, init_method or default_init_method)
+        self.weight = _parameter((self.num_embeddings_per_partition, embedding_dim), params_dtype, weight, True, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_world_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        y = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [..., h]
+        return reduce_from_tensor_model_parallel_region(y)
+
+
+def parallel_lm_logits(hidden: torch.Tensor, word_embedding_weight: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None, parallel_output: bool = True) -> torch.Tensor:
+    """Output-head logits against a vocab-split weight (a tied head passes the embedding's weight).
+
+    [..., h] x [V/tp, h] -> [..., V/tp]; parallel_output=False gathers [..., V] (for generation).
+    """
+    logits = F.linear(copy_to_tensor_model_parallel_region(hidden), word_embedding_weight, bias)
+    return logits if parallel_output else gather_from_tensor_model_parallel_region(logits)

@@ -1,0 +1,84 @@
+"""Vocab-parallel cross entropy against F.cross_entropy on the full logits."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.harness import run_distributed
+from tests.parallel.reference import assert_matches, rank_slice
+
+SEQ, BATCH = 6, 4
+VOCAB, PADDED_VOCAB = 13, 16  # targets 13..15 sit in padded rows, as padded vocabularies allow
+
+
+def _loss_and_logits_grad(tp, logits, target, loss_mask):
+    import torch.distributed as dist
+
+    from megatron_lite.parallel import state
+    from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+
+    state.initialize(tp)
+    local = rank_slice(logits, dist.get_rank(), tp, -1).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target)
+    mean = masked_mean(loss, loss_mask)
+    mean.backward()
+    return loss.detach(), mean.detach(), local.grad
+
+
+@functools.lru_cache(maxsize=None)
+def _case(tp):
+    g = torch.Generator().manual_seed(7)
+    logits = 3.0 * torch.randn(SEQ, BATCH, PADDED_VOCAB, generator=g)
+    # Every vocabulary row is some position's target, so every rank's range (and the padding) is hit.
+    target = torch.cat([torch.arange(PADDED_VOCAB), torch.randint(0, PADDED_VOCAB, (SEQ * BATCH - PADDED_VOCAB,),
+                                                                  generator=g)])
+    target = target[torch.randperm(target.numel(), generator=g)].view(SEQ, BATCH)
+    loss_mask = (torch.rand(SEQ, BATCH, generator=g) > 0.3).float()
+    return logits, target, loss_mask, run_distributed(_loss_and_logits_grad, tp, tp, logits, target, loss_mask)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_per_token_loss_matches_dense(tp):
+    logits, target, _, results = _case(tp)
+    assert target.max() >= VOCAB, "the case must include targets in padded rows"
+    dense = F.cross_entropy(logits.view(-1, PADDED_VOCAB), target.view(-1), reduction="none").view(SEQ, BATCH)
+    for rank, (loss, _, _) in enumerate(results):
+        assert loss.dtype == torch.float32
+        assert_matches(loss, dense, f"rank {rank} per-token loss")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_masked_mean_and_logits_grad_match_dense(tp):
+    logits, target, loss_mask, results = _case(tp)
+    assert 0 < loss_mask.sum() < loss_mask.numel(), "the case must mask some positions and keep others"
+    dense_logits = logits.clone().requires_grad_()
+    ignored = target.masked_fill(loss_mask == 0, -100)
+    dense = F.cross_entropy(dense_logits.view(-1, PADDED_VOCAB), ignored.view(-1), ignore_index=-100)
+    dense.backward()
+    for rank, (_, mean, grad) in enumerate(results):
+        assert_matches(mean, dense.detach(), f"rank {rank} masked mean loss")
+        assert_matches(grad, rank_slice(dense_logits.grad, rank, tp, -1), f"rank {rank} logits grad")
+
+
+def test_vocab_parallel_cross_entropy_of_bf16_logits_is_fp32_and_leaves_logits_untouched():
+    from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, PADDED_VOCAB, generator=g).bfloat16().requires_grad_()
+    before = logits.detach().clone()
+    target = torch.randint(0, PADDED_VOCAB, (5,), generator=g)
+    loss = vocab_parallel_cross_entropy(logits, target)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    assert torch.equal(logits.detach(), before)
+    assert_matches(loss, F.cross_entropy(logits.detach().float(), target, reduction="none"), "bf16 loss")
+
+
+def test_masked_mean_of_a_fully_masked_batch_is_zero_not_nan():
+    from megatron_lite.parallel.cross_entropy import masked_mean
+
+    loss = torch.rand(3, 2, requires_grad=True)
+    mean = masked_mean(loss, torch.zeros(3, 2))
+    mean.backward()
+    assert mean.item() == 0.0 and torch.equal(loss.grad, torch.zeros(3, 2))
