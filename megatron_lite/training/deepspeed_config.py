@@ -12,6 +12,7 @@ import math
 from typing import Any, Dict, Optional
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.training.optimizer import clips_in_optimizer
 
 
 def _ours(config: Config) -> Dict[str, Any]:
@@ -73,9 +74,16 @@ def deepspeed_config(config: Config, extra: Optional[Dict[str, Any]] = None) -> 
     if extra is None and config.training.deepspeed_config:
         with open(config.training.deepspeed_config) as f:
             extra = json.load(f)
-    ours = _ours(config)
-    if not extra:
-        return ours
+    merged = _ours(config)
+    if extra:
+        merged = _checked_merge(merged, extra, source)
+    if clips_in_optimizer(config):
+        # ZeRO 0 without fp16: our ClippedAdamW clips (see training/optimizer.py), DeepSpeed must not.
+        merged["gradient_clipping"] = 0.0
+    return merged
+
+
+def _checked_merge(ours: Dict[str, Any], extra: Dict[str, Any], source: str) -> Dict[str, Any]:
     for key in ("optimizer", "scheduler"):
         if key in extra:
             raise ConfigError(

@@ -18,7 +18,7 @@ from megatron_lite.model.gpt import GPTModel, build
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.training.deepspeed_config import deepspeed_config
-from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
+from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer, clips_in_optimizer
 
 
 class Engine:
@@ -35,7 +35,7 @@ class Engine:
             mpu = state.ModelParallelUnit()
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
         model_parallel_seed(config.training.seed)
-        optimizer = build_optimizer(self.module, config.optimizer)
+        optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config))
         scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
@@ -67,6 +67,16 @@ class Engine:
             total += self.engine(tokens, position_ids, labels, loss_mask).float()
         self.engine.train()
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
+
+    def grad_norm(self):
+        """Global gradient norm of the last step, where known."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if getattr(inner, "last_grad_norm", None) is not None:
+            return inner.last_grad_norm
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
         group = state.get_data_parallel_group()

@@ -131,7 +131,7 @@ def pretrain(config: Config) -> int:
             ds = engine.engine
             stats = IntervalStats(
                 iteration=iteration, consumed_samples=consumed, loss=interval_loss / interval_iters,
-                lr=ds.optimizer.param_groups[0]["lr"], grad_norm=_grad_norm(ds),
+                lr=ds.optimizer.param_groups[0]["lr"], grad_norm=engine.grad_norm(),
                 loss_scale=getattr(ds.optimizer, "cur_scale", None) if config.precision.fp16 else None,
                 skipped_steps=int(getattr(ds, "skipped_steps", 0)), seconds=seconds,
                 iterations=interval_iters, samples=interval_samples,
@@ -167,13 +167,6 @@ def pretrain(config: Config) -> int:
     tb.close()
     dist.barrier()
     return exit_code
-
-
-def _grad_norm(ds_engine) -> Optional[float]:
-    norm = ds_engine.get_global_grad_norm() if hasattr(ds_engine, "get_global_grad_norm") else None
-    if norm is None:
-        return None
-    return float(norm.item() if torch.is_tensor(norm) else norm)
 
 
 def _log_eval(engine: Engine, valid_ds, config: Config, iteration: int, tb: TensorBoardWriter) -> None:

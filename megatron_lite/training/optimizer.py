@@ -1,8 +1,15 @@
-"""AdamW with Megatron's parameter groups, and the learning-rate schedule.
+"""AdamW with Megatron's parameter groups and global-norm clipping, and the learning-rate schedule.
 
 Both are plain torch objects handed to `deepspeed.initialize`, so DeepSpeed
 steps and checkpoints them (the schedule is a LambdaLR: its state is the step
 count, so a resumed run continues on the same curve).
+
+Clipping: DeepSpeed's fp32 ZeRO-0 path counts a replicated parameter only on
+rank 0 of the whole TP x PP group, so with PP > 1 it leaves out every later
+stage's LayerNorms and biases; its bf16 ZeRO-0 path does not clip at all. Where
+DeepSpeed would hand our optimizer the model's own gradients (ZeRO 0, no fp16
+loss scaling), `ClippedAdamW` clips with `global_grad_norm`, which counts each
+parameter once over TP and PP, and DeepSpeed's own clipping is switched off.
 """
 from __future__ import annotations
 
@@ -11,7 +18,8 @@ from typing import Iterable, List
 
 import torch
 
-from megatron_lite.config import OptimizerConfig
+from megatron_lite.config import Config, OptimizerConfig
+from megatron_lite.parallel.grad_norm import global_grad_norm
 
 
 def parameter_groups(named_parameters: Iterable, weight_decay: float) -> List[dict]:
@@ -25,9 +33,39 @@ def parameter_groups(named_parameters: Iterable, weight_decay: float) -> List[di
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(parameter_groups(model.named_parameters(), opt.weight_decay), lr=opt.lr,
-                             betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW whose step first scales the gradients so their global norm is at most `clip_grad`."""
+
+    def __init__(self, params, clip_grad: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self.clip_grad = clip_grad
+        self.last_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        norm = global_grad_norm(params)
+        self.last_grad_norm = norm.item()
+        # Same coefficient as torch.nn.utils.clip_grad_norm_.
+        coeff = self.clip_grad / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coeff.to(p.grad.dtype))
+        return super().step(closure)
+
+
+def clips_in_optimizer(config: Config) -> bool:
+    """Whether our optimizer sees the model's own gradients and so does the clipping itself."""
+    return config.optimizer.clip_grad > 0 and config.parallel.zero_stage == 0 and not config.precision.fp16
+
+
+def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
+    groups = parameter_groups(model.named_parameters(), opt.weight_decay)
+    kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+    if clip_in_optimizer:
+        return ClippedAdamW(groups, clip_grad=opt.clip_grad, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(iteration: int, opt: OptimizerConfig) -> float:

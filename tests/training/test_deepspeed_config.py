@@ -41,7 +41,14 @@ def test_user_json_adds_keys_and_auto_takes_ours(tmp_path):
     assert ds["train_batch_size"] == 4
     assert ds["zero_optimization"] == {"stage": 0, "reduce_bucket_size": 1000}
     assert ds["comms_logger"] == {"enabled": True}
-    assert ds["gradient_clipping"] == 1.0
+    assert ds["gradient_clipping"] == 0.0  # ZeRO 0 in fp32: ClippedAdamW clips, DeepSpeed must not
+
+
+def test_deepspeed_clips_only_where_our_optimizer_cannot():
+    assert deepspeed_config(config_for(["--clip-grad", "0.7"]))["gradient_clipping"] == 0.0
+    assert deepspeed_config(config_for(["--clip-grad", "0.7", "--bf16"]))["gradient_clipping"] == 0.0
+    assert deepspeed_config(config_for(["--clip-grad", "0.7", "--zero-stage", "1"]))["gradient_clipping"] == 0.7
+    assert deepspeed_config(config_for(["--clip-grad", "0.7", "--fp16"]))["gradient_clipping"] == 0.7
 
 
 def test_contradiction_names_both_values(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_lite.config import OptimizerConfig
-from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer, lr_at, parameter_groups
+from megatron_lite.training.optimizer import ClippedAdamW, build_lr_scheduler, build_optimizer, lr_at, parameter_groups
 
 
 def test_biases_and_norms_get_no_weight_decay():
@@ -53,3 +53,26 @@ def test_scheduler_state_resumes_the_same_curve():
     second, _ = run(5, state)
     assert first + second == pytest.approx(straight)
     assert straight[0] == pytest.approx(lr_at(0, opt))
+
+
+def test_clipped_adamw_equals_clip_grad_norm_then_adamw():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    ours = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    ours.load_state_dict(ref.state_dict())
+    opt = OptimizerConfig(lr=1e-2, clip_grad=0.05)
+    ref_optim = build_optimizer(ref, opt)
+    our_optim = build_optimizer(ours, opt, clip_in_optimizer=True)
+    assert isinstance(our_optim, ClippedAdamW)
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        for model in (ref, ours):
+            model.zero_grad()
+            model(x).pow(2).sum().backward()
+        expected_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), opt.clip_grad)
+        ref_optim.step()
+        our_optim.step()
+        assert our_optim.last_grad_norm == pytest.approx(expected_norm.item(), rel=1e-6)
+        assert expected_norm > opt.clip_grad  # clipping is active in this test
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
