@@ -36,9 +36,11 @@ def micro_batches(config, batches, dp_rank, dp):
 def dense_losses(config, batches):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce."""
     from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
     from megatron_lite.training.optimizer import build_optimizer
 
     model = GPTModel(config)
+    model_parallel_seed(config.training.seed)
     optimizer = build_optimizer(model, config.optimizer)
     seq = config.model.seq_length
     losses = []
