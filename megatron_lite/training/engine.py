@@ -26,6 +26,8 @@ class Engine:
 
     def __init__(self, config: Config, with_scheduler: bool = True):
         self.config = config
+        # DeepSpeed's communication layer wraps the torch.distributed world we already have.
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         self.pipelined = config.parallel.zero_stage < 2
         if self.pipelined:
             self.module = build(config, state.get_topology())
