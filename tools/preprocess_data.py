@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--chunk-documents", type=int, default=256, help="lines sent to a worker at a time")
+    g.add_argument("--chunk-documents", type=int, default=64, help="lines sent to a worker at a time")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
     return p
 

@@ -50,7 +50,6 @@ class SentenceStream:
     def __init__(self, path: str, json_keys, max_bytes: int) -> None:
         self.path, self.json_keys, self.max_bytes = path, json_keys, max_bytes
         self.documents = self.sentences = self.bytes = self.bad_lines = 0
-        self._next_report = 0.0
 
     def _chunks(self, text: str):
         """Whole lines, packed up to max_bytes; a longer line is cut (SentencePiece drops over-long sentences)."""
@@ -69,6 +68,7 @@ class SentenceStream:
             yield "".join(chunk)
 
     def __iter__(self):
+        self._next_report = time.monotonic() + 5.0
         lines, raw = open_input(self.path)
         with raw:
             for raw_line in lines:

@@ -37,8 +37,8 @@ torch::Tensor build_sample_index(const torch::Tensor& sequence_lengths, const to
     // A sample is seq_length + 1 tokens counted from the current position.
     int64_t remaining = seq_length + 1;
     while (true) {
-      TORCH_CHECK(doc_position < num_docs, "build_sample_index: the document index holds fewer than ",
-                  num_samples * seq_length + 1, " tokens for ", num_samples, " samples of ", seq_length);
+      TORCH_CHECK_VALUE(doc_position < num_docs, "build_sample_index: the document index holds fewer than ",
+                        num_samples * seq_length + 1, " tokens for ", num_samples, " samples of ", seq_length);
       const int32_t doc = docs[doc_position];
       TORCH_CHECK(doc >= 0 && doc < num_sizes, "build_sample_index: document ", doc, " out of range");
       const int64_t available = sizes[doc] - doc_offset;

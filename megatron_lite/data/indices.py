@@ -81,8 +81,10 @@ def build_document_index(sequences: np.ndarray, num_epochs: int, rng: np.random.
 
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
                        num_samples: int) -> np.ndarray:
-    """[num_samples + 1, 2] int64: (position in document_index, token offset) where sample i starts (C++)."""
-    _check_enough_tokens(sequence_lengths, document_index, seq_length, num_samples)
+    """[num_samples + 1, 2] int64: (position in document_index, token offset) where sample i starts (C++).
+
+    ValueError when the document index holds fewer than num_samples * seq_length + 1 tokens.
+    """
     return _helpers().build_sample_index(
         _tensor(np.asarray(sequence_lengths, dtype=np.int32)), _tensor(np.asarray(document_index, dtype=np.int32)),
         seq_length, num_samples).numpy()
@@ -94,9 +96,11 @@ def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.nd
 
     The reference the C++ helper is tested and benchmarked against.
     """
-    _check_enough_tokens(sequence_lengths, document_index, seq_length, num_samples)
     lengths = np.asarray(sequence_lengths, dtype=np.int64)[document_index]
     ends = np.cumsum(lengths)
+    if num_samples * seq_length + 1 > (ends[-1] if len(ends) else 0):
+        raise ValueError(f"build_sample_index: the document index holds fewer than {num_samples * seq_length + 1} "
+                         f"tokens for {num_samples} samples of {seq_length}")
     starts = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
     # side="right": a start equal to a document's end belongs to the next non-empty document
     position = np.searchsorted(ends, starts, side="right")
@@ -104,13 +108,6 @@ def build_sample_index_numpy(sequence_lengths: np.ndarray, document_index: np.nd
     index[1:, 0] = position
     index[1:, 1] = starts - (ends[position] - lengths[position])
     return index
-
-
-def _check_enough_tokens(sequence_lengths, document_index, seq_length, num_samples) -> None:
-    available = int(np.asarray(sequence_lengths, dtype=np.int64)[document_index].sum())
-    if num_samples * seq_length + 1 > available:
-        raise ValueError(f"{num_samples} samples of {seq_length} tokens need {num_samples * seq_length + 1} "
-                         f"tokens; the document index holds {available}")
 
 
 def build_shuffle_index(num_samples: int, total_samples: int, rng: np.random.RandomState) -> np.ndarray:

@@ -34,9 +34,10 @@ def test_cpp_sample_index_equals_the_numpy_reference_and_the_stream_definition(s
         assert starts[position] + offset == i * seq_length and offset < lengths[document_index[position]]
 
 
-def test_sample_index_refuses_more_samples_than_tokens():
-    with pytest.raises(ValueError, match="need 33 tokens; the document index holds 20"):
-        indices.build_sample_index(np.array([10, 10], np.int32), np.array([0, 1], np.int32), 16, 2)
+@pytest.mark.parametrize("builder", [indices.build_sample_index, indices.build_sample_index_numpy])
+def test_sample_index_refuses_more_samples_than_tokens(builder):
+    with pytest.raises(ValueError, match="holds fewer than 33 tokens for 2 samples of 16"):
+        builder(np.array([10, 10], np.int32), np.array([0, 1], np.int32), 16, 2)
 
 
 def test_samples_cross_document_boundaries_in_shuffled_document_order(indexed, tmp_path):
