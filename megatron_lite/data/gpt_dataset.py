@@ -16,6 +16,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_lite.arguments import parse_split  # the --split parser itself, so the two never disagree
 from megatron_lite.data import indices
 from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.index_cache import load_or_build
@@ -122,8 +123,6 @@ def build_train_valid_test_datasets(data_path: Sequence[str], split: str, seq_le
     GPTDataset with its share of the samples (plus a small margin), and a
     BlendedDataset interleaves them in proportion to the weights.
     """
-    from megatron_lite.arguments import parse_split  # the flag's parser, so the two never disagree
-
     weights_and_prefixes = _parse_data_path(tuple(data_path))
     split_weights = parse_split(split)
     datasets = [IndexedDataset(prefix) for _, prefix in weights_and_prefixes]
