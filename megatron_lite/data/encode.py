@@ -1,0 +1,95 @@
+"""Turning chunks of JSONL lines into packed token arrays (the worker side of preprocess_data.py).
+
+A chunk is a list of (line number, bytes). The result holds, per JSON key, the
+tokens of every good line packed in the output dtype plus one length per
+document, and the bad lines with the reason. Token ids match Megatron-LM's
+preprocessing exactly: one `tokenize(text)` per document, then the eod id
+when `append_eod` and the document produced tokens. No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_lite.data.jsonl import BadLine, parse_line
+from megatron_lite.data.tokenizer import build_tokenizer
+
+
+@dataclass
+class EncodedChunk:
+    token_bytes: List[bytes]
+    """Per JSON key: the chunk's tokens, concatenated, in the output dtype."""
+    document_lengths: List[np.ndarray]
+    """Per JSON key: tokens per good line (0 for a document with no tokens)."""
+    bad_lines: List[Tuple[int, str]] = field(default_factory=list)
+    """(line number, reason) of each skipped line."""
+    input_bytes: int = 0
+
+
+class ChunkEncoder:
+    """Holds the tokenizer; built once per worker process."""
+
+    def __init__(self, tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int],
+                 json_keys: Sequence[str], append_eod: bool, dtype) -> None:
+        self.tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+        self.json_keys = list(json_keys)
+        self.append_eod = append_eod
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, chunk: Sequence[Tuple[int, bytes]]) -> EncodedChunk:
+        bad: List[Tuple[int, str]] = []
+        good: List[Tuple[int, List[str]]] = []
+        for number, line in chunk:
+            texts = parse_line(line, self.json_keys)
+            if isinstance(texts, BadLine):
+                bad.append((number, str(texts)))
+            else:
+                good.append((number, texts))
+        try:
+            encoded = self._tokenize(good)
+        except ValueError:
+            # Only NullTokenizer rejects text (non-integer words): find those lines, then redo the rest.
+            rejected = {n: self._rejection(texts) for n, texts in good}
+            bad = sorted(bad + [(n, reason) for n, reason in rejected.items() if reason])
+            good = [(n, texts) for n, texts in good if not rejected[n]]
+            encoded = self._tokenize(good)
+        token_bytes, lengths = [], []
+        for documents in encoded:
+            if self.append_eod:
+                for ids in documents:
+                    if ids:
+                        ids.append(self.tokenizer.eod)
+            counts = np.fromiter((len(ids) for ids in documents), dtype=np.int64, count=len(documents))
+            flat = np.fromiter(chain.from_iterable(documents), dtype=self.dtype, count=int(counts.sum()))
+            token_bytes.append(flat.tobytes())
+            lengths.append(counts)
+        return EncodedChunk(token_bytes, lengths, bad, sum(len(line) for _, line in chunk))
+
+
+    def _tokenize(self, good: List[Tuple[int, List[str]]]) -> List[List[List[int]]]:
+        """Per JSON key, the ids of each good line's text."""
+        return [self.tokenizer.tokenize_batch([texts[k] for _, texts in good]) for k in range(len(self.json_keys))]
+
+    def _rejection(self, texts: List[str]) -> str:
+        try:
+            for text in texts:
+                self.tokenizer.tokenize(text)
+        except ValueError as e:
+            return f"tokenizer rejected the text ({e})"
+        return ""
+
+
+_worker_encoder: Optional[ChunkEncoder] = None
+
+
+def init_worker(*encoder_args) -> None:
+    """multiprocessing.Pool initializer: one tokenizer per worker process."""
+    global _worker_encoder
+    _worker_encoder = ChunkEncoder(*encoder_args)
+
+
+def encode_in_worker(chunk: Sequence[Tuple[int, bytes]]) -> EncodedChunk:
+    return _worker_encoder(chunk)

@@ -1,0 +1,152 @@
+"""GPT training samples from a Megatron-format dataset, and the train/valid/test datasets of a run.
+
+A sample is seq_length + 1 consecutive tokens of the split's documents in a
+shuffled order, taken across document boundaries: `tokens = sample[:-1]`,
+`labels = sample[1:]`. Neighbouring samples share one token, so an epoch's
+tokens are each used once. The index arrays (indices.py) are deterministic in
+(dataset, split, seq_length, num_samples, seed) and cached (index_cache.py).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_lite.arguments import parse_split  # the --split parser itself, so the two never disagree
+from megatron_lite.data import indices
+from megatron_lite.data.blended import BlendedDataset
+from megatron_lite.data.index_cache import load_or_build
+from megatron_lite.data.indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
+
+SPLIT_NAMES = ("train", "valid", "test")
+# Each blended component is built a little larger than its share so that rounding never runs it dry.
+BLEND_MARGIN = 1.005
+
+
+class GPTDataset:
+    """Samples of one split of one .bin/.idx dataset.
+
+    documents: [begin, end) document range of the split. num_samples: at
+    least this many samples (whole epochs are built, so len() may be larger);
+    None for one epoch.
+    """
+
+    def __init__(self, indexed: IndexedDataset, split: str, documents: Tuple[int, int], seq_length: int,
+                 num_samples: Optional[int], seed: int, cache_path: Optional[str], eod_token: int,
+                 eod_mask_loss: bool) -> None:
+        self.indexed = indexed
+        self.split = split
+        self.seq_length = seq_length
+        self.eod_token = eod_token
+        self.eod_mask_loss = eod_mask_loss
+        first, last = (int(indexed.document_indices[d]) for d in documents)
+        self.sequences = np.arange(first, last, dtype=np.int32)
+        self.tokens_per_epoch = int(indexed.sequence_lengths[first:last].sum(dtype=np.int64))
+        if self.tokens_per_epoch <= 1:
+            raise ValueError(f"{indexed.prefix}: the {split} split (documents {documents[0]}-{documents[1]}) holds "
+                             f"{self.tokens_per_epoch} tokens; give it more data or change --split")
+        if num_samples is None:
+            num_samples = (self.tokens_per_epoch - 1) // seq_length
+        self.num_samples = num_samples
+        description = {
+            "class": "GPTDataset", "prefix": os.path.abspath(indexed.prefix), "split": split,
+            "documents": list(documents), "sequences": len(indexed), "tokens_per_epoch": self.tokens_per_epoch,
+            "seq_length": seq_length, "num_samples": num_samples, "seed": seed,
+        }
+        cache_dir = cache_path or os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)), "cache",
+                                               "GPTDataset_indices")
+        start = time.perf_counter()
+        arrays, self.built_indices = load_or_build(
+            cache_dir, f"GPTDataset-{split}", description, ("document_index", "sample_index", "shuffle_index"),
+            lambda: self._build_indices(seed))
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        logger.info("%s %s: %s indices for %d samples in %.2fs", indexed.prefix, split,
+                    "built" if self.built_indices else "loaded cached", len(self), time.perf_counter() - start)
+
+    def _build_indices(self, seed: int) -> Dict[str, np.ndarray]:
+        rng = np.random.RandomState(seed)
+        epochs = indices.num_epochs_needed(self.tokens_per_epoch, self.seq_length, self.num_samples)
+        separate = indices.separate_final_epoch(self.tokens_per_epoch, self.seq_length, self.num_samples, epochs)
+        document_index = indices.build_document_index(self.sequences, epochs, rng, separate)
+        # Every whole sample the built epochs hold; the partial one at the end is dropped.
+        total = (epochs * self.tokens_per_epoch - 1) // self.seq_length
+        sample_index = indices.build_sample_index(self.indexed.sequence_lengths, document_index, self.seq_length, total)
+        shuffled = ((epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length if separate else total
+        shuffle_index = indices.build_shuffle_index(shuffled, total, rng)
+        return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+    def __len__(self) -> int:
+        return len(self.shuffle_index)
+
+    def sample_tokens(self, index: int) -> np.ndarray:
+        """The seq_length + 1 tokens of sample `index` (before shuffling)."""
+        (first, first_offset), (last, last_offset) = self.sample_index[index], self.sample_index[index + 1]
+        if first == last:
+            return self.indexed.get(self.document_index[first], int(first_offset), int(last_offset - first_offset + 1))
+        parts = [self.indexed.get(self.document_index[first], int(first_offset))]
+        parts.extend(self.indexed.get(self.document_index[d]) for d in range(first + 1, last))
+        parts.append(self.indexed.get(self.document_index[last], 0, int(last_offset) + 1))
+        return np.concatenate(parts)
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        sample = self.sample_tokens(int(self.shuffle_index[index])).astype(np.int64)
+        tokens, labels = sample[:-1], sample[1:]
+        loss_mask = np.ones(self.seq_length, dtype=np.float32)
+        if self.eod_mask_loss:
+            # As Megatron-LM: no loss where the input is an eod, whose next token starts an unrelated document.
+            loss_mask[tokens == self.eod_token] = 0.0
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                "position_ids": np.arange(self.seq_length, dtype=np.int64)}
+
+
+def _parse_data_path(data_path: Sequence[str]) -> Tuple[Tuple[float, str], ...]:
+    """DataConfig.data_path -> ((weight, prefix), ...); one prefix gets weight 1."""
+    if len(data_path) == 1:
+        return ((1.0, data_path[0]),)
+    return tuple((float(w), p) for w, p in zip(data_path[0::2], data_path[1::2]))
+
+
+def build_train_valid_test_datasets(data_path: Sequence[str], split: str, seq_length: int,
+                                    num_samples: Sequence[Optional[int]], seed: int, cache_path: Optional[str],
+                                    eod_token: int, eod_mask_loss: bool):
+    """(train, valid, test); None for a split without documents or with 0 samples requested.
+
+    Several weighted prefixes are blended per split: each prefix gives a
+    GPTDataset with its share of the samples (plus a small margin), and a
+    BlendedDataset interleaves them in proportion to the weights.
+    """
+    weights_and_prefixes = _parse_data_path(tuple(data_path))
+    split_weights = parse_split(split)
+    datasets = [IndexedDataset(prefix) for _, prefix in weights_and_prefixes]
+    ranges = [indices.split_document_ranges(ds.num_documents, split_weights) for ds in datasets]
+    total_weight = sum(w for w, _ in weights_and_prefixes)
+    result = []
+    for i, name in enumerate(SPLIT_NAMES):
+        wanted = num_samples[i]
+        empty = [ds.prefix for ds, r in zip(datasets, ranges) if r[i][0] == r[i][1]]
+        if wanted == 0 or len(empty) == len(datasets):
+            result.append(None)
+            continue
+        if empty:
+            raise ValueError(f"--split {split} leaves the {name} split of {', '.join(empty)} without documents "
+                             f"while other --data-path datasets have some; use a --split that gives every "
+                             f"dataset {name} documents, or more data")
+        common = dict(seq_length=seq_length, seed=seed, cache_path=cache_path, eod_token=eod_token,
+                      eod_mask_loss=eod_mask_loss)
+        if len(datasets) == 1:
+            result.append(GPTDataset(datasets[0], name, ranges[0][i], num_samples=wanted, **common))
+            continue
+        shares = [w / total_weight for w, _ in weights_and_prefixes]
+        parts = [GPTDataset(ds, name, r[i], num_samples=None if wanted is None else math.ceil(s * wanted * BLEND_MARGIN),
+                            **common) for ds, r, s in zip(datasets, ranges, shares)]
+        size = wanted if wanted is not None else min(int(len(p) / s) for p, s in zip(parts, shares))
+        result.append(BlendedDataset(parts, shares, size))
+    return tuple(result)

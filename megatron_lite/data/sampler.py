@@ -1,0 +1,61 @@
+"""Micro-batches for each data-parallel rank, in Megatron-LM's pretraining order, resumable.
+
+Samples are taken in dataset order from `consumed_samples` on. Every
+micro_batch_size x data_parallel_size consecutive samples form one step of the
+whole DP group; rank r takes the r-th micro_batch_size of them. A run resumed
+with the consumed-samples count of its checkpoint therefore continues with
+exactly the micro-batches it would have seen next.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+class PretrainingSampler:
+    """Yields lists of micro_batch_size sample indices for one DP rank; a last incomplete step is dropped."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int) -> None:
+        if micro_batch_size < 1 or data_parallel_size < 1:
+            raise ValueError(f"micro batch size {micro_batch_size} and data parallel size {data_parallel_size} "
+                             f"must be at least 1")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data parallel rank {data_parallel_rank} outside [0, {data_parallel_size})")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed samples {consumed_samples} outside the dataset's {total_samples} samples")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.step = micro_batch_size * data_parallel_size
+        self.offset = data_parallel_rank * micro_batch_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.step
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for start in range(self.consumed_samples, self.total_samples - self.step + 1, self.step):
+            first = start + self.offset
+            yield list(range(first, first + self.micro_batch_size))
+
+
+def collate(samples: Sequence[Dict[str, np.ndarray]]):
+    """Dataset items -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine takes them."""
+    def stack(key: str) -> torch.Tensor:
+        return torch.from_numpy(np.stack([s[key] for s in samples]))
+
+    return (stack("tokens"), stack("position_ids")), (stack("labels"), stack("loss_mask"))
+
+
+def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
+                        data_parallel_size: int, num_workers: int = 0) -> Optional[Iterator]:
+    """Iterator of this DP rank's micro-batches from consumed_samples on; None for no dataset."""
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
+                                 data_parallel_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=collate, persistent_workers=num_workers > 0)
+    return iter(loader)

@@ -1,0 +1,43 @@
+import numpy as np
+import pytest
+import torch
+
+from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
+from megatron_lite.data.sampler import PretrainingSampler, build_data_iterator
+from tests.data.synthetic import write_positional_dataset
+
+MICRO, DP = 2, 3
+
+
+def test_each_step_splits_consecutive_samples_across_data_parallel_ranks():
+    per_rank = [list(PretrainingSampler(20, 0, MICRO, r, DP)) for r in range(DP)]
+    assert per_rank[0][:2] == [[0, 1], [6, 7]] and per_rank[2][1] == [10, 11]
+    steps = [sum((per_rank[r][s] for r in range(DP)), []) for s in range(len(per_rank[0]))]
+    assert steps == [list(range(6 * s, 6 * s + 6)) for s in range(3)]  # the partial step (18, 19) is dropped
+
+
+def test_resuming_from_consumed_samples_yields_exactly_the_next_micro_batches():
+    for rank in range(DP):
+        full = list(PretrainingSampler(100, 0, MICRO, rank, DP))
+        for steps_done in (0, 1, 7):
+            resumed = list(PretrainingSampler(100, steps_done * MICRO * DP, MICRO, rank, DP))
+            assert resumed == full[steps_done:]
+
+
+def test_sampler_rejects_a_rank_outside_the_group():
+    with pytest.raises(ValueError, match="rank 3 outside"):
+        PretrainingSampler(10, 0, 1, 3, 3)
+
+
+def test_data_iterator_gives_pipeline_engine_tuples_and_resumes_per_rank(tmp_path):
+    prefix = write_positional_dataset(tmp_path / "d_text_document").prefix
+    train, _, _ = build_train_valid_test_datasets((prefix,), "1,0,0", 8, (60, 0, 0), 7, str(tmp_path / "c"), -1, False)
+    (tokens, position_ids), (labels, loss_mask) = next(build_data_iterator(train, 0, MICRO, 0, DP))
+    assert [t.shape for t in (tokens, position_ids, labels, loss_mask)] == [torch.Size([MICRO, 8])] * 4
+    assert [t.dtype for t in (tokens, position_ids, labels, loss_mask)] == [torch.int64] * 3 + [torch.float32]
+    assert torch.equal(tokens, torch.from_numpy(np.stack([train[0]["tokens"], train[1]["tokens"]])))
+    for rank in range(DP):
+        full = [batch[0][0] for batch in build_data_iterator(train, 0, MICRO, rank, DP)]
+        resumed = [batch[0][0] for batch in build_data_iterator(train, 2 * MICRO * DP, MICRO, rank, DP)]
+        assert len(resumed) == len(full) - 2 and all(torch.equal(x, y) for x, y in zip(full[2:], resumed))
+    assert build_data_iterator(None, 0, MICRO, 0, DP) is None
