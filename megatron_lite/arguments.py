@@ -197,11 +197,12 @@ def validate(args: argparse.Namespace, world_size: int) -> Tuple[Config, List[st
         "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by",
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "train_iters",
         "eval_interval", "log_interval", "save_interval", "keep_last", "exit_interval",
-        "loss_scale_window", "hysteresis", "num_workers",
+        "loss_scale_window", "hysteresis",
     ))
     if world_size < 1:
         raise ConfigError(f"world size {world_size} (WORLD_SIZE / SLURM_NTASKS) must be at least 1")
-    for flag, value in (("--eval-iters", args.eval_iters), ("--lr-warmup-iters", args.lr_warmup_iters)):
+    for flag, value in (("--eval-iters", args.eval_iters), ("--lr-warmup-iters", args.lr_warmup_iters),
+                        ("--num-workers", args.num_workers)):
         if value < 0:
             raise ConfigError(f"{flag} must be 0 or more, got {value}")
 
