@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-offload", action="store_true", help="ZeRO optimizer-state offload to CPU (PP = 1 only)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo otherwise")
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None,
+                   help="passed by the deepspeed launcher; LOCAL_RANK from the environment is what is used")
 
     g = parser.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=None)
