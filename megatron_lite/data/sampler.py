@@ -56,6 +56,10 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
                                  data_parallel_size)
+    # A private generator: starting a DataLoader iterator otherwise draws from the global torch
+    # generator, and a resumed run (which starts its iterator after restoring the RNG states)
+    # would then see different dropout masks than the run it continues.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, persistent_workers=num_workers > 0)
+                                         collate_fn=collate, persistent_workers=num_workers > 0,
+                                         generator=torch.Generator().manual_seed(data_parallel_rank))
     return iter(loader)

@@ -41,3 +41,17 @@ def test_data_iterator_gives_pipeline_engine_tuples_and_resumes_per_rank(tmp_pat
         resumed = [batch[0][0] for batch in build_data_iterator(train, 2 * MICRO * DP, MICRO, rank, DP)]
         assert len(resumed) == len(full) - 2 and all(torch.equal(x, y) for x, y in zip(full[2:], resumed))
     assert build_data_iterator(None, 0, MICRO, 0, DP) is None
+
+
+def test_starting_an_iterator_leaves_the_global_torch_generator_alone():
+    import torch
+
+    from megatron_lite.data.sampler import build_data_iterator
+
+    dataset = [{"tokens": np.zeros(4, dtype=np.int64), "position_ids": np.arange(4), "labels": np.zeros(4, dtype=np.int64),
+                "loss_mask": np.ones(4, dtype=np.float32)} for _ in range(8)]
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    next(build_data_iterator(dataset, 0, 2, 0, 1))
+    assert torch.equal(torch.rand(3), expected)
