@@ -135,10 +135,14 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_loadable(corpus, tm
     proc = _launch_background(corpus, 2, args)
     try:
         assert _wait_for(lambda: (ckpt / "latest").exists(), proc), "no first checkpoint was written"
-        # the next save has started (its temporary folder exists) but is not finished: kill everything
-        caught = _wait_for(lambda: any(p.name.startswith("tmp-") for p in ckpt.iterdir()), proc)
-        os.killpg(proc.pid, signal.SIGKILL)
-        assert caught, "never saw a save in progress"
+        # Catch a save in progress (its temporary folder exists): freeze every process at once,
+        # and if the save is still unfinished, kill them all; otherwise let them go on to the next save.
+        caught = False
+        while not caught and _wait_for(lambda: any(p.name.startswith("tmp-") for p in ckpt.iterdir()), proc):
+            os.killpg(proc.pid, signal.SIGSTOP)
+            caught = any(p.name.startswith("tmp-") for p in ckpt.iterdir())
+            os.killpg(proc.pid, signal.SIGKILL if caught else signal.SIGCONT)
+        assert caught, "never caught a save in progress"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
