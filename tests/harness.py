@@ -140,6 +140,23 @@ def shutdown_pools() -> None:
     _POOLS.clear()
 
 
+def signal_process_tree(pid: int, sig: int) -> None:
+    """Signal a launcher and every process under it, workers first. torchrun starts its workers
+    in sessions of their own, so a process-group signal would miss them."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in reversed(procs):
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def run_launcher(
     script_args: Sequence[str],
     nproc: int,
@@ -165,13 +182,12 @@ def run_launcher(
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     full_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    # A new session lets a timeout kill the launcher and every worker it started.
     proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        signal_process_tree(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise DistributedTestError(
             f"{' '.join(cmd)} did not finish within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}"

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, free_port, run_launcher
+from tests.harness import REPO_ROOT, free_port, run_launcher, signal_process_tree
 
 pytestmark = pytest.mark.slow
 
@@ -139,13 +139,12 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_loadable(corpus, tm
         # and if the save is still unfinished, kill them all; otherwise let them go on to the next save.
         caught = False
         while not caught and _wait_for(lambda: any(p.name.startswith("tmp-") for p in ckpt.iterdir()), proc):
-            os.killpg(proc.pid, signal.SIGSTOP)
+            signal_process_tree(proc.pid, signal.SIGSTOP)
             caught = any(p.name.startswith("tmp-") for p in ckpt.iterdir())
-            os.killpg(proc.pid, signal.SIGKILL if caught else signal.SIGCONT)
+            signal_process_tree(proc.pid, signal.SIGKILL if caught else signal.SIGCONT)
         assert caught, "never caught a save in progress"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        signal_process_tree(proc.pid, signal.SIGKILL)
         proc.communicate()
     tag = open(ckpt / "latest").read()
     assert (ckpt / tag / "megatron_lite.json").exists()
@@ -177,7 +176,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits_0(corpus, tmp_path):
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_process_tree(proc.pid, signal.SIGKILL)
     out = "".join(lines) + out
     assert proc.returncode == 0, out
     assert "exit signal received" in out
