@@ -202,8 +202,8 @@ def test_tensorboard_events_hold_loss_lr_throughput_and_memory(corpus, tmp_path)
 
 def test_loading_under_another_layout_is_refused_with_both_layouts(corpus, tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "1", "--save", str(ckpt)]).returncode == 0
-    result = pretrain(corpus, 2, layout(2, 1) + ["--train-iters", "2", "--load", str(ckpt)])
+    assert pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2", "--save", str(ckpt)]).returncode == 0
+    result = pretrain(corpus, 2, layout(2, 1) + ["--train-iters", "4", "--load", str(ckpt)])
     assert result.returncode != 0
     assert "was saved with TP=1, PP=2, but this run uses TP=2, PP=1" in result.stderr
     # torchrun reports the failed workers with its own traceback; ours must not add one
