@@ -161,6 +161,12 @@ class GPTPipe(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed broadcasts the tied parameters in place with autograd on, which records
+        # the broadcast in the graph and makes every backward warn about it.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
 
 def build(config: Config, topology) -> GPTPipe:
     """The GPT as a PipelineModule for DeepSpeed's pipeline engine, on this rank's stage."""
