@@ -1,7 +1,9 @@
 // The loops are plain C++ that the compiler vectorises; target_clones builds
 // each one for AVX-512, AVX2 and baseline x86-64 and picks the best at load
 // time, so the extension stays portable without per-ISA source files. exp is
-// our own polynomial because libm's expf does not vectorise.
+// our own polynomial because libm's expf does not vectorise. Masks enter as
+// 32-bit keep words and selections are bitwise: gcc does not vectorise these
+// loops with bool loads or with branches in them.
 #include "fused_softmax/row_math_cpu.h"
 
 #include <cmath>
@@ -50,22 +52,31 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
-MEGATRON_LITE_CLONES float scaled_max(const float* x, const bool* mask, int64_t n, float scale) {
+MEGATRON_LITE_CLONES void keep_bits(const bool* mask, uint32_t* keep, int64_t n) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(mask);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) keep[j] = bytes[j] ? 0u : ~0u;
+}
+
+MEGATRON_LITE_CLONES float scaled_max(const float* x, const uint32_t* keep, int64_t n, float scale) {
+  constexpr uint32_t kMinusInfinity = 0xff800000u;
   float m = -std::numeric_limits<float>::infinity();
-  if (mask == nullptr) {
+  if (keep == nullptr) {
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; ++j) m = std::max(m, scale * x[j]);
   } else {
 #pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, mask[j] ? -std::numeric_limits<float>::infinity() : scale * x[j]);
+    for (int64_t j = 0; j < n; ++j) {
+      m = std::max(m, bits_to_float((float_to_bits(scale * x[j]) & keep[j]) | (kMinusInfinity & ~keep[j])));
+    }
   }
   return m;
 }
 
-MEGATRON_LITE_CLONES float scaled_exp_sum(const float* x, const bool* mask, float* y, int64_t n, float scale,
+MEGATRON_LITE_CLONES float scaled_exp_sum(const float* x, const uint32_t* keep, float* y, int64_t n, float scale,
                                           float max) {
   float sum = 0.0f;
-  if (mask == nullptr) {
+  if (keep == nullptr) {
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
       y[j] = exp_nonpositive(scale * x[j] - max);
@@ -74,8 +85,7 @@ MEGATRON_LITE_CLONES float scaled_exp_sum(const float* x, const bool* mask, floa
   } else {
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
-      const float e = exp_nonpositive(scale * x[j] - max);
-      y[j] = mask[j] ? 0.0f : e;
+      y[j] = bits_to_float(float_to_bits(exp_nonpositive(scale * x[j] - max)) & keep[j]);
       sum += y[j];
     }
   }

@@ -9,10 +9,12 @@
 
 namespace megatron_lite::fused_softmax::cpu {
 
-// max over j < n of scale * x[j], skipping j where mask[j] (mask may be null); -inf if all are masked.
-float scaled_max(const float* x, const bool* mask, int64_t n, float scale);
-// y[j] = exp(scale * x[j] - max), or 0 where masked; returns sum(y).
-float scaled_exp_sum(const float* x, const bool* mask, float* y, int64_t n, float scale, float max);
+// keep[j] = all ones where mask[j] is false, 0 where it is true (masked).
+void keep_bits(const bool* mask, uint32_t* keep, int64_t n);
+// max over j < n of scale * x[j] where keep[j] (keep may be null: all kept); -inf if none is kept.
+float scaled_max(const float* x, const uint32_t* keep, int64_t n, float scale);
+// y[j] = exp(scale * x[j] - max) where keep[j], else 0; returns sum(y).
+float scaled_exp_sum(const float* x, const uint32_t* keep, float* y, int64_t n, float scale, float max);
 void multiply(float* y, int64_t n, float factor);
 float dot(const float* a, const float* b, int64_t n);
 // dx[j] = scale * y[j] * (dy[j] - dy_dot_y): the softmax gradient from the saved output.

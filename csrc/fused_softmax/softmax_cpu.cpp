@@ -20,38 +20,35 @@ namespace {
 // Rows per task: enough elements that a task outweighs its scheduling.
 int64_t grain_rows(int64_t sk) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1)); }
 
-// Runs fn(row) for every row. Causal rows grow in cost with the query index, so
-// a task takes query i together with query sq-1-i of the same batch-head: every
-// pair costs the same, and contiguous chunks of pairs balance across threads.
+// Runs fn(row, next) over all rows in parallel chunks, where `next` is the row
+// the same task does next (-1 if none) so that fn can prefetch it: causal rows
+// end early and break the hardware prefetcher's stream. Chunks are contiguous
+// rows; a causal batch-head costs the same as any other, so chunks balance
+// whenever batch x heads is a few times the thread count.
 template <typename Fn>
-void for_each_row(const Layout& layout, bool causal, const Fn& fn) {
-  if (!causal) {
-    at::parallel_for(0, layout.rows, grain_rows(layout.sk), [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) fn(row);
-    });
-    return;
+void for_each_row(const Layout& layout, const Fn& fn) {
+  at::parallel_for(0, layout.rows, grain_rows(layout.sk), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) fn(row, row + 1 < end ? row + 1 : -1);
+  });
+}
+
+// Asks for the first `count` elements of a row to be brought into cache.
+template <typename T>
+void prefetch(const T* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset);
   }
-  const int64_t pairs_per_head = (layout.sq + 1) / 2;
-  const int64_t heads = layout.rows / layout.sq;
-  at::parallel_for(0, heads * pairs_per_head, std::max<int64_t>(1, grain_rows(layout.sk) / 2),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t pair = begin; pair < end; ++pair) {
-                       const int64_t first_row = (pair / pairs_per_head) * layout.sq;
-                       const int64_t query = pair % pairs_per_head;
-                       fn(first_row + query);
-                       if (layout.sq - 1 - query != query) fn(first_row + layout.sq - 1 - query);
-                     }
-                   });
 }
 
 // Softmax of one float row: the first `n` of `sk` positions take part, the rest are zeros.
-void forward_row(const float* x, const bool* mask, float* y, int64_t n, int64_t sk, float scale) {
-  const float max = scaled_max(x, mask, n, scale);
+void forward_row(const float* x, const uint32_t* keep, float* y, int64_t n, int64_t sk, float scale) {
+  const float max = scaled_max(x, keep, n, scale);
   if (max == -std::numeric_limits<float>::infinity()) {
     std::fill(y, y + sk, 0.0f);  // every position masked: documented to give zeros
     return;
   }
-  const float sum = scaled_exp_sum(x, mask, y, n, scale, max);
+  const float sum = scaled_exp_sum(x, keep, y, n, scale, max);
   multiply(y, n, 1.0f / sum);
   std::fill(y + n, y + sk, 0.0f);
 }
@@ -61,23 +58,37 @@ void backward_row(const float* dy, const float* y, float* dx, int64_t n, int64_t
   std::fill(dx + n, dx + sk, 0.0f);
 }
 
+// Per-thread row scratch, reused across rows and calls.
+template <typename T>
+T* scratch(std::vector<T>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
 template <typename scalar_t>
 void forward(const at::Tensor& input, const bool* mask, const Layout& layout, bool causal, float scale,
              at::Tensor& output) {
   const scalar_t* x = input.const_data_ptr<scalar_t>();
   scalar_t* y = output.mutable_data_ptr<scalar_t>();
   const int64_t sk = layout.sk;
-  for_each_row(layout, causal, [&](int64_t row) {
-    const bool* mask_row = mask == nullptr ? nullptr : mask + mask_offset(layout, row);
-    const int64_t n = causal ? row % layout.sq + 1 : sk;
+  const auto length = [&](int64_t row) { return causal ? row % layout.sq + 1 : sk; };
+  for_each_row(layout, [&](int64_t row, int64_t next) {
+    thread_local std::vector<uint32_t> keep_buffer;
+    thread_local std::vector<float> float_buffer;
+    if (next >= 0) prefetch(x + next * sk, length(next));
+    const int64_t n = length(row);
+    uint32_t* keep = nullptr;
+    if (mask != nullptr) {
+      keep = scratch(keep_buffer, sk);
+      keep_bits(mask + mask_offset(layout, row), keep, n);
+    }
     if constexpr (std::is_same_v<scalar_t, float>) {
-      forward_row(x + row * sk, mask_row, y + row * sk, n, sk, scale);
+      forward_row(x + row * sk, keep, y + row * sk, n, sk, scale);
     } else {
-      thread_local std::vector<float> buffer;
-      buffer.resize(2 * sk);
-      widen(x + row * sk, buffer.data(), n);
-      forward_row(buffer.data(), mask_row, buffer.data() + sk, n, sk, scale);
-      narrow(buffer.data() + sk, y + row * sk, sk);
+      float* buffer = scratch(float_buffer, 2 * sk);
+      widen(x + row * sk, buffer, n);
+      forward_row(buffer, keep, buffer + sk, n, sk, scale);
+      narrow(buffer + sk, y + row * sk, sk);
     }
   });
 }
@@ -89,18 +100,23 @@ void backward(const at::Tensor& grad_output, const at::Tensor& output, const Lay
   const scalar_t* y = output.const_data_ptr<scalar_t>();
   scalar_t* dx = grad_input.mutable_data_ptr<scalar_t>();
   const int64_t sk = layout.sk;
-  for_each_row(layout, causal, [&](int64_t row) {
-    const int64_t n = causal ? row % layout.sq + 1 : sk;
+  const auto length = [&](int64_t row) { return causal ? row % layout.sq + 1 : sk; };
+  for_each_row(layout, [&](int64_t row, int64_t next) {
+    if (next >= 0) {
+      prefetch(dy + next * sk, length(next));
+      prefetch(y + next * sk, length(next));
+    }
+    const int64_t n = length(row);
     const int64_t start = row * sk;
     if constexpr (std::is_same_v<scalar_t, float>) {
       backward_row(dy + start, y + start, dx + start, n, sk, scale);
     } else {
-      thread_local std::vector<float> buffer;
-      buffer.resize(3 * sk);
-      widen(dy + start, buffer.data(), n);
-      widen(y + start, buffer.data() + sk, n);
-      backward_row(buffer.data(), buffer.data() + sk, buffer.data() + 2 * sk, n, sk, scale);
-      narrow(buffer.data() + 2 * sk, dx + start, sk);
+      thread_local std::vector<float> float_buffer;
+      float* buffer = scratch(float_buffer, 3 * sk);
+      widen(dy + start, buffer, n);
+      widen(y + start, buffer + sk, n);
+      backward_row(buffer, buffer + sk, buffer + 2 * sk, n, sk, scale);
+      narrow(buffer + 2 * sk, dx + start, sk);
     }
   });
 }
