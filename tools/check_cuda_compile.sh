@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile every csrc/**/*.cu with nvcc (no link, no GPU needed) against the
-# installed torch's headers, with the flags setup.py uses, so a broken CUDA
+# installed torch's headers, with the flags setup.py and torch use, so a broken CUDA
 # source fails CI on a CPU-only machine. Skips (exit 0) when nvcc is missing.
 #
 # A CPU torch wheel ships the c10/cuda headers but not the one CMake generates,
@@ -27,6 +27,8 @@ if [ ${#sources[@]} -eq 0 ]; then
 fi
 
 torch_include=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+# The flags torch.utils.cpp_extension gives every nvcc call (no implicit half conversions, ...).
+read -r -a torch_nvcc_flags < <(python3 -c "from torch.utils.cpp_extension import COMMON_NVCC_FLAGS; print(*COMMON_NVCC_FLAGS)")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 if [ ! -f "$torch_include/c10/cuda/impl/cuda_cmake_macros.h" ]; then
@@ -38,7 +40,7 @@ failed=0
 for source in "${sources[@]}"; do
   start=$SECONDS
   if "$NVCC" -c "$source" -o "$work/$(basename "$source").o" -arch="$ARCH" -O3 --use_fast_math -std=c++17 \
-      -DMEGATRON_LITE_WITH_CUDA=1 -I csrc -I "$work/shim" -I "$torch_include" \
+      "${torch_nvcc_flags[@]}" -DMEGATRON_LITE_WITH_CUDA=1 -I csrc -I "$work/shim" -I "$torch_include" \
       -I "$torch_include/torch/csrc/api/include" -diag-suppress 3306 -w; then
     echo "check_cuda_compile: ok     $source ($((SECONDS - start)) s)"
   else

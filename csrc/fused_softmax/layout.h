@@ -38,8 +38,8 @@ inline void check_dtype(const at::Tensor& t, const char* name) {
               "fused softmax: ", name, " must be float32, bfloat16 or float16, got ", dtype);
 }
 
-// Checks input (and mask) and describes the rows. The caller passes contiguous
-// tensors; the mask only needs a contiguous last dim.
+// Checks input (and mask) and describes the rows of a contiguous input; the
+// mask only needs a contiguous last dim.
 inline Layout make_layout(const at::Tensor& input, const c10::optional<at::Tensor>& mask, bool causal) {
   check_dtype(input, "input");
   TORCH_CHECK(input.dim() >= 2, "fused softmax: input must be [..., sq, sk], got shape ", input.sizes());
@@ -82,6 +82,36 @@ inline void check_backward(const at::Tensor& grad_output, const at::Tensor& outp
   TORCH_CHECK(output.dim() >= 2, "fused softmax: output must be [..., sq, sk], got shape ", output.sizes());
   TORCH_CHECK(!causal || output.size(-2) == output.size(-1),
               "fused softmax: the causal mask needs sq == sk, got shape ", output.sizes());
+}
+
+// An op's arguments made ready for a kernel: checked, contiguous (the mask only
+// in its last dim, so that broadcast masks stay views), with their row layout.
+struct ForwardArgs {
+  at::Tensor input;
+  c10::optional<at::Tensor> mask;
+  Layout layout;
+};
+
+inline ForwardArgs prepare_forward(const at::Tensor& input, const c10::optional<at::Tensor>& mask, bool causal) {
+  ForwardArgs args{input.contiguous(), mask, {}};
+  if (mask.has_value() && mask->dim() == 4 && mask->size(3) > 1 && mask->stride(3) != 1) {
+    args.mask = mask->contiguous();
+  }
+  args.layout = make_layout(args.input, args.mask, causal);
+  return args;
+}
+
+struct BackwardArgs {
+  at::Tensor grad_output;
+  at::Tensor output;
+  Layout layout;
+};
+
+inline BackwardArgs prepare_backward(const at::Tensor& grad_output, const at::Tensor& output, bool causal) {
+  check_backward(grad_output, output, causal);
+  BackwardArgs args{grad_output.contiguous(), output.contiguous(), {}};
+  args.layout = make_layout(args.output, c10::nullopt, causal);
+  return args;
 }
 
 // Row r's mask offset (in elements) from the mask's data pointer.

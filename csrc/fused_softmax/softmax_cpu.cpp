@@ -121,28 +121,23 @@ void backward(const at::Tensor& grad_output, const at::Tensor& output, const Lay
   });
 }
 
-at::Tensor forward_op(const at::Tensor& input_, const c10::optional<at::Tensor>& mask_, double scale, bool causal) {
-  const at::Tensor input = input_.contiguous();
-  c10::optional<at::Tensor> mask = mask_;
-  if (mask.has_value() && mask->dim() == 4 && mask->size(3) > 1 && mask->stride(3) != 1) mask = mask->contiguous();
-  const Layout layout = make_layout(input, mask, causal);
-  at::Tensor output = at::empty_like(input);
-  if (input.numel() == 0) return output;
-  const bool* mask_data = mask.has_value() ? mask->const_data_ptr<bool>() : nullptr;
-  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(input.scalar_type(), "scaled_masked_softmax_forward",
-                                       [&] { forward<scalar_t>(input, mask_data, layout, causal, scale, output); });
+at::Tensor forward_op(const at::Tensor& input, const c10::optional<at::Tensor>& mask, double scale, bool causal) {
+  const ForwardArgs args = prepare_forward(input, mask, causal);
+  at::Tensor output = at::empty_like(args.input);
+  if (output.numel() == 0) return output;
+  const bool* mask_data = args.mask.has_value() ? args.mask->const_data_ptr<bool>() : nullptr;
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(output.scalar_type(), "scaled_masked_softmax_forward", [&] {
+    forward<scalar_t>(args.input, mask_data, args.layout, causal, scale, output);
+  });
   return output;
 }
 
-at::Tensor backward_op(const at::Tensor& grad_output_, const at::Tensor& output_, double scale, bool causal) {
-  check_backward(grad_output_, output_, causal);
-  const at::Tensor grad_output = grad_output_.contiguous();
-  const at::Tensor output = output_.contiguous();
-  const Layout layout = make_layout(output, c10::nullopt, causal);
-  at::Tensor grad_input = at::empty_like(output);
-  if (output.numel() == 0) return grad_input;
-  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(output.scalar_type(), "scaled_masked_softmax_backward", [&] {
-    backward<scalar_t>(grad_output, output, layout, causal, scale, grad_input);
+at::Tensor backward_op(const at::Tensor& grad_output, const at::Tensor& output, double scale, bool causal) {
+  const BackwardArgs args = prepare_backward(grad_output, output, causal);
+  at::Tensor grad_input = at::empty_like(args.output);
+  if (grad_input.numel() == 0) return grad_input;
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(grad_input.scalar_type(), "scaled_masked_softmax_backward", [&] {
+    backward<scalar_t>(args.grad_output, args.output, args.layout, causal, scale, grad_input);
   });
   return grad_input;
 }

@@ -253,34 +253,28 @@ void check_cuda(const at::Tensor& t, const Layout& layout) {
               " keys, got ", layout.sk, "; FusedScaleMaskSoftmax uses the torch fallback for longer rows");
 }
 
-at::Tensor forward_op(const at::Tensor& input_, const c10::optional<at::Tensor>& mask_, double scale, bool causal) {
-  const at::Tensor input = input_.contiguous();
-  c10::optional<at::Tensor> mask = mask_;
-  if (mask.has_value() && mask->dim() == 4 && mask->size(3) > 1 && mask->stride(3) != 1) mask = mask->contiguous();
-  const Layout layout = make_layout(input, mask, causal);
-  check_cuda(input, layout);
-  const c10::cuda::CUDAGuard guard(input.device());
-  at::Tensor output = at::empty_like(input);
-  if (input.numel() == 0) return output;
-  const Launch p{input.const_data_ptr(), mask.has_value() ? mask->const_data_ptr() : nullptr,
-                 output.mutable_data_ptr(), layout, causal, static_cast<float>(scale)};
-  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(input.scalar_type(), "scaled_masked_softmax_forward_cuda",
+at::Tensor forward_op(const at::Tensor& input, const c10::optional<at::Tensor>& mask, double scale, bool causal) {
+  const ForwardArgs args = prepare_forward(input, mask, causal);
+  check_cuda(args.input, args.layout);
+  const c10::cuda::CUDAGuard guard(args.input.device());
+  at::Tensor output = at::empty_like(args.input);
+  if (output.numel() == 0) return output;
+  const Launch p{args.input.const_data_ptr(), args.mask.has_value() ? args.mask->const_data_ptr() : nullptr,
+                 output.mutable_data_ptr(), args.layout, causal, static_cast<float>(scale)};
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(output.scalar_type(), "scaled_masked_softmax_forward_cuda",
                                        [&] { launch_typed<scalar_t, false>(p); });
   return output;
 }
 
-at::Tensor backward_op(const at::Tensor& grad_output_, const at::Tensor& output_, double scale, bool causal) {
-  check_backward(grad_output_, output_, causal);
-  const at::Tensor grad_output = grad_output_.contiguous();
-  const at::Tensor output = output_.contiguous();
-  const Layout layout = make_layout(output, c10::nullopt, causal);
-  check_cuda(output, layout);
-  const c10::cuda::CUDAGuard guard(output.device());
-  at::Tensor grad_input = at::empty_like(output);
-  if (output.numel() == 0) return grad_input;
-  const Launch p{grad_output.const_data_ptr(), output.const_data_ptr(), grad_input.mutable_data_ptr(), layout,
-                 causal, static_cast<float>(scale)};
-  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(output.scalar_type(), "scaled_masked_softmax_backward_cuda",
+at::Tensor backward_op(const at::Tensor& grad_output, const at::Tensor& output, double scale, bool causal) {
+  const BackwardArgs args = prepare_backward(grad_output, output, causal);
+  check_cuda(args.output, args.layout);
+  const c10::cuda::CUDAGuard guard(args.output.device());
+  at::Tensor grad_input = at::empty_like(args.output);
+  if (grad_input.numel() == 0) return grad_input;
+  const Launch p{args.grad_output.const_data_ptr(), args.output.const_data_ptr(), grad_input.mutable_data_ptr(),
+                 args.layout, causal, static_cast<float>(scale)};
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(grad_input.scalar_type(), "scaled_masked_softmax_backward_cuda",
                                        [&] { launch_typed<scalar_t, true>(p); });
   return grad_input;
 }
