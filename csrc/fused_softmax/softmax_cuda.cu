@@ -239,7 +239,8 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 template <typename T, bool kBackward>
 void launch_typed(const Launch& p) {
   constexpr int kVec = 16 / sizeof(T);
-  const bool vectorise = p.layout.sk % kVec == 0 && aligned16(p.a) && aligned16(p.out) && (!kBackward || aligned16(p.b));
+  const bool vectorise =
+      p.layout.sk % kVec == 0 && aligned16(p.a) && aligned16(p.out) && (!kBackward || aligned16(p.b));
   if (vectorise) {
     launch_vec<T, kBackward, kVec>(p);
   } else {

@@ -132,7 +132,9 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
     def __init__(self, attn_mask_type="causal", scale=None, softmax_in_fp32=True, fusion=True):
         super().__init__()
         if attn_mask_type not in MASK_TYPES:
-            raise ValueError(f"FusedScaleMaskSoftmax: attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}")
+            raise ValueError(
+                f"FusedScaleMaskSoftmax: attn_mask_type must be one of {MASK_TYPES}, got {attn_mask_type!r}"
+            )
         self.attn_mask_type = attn_mask_type
         self.scale = 1.0 if scale is None else float(scale)
         self.softmax_in_fp32 = softmax_in_fp32

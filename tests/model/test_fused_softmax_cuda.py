@@ -11,7 +11,7 @@ from tests.model.softmax_reference import (
     reference_softmax,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Warp-per-row (sk <= 1024) and block-per-row rows, with and without 16-byte loads (odd sk),
