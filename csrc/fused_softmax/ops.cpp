@@ -1,0 +1,18 @@
+// Schemas of the fused scaled-masked softmax ops. One forward covers the three
+// variants (no mask, padding mask, causal); one backward covers them all too,
+// because it only needs the saved output: y is already zero wherever the
+// forward masked, so dx = scale * y * (dy - sum(dy * y)) is zero there as well.
+//
+// Semantics shared by every implementation (CPU, CUDA, and the Python fallback):
+//   input [..., sq, sk]; y = softmax over the last dim of scale * input, where
+//   masked positions are excluded (they get probability 0);
+//   mask (padding) is bool [b or 1, np or 1, sq or 1, sk], True = masked,
+//   for a 4-D input [b, np, sq, sk];
+//   causal masks key j > query i and needs sq == sk;
+//   a row whose every position is masked is all zeros, forward and backward.
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(megatron_lite, m) {
+  m.def("scaled_masked_softmax_forward(Tensor input, Tensor? mask, float scale, bool causal) -> Tensor");
+  m.def("scaled_masked_softmax_backward(Tensor grad_output, Tensor output, float scale, bool causal) -> Tensor");
+}
