@@ -40,6 +40,14 @@ def _compiled():
             stacklevel=3,
         )
         return None
+    if not hasattr(torch.ops.megatron_lite, "scaled_masked_softmax_backward"):
+        warnings.warn(
+            "megatron_lite._C was built from an older checkout (its fused softmax ops are missing); "
+            "FusedScaleMaskSoftmax falls back to eager torch ops. Rebuild with "
+            "`pip install --no-build-isolation -e .` (or `python setup.py build_ext --inplace`).",
+            stacklevel=3,
+        )
+        return None
     return compiled
 
 
