@@ -56,10 +56,10 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def model_argv(args, tp=1, pp=1, micro=None, gas=None, dp=1):
+def model_argv(args, tp=1, pp=1, micro=None, gas=None, dp=1, num_layers=None):
     micro = micro or args.micro_batch_size
     gas = gas or args.gas
-    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+    return ["--num-layers", str(num_layers or args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
             "--vocab-size", str(args.vocab_size), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--micro-batch-size", str(micro), "--global-batch-size", str(micro * gas * dp),
@@ -168,14 +168,15 @@ def bench_single(args):
 def bench_pipeline(args):
     gas_pp, micro = args.pipeline_gas, args.pipeline_micro_batch_size
     global_batch = micro * gas_pp
-    pp_argv = model_argv(args, pp=2, micro=micro, gas=gas_pp)
-    dp_argv = model_argv(args, micro=micro, gas=gas_pp // 2, dp=2)
+    layers = args.pipeline_num_layers
+    pp_argv = model_argv(args, pp=2, micro=micro, gas=gas_pp, num_layers=layers)
+    dp_argv = model_argv(args, micro=micro, gas=gas_pp // 2, dp=2, num_layers=layers)
     tokens = global_batch * args.seq_length
     t_dp = run_world(dp_argv, 2, args.warmup, args.iters)
     t_pp = run_world(pp_argv, 2, args.warmup, args.iters)
     theory = gas_pp / (gas_pp + 2 - 1)
-    print(f"\n## PP = 2 vs DP = 2 (two processes, one thread each), global batch {global_batch}, "
-          f"gas {gas_pp} (PP) / {gas_pp // 2} (DP)")
+    print(f"\n## PP = 2 vs DP = 2 (two processes, one thread each), {layers} layers, global batch {global_batch}, "
+          f"micro batch {micro}, gas {gas_pp} (PP) / {gas_pp // 2} (DP)")
     print("| layout | ms/step | tokens/s | ratio to DP=2 |\n|---|---|---|---|")
     print(f"| DP = 2 | {t_dp * 1e3:.1f} | {tokens / t_dp:.0f} | 1.00 |")
     print(f"| PP = 2 | {t_pp * 1e3:.1f} | {tokens / t_pp:.0f} | {t_dp / t_pp:.2f} |")
@@ -194,6 +195,8 @@ def main():
     parser.add_argument("--gas", type=int, default=1, help="gradient accumulation for the single-process part")
     parser.add_argument("--pipeline-gas", type=int, default=16)
     parser.add_argument("--pipeline-micro-batch-size", type=int, default=4)
+    parser.add_argument("--pipeline-num-layers", type=int, default=8,
+                        help="layers for the PP/DP part: with few layers, whole layers cannot balance two stages")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     args = parser.parse_args()
