@@ -9,6 +9,22 @@ from typing import Optional
 import torch
 
 
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm node list: 'gpu[003-010,12],cpu1' -> 'gpu003' (what scontrol would say)."""
+    first = nodelist
+    depth = 0
+    for i, ch in enumerate(nodelist):  # cut at the first comma outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            first = nodelist[:i]
+            break
+    if "[" not in first:
+        return first
+    prefix, ranges = first.split("[", 1)
+    return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
+
+
 def _first_slurm_host() -> Optional[str]:
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
     if not nodelist:
@@ -17,7 +33,7 @@ def _first_slurm_host() -> Optional[str]:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
         return out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
-        return nodelist.split(",")[0] if "[" not in nodelist else None
+        return first_host(nodelist)
 
 
 def environment_from_launcher() -> None:
