@@ -334,6 +334,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Tuple[Config, List[st
                              "train one with tools/train_tokenizer.py or point at an existing .model file")
         if tokenizer_type is None:
             tokenizer_type = "SentencePieceTokenizer"
+    if tokenizer_type is None and args.vocab_size is not None:
+        tokenizer_type = "NullTokenizer"
     if tokenizer_type == "SentencePieceTokenizer" and args.tokenizer_model is None:
         raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model PATH.model")
     if tokenizer_type == "NullTokenizer" and args.vocab_size is None:

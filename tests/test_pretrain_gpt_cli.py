@@ -45,3 +45,10 @@ def test_help_exits_0():
     proc = _launch(["--help"])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "--tensor-model-parallel-size" in out
+
+
+def test_training_without_data_path_exits_2_naming_the_flag():
+    proc = _launch(["--train-iters", "1"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert "--data-path is required to train" in out and "Traceback" not in out

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.batching import global_batch_size_at
-from megatron_lite.config import Config, pad_vocab_size
+from megatron_lite.arguments import is_rank_zero_from_environment
+from megatron_lite.config import Config, ConfigError, pad_vocab_size
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
@@ -178,12 +179,22 @@ def _log_eval(engine: Engine, valid_ds, config: Config, iteration: int, tb: Tens
     tb.write("valid", {"loss": loss, "perplexity": ppl}, iteration)
 
 
+def check_training_inputs(config: Config) -> None:
+    """What training needs beyond a consistent config (the flags parse without data, for tools)."""
+    if not config.data.data_path:
+        raise ConfigError(
+            "--data-path is required to train: the prefix of a .bin/.idx pair written by "
+            "tools/preprocess_data.py, e.g. --data-path data/corpus_text_document (see scripts/quickstart.sh)"
+        )
+
+
 def main(config: Config) -> None:
-    """Entry point: a checkpoint that cannot be resumed is a clear error (exit 2), not a traceback."""
+    """Entry point: missing inputs or a checkpoint that cannot be resumed are a clear error (exit 2)."""
     try:
+        check_training_inputs(config)
         code = pretrain(config)
-    except checkpointing.CheckpointError as e:
-        if dist.is_initialized() and dist.get_rank() == 0:
+    except (ConfigError, checkpointing.CheckpointError) as e:
+        if is_rank_zero_from_environment():
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     sys.exit(code)
