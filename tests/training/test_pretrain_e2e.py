@@ -62,13 +62,15 @@ def losses_by_iteration(text):
 @pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
 def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tp, pp, dp, tmp_path):
     result = pretrain(corpus, tp * pp * dp, layout(tp, pp) + ["--train-iters", "4", "--eval-interval", "2",
-                                                                "--save", str(tmp_path / "ckpt")])
+                                                                "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                                                                "--keep-last", "2"])
     assert result.returncode == 0, result.stdout + result.stderr
     losses = losses_by_iteration(result.stdout)
     assert sorted(losses) == [1, 2, 3, 4]
     assert "validation at iteration 2 | loss" in result.stdout
     assert "TFLOP/s/rank" in result.stdout and "tokens/s" in result.stdout
     assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000004"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004"]
     assert glob.glob(str(tmp_path / "ckpt" / "iter_0000004" / "layer_*-model_*-model_states.pt"))
 
 
@@ -208,3 +210,15 @@ def test_loading_under_another_layout_is_refused_with_both_layouts(corpus, tmp_p
     assert "was saved with TP=1, PP=2, but this run uses TP=2, PP=1" in result.stderr
     # torchrun reports the failed workers with its own traceback; ours must not add one
     assert "megatron_lite/training" not in result.stderr
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # An absurd learning rate overflows the fp32 weights within a few steps.
+    result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "20", "--lr", "1e30", "--min-lr", "1e30",
+                                                 "--save", str(ckpt), "--save-interval", "1"])
+    assert result.returncode != 0
+    match = re.search(r"error: loss is (nan|inf) at iteration (\d+); stopping", result.stdout)
+    assert match, result.stdout[-2000:]
+    bad = int(match.group(2))
+    assert open(ckpt / "latest").read() == f"iter_{bad - 1:07d}"
