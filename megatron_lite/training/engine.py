@@ -49,10 +49,9 @@ class Engine:
         engine broadcasts it from the last stage)."""
         if self.pipelined:
             return self.engine.train_batch(data_iter=data_iter).item()
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.engine.device)
         for _ in range(self.engine.gradient_accumulation_steps()):
-            (tokens, position_ids), (labels, loss_mask) = next(data_iter)
-            loss = self.engine(tokens, position_ids, labels, loss_mask)
+            loss = self.engine(*self._next_on_device(data_iter))
             self.engine.backward(loss)
             self.engine.step()
             total += loss.detach().float()
@@ -63,12 +62,17 @@ class Engine:
         if self.pipelined:
             return self.engine.eval_batch(data_iter=data_iter).item()
         self.engine.eval()
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.engine.device)
         for _ in range(self.engine.gradient_accumulation_steps()):
-            (tokens, position_ids), (labels, loss_mask) = next(data_iter)
-            total += self.engine(tokens, position_ids, labels, loss_mask).float()
+            total += self.engine(*self._next_on_device(data_iter)).float()
         self.engine.train()
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
+
+    def _next_on_device(self, data_iter: Iterator):
+        """(tokens, position_ids, labels, loss_mask) of the next micro-batch, where the model is.
+        (The pipeline engine moves its micro-batches itself.)"""
+        (tokens, position_ids), (labels, loss_mask) = next(data_iter)
+        return [t.to(self.engine.device) for t in (tokens, position_ids, labels, loss_mask)]
 
     def grad_norm(self):
         """Global gradient norm of the last step, where known."""

@@ -74,6 +74,15 @@ def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tp, pp, dp, tmp_path
     assert glob.glob(str(tmp_path / "ckpt" / "iter_0000004" / "layer_*-model_*-model_states.pt"))
 
 
+def test_zero2_at_pp1_trains_evaluates_and_saves(corpus, tmp_path):
+    result = pretrain(corpus, 2, layout(1, 1) + ["--zero-stage", "2", "--train-iters", "2", "--eval-interval", "2",
+                                                 "--save", str(tmp_path / "ckpt")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(losses_by_iteration(result.stdout)) == [1, 2]
+    assert "validation at iteration 2 | loss" in result.stdout
+    assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000002"
+
+
 def test_pretrain_runs_under_the_deepspeed_launcher(corpus, tmp_path):
     result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2"], launcher="deepspeed")
     assert result.returncode == 0, result.stdout + result.stderr
