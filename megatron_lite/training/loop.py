@@ -92,11 +92,17 @@ def pretrain(config: Config) -> int:
             print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples")
 
     gbs = config.batch.global_batch_size
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        config.data.data_path, config.data.split, config.model.seq_length,
-        (config.training.train_iters * gbs, config.training.eval_iters * gbs, config.training.eval_iters * gbs),
-        config.training.seed, config.data.data_cache_path, tokenizer.eod, config.data.eod_mask_loss,
-    )
+    try:
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(
+            config.data.data_path, config.data.split, config.model.seq_length,
+            (config.training.train_iters * gbs, config.training.eval_iters * gbs, config.training.eval_iters * gbs),
+            config.training.seed, config.data.data_cache_path, tokenizer.eod, config.data.eod_mask_loss,
+        )
+    except ValueError as e:  # the data modules name the flag or file and the fix
+        raise ConfigError(str(e)) from None
+    if train_ds is None:
+        raise ConfigError(f"--split {config.data.split} leaves no training documents; give the first weight a "
+                          f"positive share, e.g. --split 969,30,1")
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,
                                      num_workers=config.data.num_workers)

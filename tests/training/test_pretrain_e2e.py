@@ -231,3 +231,10 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(corpus, t
     assert match, result.stdout[-2000:]
     bad = int(match.group(2))
     assert open(ckpt / "latest").read() == f"iter_{bad - 1:07d}"
+
+
+def test_a_split_without_training_documents_is_a_clear_error(corpus):
+    result = pretrain(corpus, 1, layout(1, 1) + ["--train-iters", "2", "--split", "0,1,0"])
+    assert result.returncode != 0
+    assert "pretrain_gpt.py: error: --split 0,1,0 leaves no training documents" in result.stderr
+    assert "megatron_lite/training" not in result.stderr
