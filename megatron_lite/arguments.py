@@ -25,6 +25,7 @@ from megatron_lite.config import (
     PrecisionConfig,
     TrainingConfig,
     pad_vocab_size,
+    vocab_padding_note,
 )
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
@@ -367,11 +368,9 @@ def validate(args: argparse.Namespace, world_size: int) -> Tuple[Config, List[st
     padded = None
     if args.vocab_size is not None:
         padded = pad_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
-        if padded != args.vocab_size:
-            notes.append(
-                f"vocabulary {args.vocab_size} padded to {padded} (multiple of "
-                f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} x TP {tp})"
-            )
+        note = vocab_padding_note(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+        if note:
+            notes.append(note)
 
     config = Config(
         model=ModelConfig(

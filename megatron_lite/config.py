@@ -21,6 +21,15 @@ def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_siz
     return -(-vocab_size // multiple) * multiple
 
 
+def vocab_padding_note(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> Optional[str]:
+    """The line rank 0 logs when padding changes the vocabulary, else None."""
+    padded = pad_vocab_size(vocab_size, divisible_by, tensor_model_parallel_size)
+    if padded == vocab_size:
+        return None
+    return (f"vocabulary {vocab_size} padded to {padded} (multiple of --make-vocab-size-divisible-by "
+            f"{divisible_by} x TP {tensor_model_parallel_size})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     num_layers: int = 2

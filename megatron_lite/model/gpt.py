@@ -184,10 +184,10 @@ class GPTModel(nn.Module):
         self._forward_fns = []
         for spec in layer_specs(config):
             if isinstance(spec, TiedLayerSpec):
-                first = spec.key not in tied
-                module = tied.setdefault(spec.key, spec.build())
-                if first:
-                    self.layers.append(module)
+                if spec.key not in tied:  # built once, as DeepSpeed does; later specs reuse it
+                    tied[spec.key] = spec.build()
+                    self.layers.append(tied[spec.key])
+                module = tied[spec.key]
                 fn = module if spec.forward_fn is None else (lambda x, m=module, f=spec.forward_fn: f(m, x))
             else:
                 module = spec.build()

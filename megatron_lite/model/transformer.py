@@ -7,6 +7,7 @@ process-group function itself.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn

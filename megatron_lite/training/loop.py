@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_lite.batching import global_batch_size_at
 from megatron_lite.arguments import is_rank_zero_from_environment
-from megatron_lite.config import Config, ConfigError, pad_vocab_size
+from megatron_lite.batching import global_batch_size_at
+from megatron_lite.config import Config, ConfigError, pad_vocab_size, vocab_padding_note
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
@@ -47,16 +47,17 @@ class ExitSignal:
 
 
 def with_vocabulary(config: Config, tokenizer) -> Config:
-    """Fill the vocabulary size from the tokenizer and pad it for TP (logged on rank 0)."""
-    if config.model.vocab_size is not None:
-        vocab = config.model.vocab_size
-    else:
-        vocab = tokenizer.vocab_size
-    padded = pad_vocab_size(vocab, config.model.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size)
-    if padded != vocab:
-        print_rank0(f"vocabulary {vocab} padded to {padded} (multiple of --make-vocab-size-divisible-by "
-                    f"{config.model.make_vocab_size_divisible_by} x TP {config.parallel.tensor_model_parallel_size})")
-    return config.replace(model__vocab_size=vocab, model__padded_vocab_size=padded)
+    """Fill the vocabulary size from the tokenizer and pad it for TP (logged on rank 0).
+    With --vocab-size, arguments.py has already done both."""
+    if config.model.padded_vocab_size is not None:
+        return config
+    model, tp = config.model, config.parallel.tensor_model_parallel_size
+    vocab = tokenizer.vocab_size
+    note = vocab_padding_note(vocab, model.make_vocab_size_divisible_by, tp)
+    if note:
+        print_rank0(note)
+    return config.replace(model__vocab_size=vocab,
+                          model__padded_vocab_size=pad_vocab_size(vocab, model.make_vocab_size_divisible_by, tp))
 
 
 def _agree(flags, device) -> list:
@@ -151,17 +152,15 @@ def pretrain(config: Config) -> int:
         if config.training.eval_interval and iteration % config.training.eval_interval == 0:
             _log_eval(engine, valid_ds, config, iteration, tb)
 
-        save_now = config.training.save and (
-            (config.training.save_interval and iteration % config.training.save_interval == 0) or stop_signal
-            or (config.training.exit_interval and iteration % config.training.exit_interval == 0))
-        if save_now:
-            checkpointing.save(engine.engine, config, iteration, consumed)
+        exit_now = bool(config.training.exit_interval) and iteration % config.training.exit_interval == 0
+        interval_save = bool(config.training.save_interval) and iteration % config.training.save_interval == 0
+        if config.training.save and (interval_save or stop_signal or exit_now):
+            _save(engine, config, iteration, consumed)
             last_saved = iteration
-            print_rank0(f"saved checkpoint {checkpointing.tag_for(iteration)} in {config.training.save}")
         if stop_signal:
             print_rank0(f"exit signal received: stopped after iteration {iteration}")
             break
-        if config.training.exit_interval and iteration % config.training.exit_interval == 0:
+        if exit_now:
             print_rank0(f"--exit-interval {config.training.exit_interval}: stopping at iteration {iteration}")
             break
 
@@ -169,11 +168,15 @@ def pretrain(config: Config) -> int:
         if config.training.eval_interval and iteration % config.training.eval_interval:
             _log_eval(engine, valid_ds, config, iteration, tb)
         if config.training.save and last_saved != iteration:
-            checkpointing.save(engine.engine, config, iteration, consumed)
-            print_rank0(f"saved checkpoint {checkpointing.tag_for(iteration)} in {config.training.save}")
+            _save(engine, config, iteration, consumed)
     tb.close()
     dist.barrier()
     return exit_code
+
+
+def _save(engine: Engine, config: Config, iteration: int, consumed: int) -> None:
+    checkpointing.save(engine.engine, config, iteration, consumed)
+    print_rank0(f"saved checkpoint {checkpointing.tag_for(iteration)} in {config.training.save}")
 
 
 def _log_eval(engine: Engine, valid_ds, config: Config, iteration: int, tb: TensorBoardWriter) -> None:
