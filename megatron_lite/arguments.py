@@ -14,7 +14,6 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite import batching
 from megatron_lite.config import (
-    BatchConfig,
     Config,
     ConfigError,
     DataConfig,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
+from megatron_lite.training.distributed import free_port
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "240"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DistributedTestError(AssertionError):
@@ -157,17 +152,18 @@ def signal_process_tree(pid: int, sig: int) -> None:
             pass
 
 
-def run_launcher(
+def start_launcher(
     script_args: Sequence[str],
     nproc: int,
-    timeout: float = DEFAULT_TIMEOUT,
     env: Optional[Dict[str, str]] = None,
     cwd: Optional[str] = None,
     launcher: str = "torchrun",
-) -> subprocess.CompletedProcess:
-    """Launch `script_args` (script path first) on nproc local processes; output captured as text.
+    stderr=subprocess.PIPE,
+) -> subprocess.Popen:
+    """Start `script_args` (script path first) on nproc local processes; output captured as text.
 
     launcher: "torchrun" (python -m torch.distributed.run) or "deepspeed" (the deepspeed launcher).
+    The launcher gets a session of its own, so `signal_process_tree` can stop everything it started.
     """
     port = str(free_port())
     if launcher == "torchrun":
@@ -182,14 +178,26 @@ def run_launcher(
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     full_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=cwd or REPO_ROOT, env=full_env, stdout=subprocess.PIPE, stderr=stderr,
+                            text=True, start_new_session=True)
+
+
+def run_launcher(
+    script_args: Sequence[str],
+    nproc: int,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: Optional[Dict[str, str]] = None,
+    cwd: Optional[str] = None,
+    launcher: str = "torchrun",
+) -> subprocess.CompletedProcess:
+    """`start_launcher` and wait: the completed process, or DistributedTestError after `timeout`."""
+    proc = start_launcher(script_args, nproc, env=env, cwd=cwd, launcher=launcher)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         signal_process_tree(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         raise DistributedTestError(
-            f"{' '.join(cmd)} did not finish within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}"
+            f"{' '.join(proc.args)} did not finish within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -117,7 +116,7 @@ def _worker(rank, world_size, port, argv, warmup, iters, results):
 
 
 def run_world(argv, world_size, warmup, iters):
-    from tests.harness import free_port
+    from megatron_lite.training.distributed import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -159,7 +158,7 @@ def bench_single(args):
     baseline = time_steps(plain_step, args.warmup, args.iters)
     print(f"\n## TP = PP = DP = 1 (one process, one thread), {args.num_layers} layers, hidden {args.hidden_size}, "
           f"seq {args.seq_length}, micro batch {args.micro_batch_size}")
-    print(f"| model | ms/step | tokens/s | ratio |\n|---|---|---|---|")
+    print("| model | ms/step | tokens/s | ratio |\n|---|---|---|---|")
     print(f"| plain PyTorch GPT (SDPA) | {baseline * 1e3:.1f} | {tokens_per_step / baseline:.0f} | 1.00 |")
     print(f"| megatron_lite (DeepSpeed pipeline engine) | {ours * 1e3:.1f} | {tokens_per_step / ours:.0f} | "
           f"{baseline / ours:.2f} |")

@@ -9,6 +9,13 @@ from typing import Optional
 import torch
 
 
+def free_port() -> int:
+    """A TCP port on this machine that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def first_host(nodelist: str) -> str:
     """First host of a Slurm node list: 'gpu[003-010,12],cpu1' -> 'gpu003' (what scontrol would say)."""
     first = nodelist
@@ -54,10 +61,7 @@ def environment_from_launcher() -> None:
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in env:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                env["MASTER_PORT"] = str(s.getsockname()[1])
+        env.setdefault("MASTER_PORT", str(free_port()))
     env.setdefault("LOCAL_RANK", "0")
 
 

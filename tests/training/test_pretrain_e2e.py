@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, free_port, run_launcher, signal_process_tree
+from tests.harness import REPO_ROOT, run_launcher, signal_process_tree, start_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -121,12 +121,7 @@ def test_resume_continues_the_same_loss_curve_and_weights(corpus, tmp_path):
 
 
 def _launch_background(corpus, nproc, args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "pretrain_gpt.py", *MODEL, *data_args(corpus), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return start_launcher(["pretrain_gpt.py", *MODEL, *data_args(corpus), *args], nproc, stderr=subprocess.STDOUT)
 
 
 def _wait_for(predicate, proc, timeout=240.0, poll=0.001):
