@@ -1,14 +1,16 @@
-"""Typed, immutable run configuration.
+"""Typed, immutable run configuration: data, no rules.
 
-`arguments.py` fills these from Megatron-LM-named flags and validates every
-cross-field rule; everything else in the package reads a `Config`. Each field's
-docstring names the flag that sets it.
+`arguments.py` maps Megatron-LM-named flags onto these dataclasses; code (tests,
+benchmarks, the tuning planner) builds them directly. Either way a `Config` is
+checked and completed by `megatron_lite.validation.validate()` (also reachable
+as `Config.validate()`), which fills the fields documented as derived and
+refuses inconsistent ones. Each field's docstring names the flag that sets it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 
 class ConfigError(ValueError):
@@ -38,18 +40,18 @@ class ModelConfig:
     """Width of the residual stream (`--hidden-size`)."""
     num_attention_heads: int = 4
     """Attention heads; split whole across TP ranks (`--num-attention-heads`)."""
-    ffn_hidden_size: int = 256
-    """MLP inner width, default 4 x hidden (`--ffn-hidden-size`)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None means 4 x hidden, filled by validation (`--ffn-hidden-size`)."""
     seq_length: int = 128
     """Tokens per sample (`--seq-length`)."""
-    max_position_embeddings: int = 128
-    """Rows of the learned position table; >= seq_length (`--max-position-embeddings`)."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table, >= seq_length; None means seq_length (`--max-position-embeddings`)."""
     vocab_size: Optional[int] = None
-    """Tokenizer vocabulary before padding; None until a tokenizer or `--vocab-size` gives it."""
+    """Tokenizer vocabulary before padding: the SentencePiece model's size, or `--vocab-size` for NullTokenizer."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this x TP so it splits evenly (`--make-vocab-size-divisible-by`)."""
     padded_vocab_size: Optional[int] = None
-    """Vocabulary after padding; derived, never set by a flag."""
+    """Vocabulary after padding for TP; derived by validation, never set by a flag."""
     hidden_dropout: float = 0.1
     """Dropout on the residual branches and embeddings (`--hidden-dropout`)."""
     attention_dropout: float = 0.1
@@ -69,7 +71,7 @@ class ModelConfig:
     masked_softmax_fusion: bool = True
     """Use the fused scaled-masked softmax kernel where it applies (`--no-masked-softmax-fusion` turns it off)."""
     attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32 for bf16/fp16 inputs (`--attention-softmax-in-fp32`)."""
+    """Compute the attention softmax in fp32 for bf16/fp16 inputs (`--[no-]attention-softmax-in-fp32`)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,8 @@ class ParallelConfig:
     """TP degree: ranks that split each matrix (`--tensor-model-parallel-size`)."""
     pipeline_model_parallel_size: int = 1
     """PP degree: stages the layers are split into (`--pipeline-model-parallel-size`)."""
-    data_parallel_size: int = 1
-    """DP degree, derived: world_size / (TP x PP)."""
+    data_parallel_size: Optional[int] = None
+    """DP degree: world_size / (TP x PP), derived by validation."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3; 0 or 1 when PP > 1 (`--zero-stage`)."""
     pipeline_partition_method: str = "cost"
@@ -94,11 +96,12 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    micro_batch_size: int = 1
-    """Samples per micro-batch per data-parallel rank (`--micro-batch-size`)."""
-    global_batch_size: int = 1
+    micro_batch_size: Optional[int] = None
+    """Samples per micro-batch per data-parallel rank (`--micro-batch-size`); any two of the three
+    batch numbers give the third (see batching.py)."""
+    global_batch_size: Optional[int] = None
     """Samples per optimizer step over all DP ranks: micro x gas x DP (`--global-batch-size`)."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Optional[int] = None
     """Micro-batches accumulated per step per DP rank (`--gradient-accumulation-steps`, or derived)."""
     rampup_batch_size: Optional[Tuple[int, int, int]] = None
     """(start, increment, ramp samples): grow the global batch during the first samples (`--rampup-batch-size`)."""
@@ -152,12 +155,12 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: Tuple[str, ...] = ()
-    """Dataset prefixes, optionally weighted: `prefix` or `w1 prefix1 w2 prefix2` (`--data-path`)."""
-    split: str = "969,30,1"
-    """Train, valid, test weights over documents (`--split`)."""
+    data_path: Tuple[Tuple[float, str], ...] = ()
+    """(weight, prefix) pairs to blend; one prefix has weight 1 (`--data-path prefix` or `w1 p1 w2 p2`)."""
+    split: Tuple[float, float, float] = (969.0, 30.0, 1.0)
+    """Train, valid, test weights over documents, as given (`--split 969,30,1`)."""
     tokenizer_type: Optional[str] = None
-    """SentencePieceTokenizer or NullTokenizer (`--tokenizer-type`)."""
+    """SentencePieceTokenizer or NullTokenizer; inferred from the other tokenizer flags when None (`--tokenizer-type`)."""
     tokenizer_model: Optional[str] = None
     """Path of the SentencePiece model (`--tokenizer-model`)."""
     data_cache_path: Optional[str] = None
@@ -192,6 +195,8 @@ class TrainingConfig:
     """Seed of every random generator (`--seed`)."""
     deepspeed_config: Optional[str] = None
     """Extra DeepSpeed JSON merged under ours (`--deepspeed-config`)."""
+    deepspeed_config_contents: Optional[Dict[str, Any]] = None
+    """That file's JSON object, read once by validation; may also be given directly in code."""
 
 
 @dataclass(frozen=True)
@@ -235,3 +240,31 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Config":
+        """Inverse of to_dict (e.g. a checkpoint's saved config); JSON lists become tuples again."""
+        sections = {}
+        for f in dataclasses.fields(cls):
+            section_cls = f.default_factory  # every section field has its dataclass as factory
+            known = {g.name for g in dataclasses.fields(section_cls)}
+            values = {k: _tuples(v) for k, v in data.get(f.name, {}).items() if k in known}
+            sections[f.name] = section_cls(**values)
+        return cls(**sections)
+
+    def validate(self, world_size: Optional[int] = None) -> Tuple["Config", List[str]]:
+        """Checked and completed copy plus notes for rank 0; see megatron_lite.validation."""
+        from megatron_lite.validation import validate
+
+        return validate(self, world_size)
+
+
+def format_split(split: Tuple[float, ...]) -> str:
+    """(969.0, 30.0, 1.0) -> '969,30,1', as the user wrote it."""
+    return ",".join(f"{w:g}" for w in split)
+
+
+def _tuples(value):
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

@@ -52,3 +52,33 @@ def test_training_without_data_path_exits_2_naming_the_flag():
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert "--data-path is required to train" in out and "Traceback" not in out
+
+
+def test_deepspeed_contradiction_and_empty_split_exit_2_on_both_ranks_before_any_rendezvous(tmp_path):
+    import json
+
+    import numpy as np
+
+    from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
+    from megatron_lite.training.distributed import free_port
+
+    prefix = str(tmp_path / "tiny_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for i in range(20):
+            writer.add_document(list(range(i, i + 40)))
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    argv = ["--data-path", prefix, "--vocab-size", "100", "--split", "0,50,50", "--micro-batch-size", "2",
+            "--deepspeed-config", str(ds_json), "--train-iters", "2"]
+    # Rank 1 alone would wait for rank 0's store if it tried to rendezvous; both must exit at once.
+    env = dict(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    alone = _launch(argv, RANK="1", LOCAL_RANK="1", **env)
+    out, _ = alone.communicate(timeout=60)
+    assert alone.returncode == 2 and out == ""
+    procs = [_launch(argv, RANK=str(r), LOCAL_RANK=str(r), **env) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2]
+    assert outs[0].startswith("pretrain_gpt.py: error: 2 problems:")
+    assert '"train_micro_batch_size_per_gpu" is 8 but the command-line flags give 2' in outs[0]
+    assert f"--split 0,50,50 leaves no training documents in {prefix}" in outs[0]
+    assert outs[1] == "" and "Traceback" not in outs[0]

@@ -98,7 +98,7 @@ def _ours(argv, world_size, warmup, iters):
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     engine = Engine(config, with_scheduler=False)
     data = random_batches(config, seed=state.get_data_parallel_rank())
-    seconds = time_steps(lambda: engine.train_batch(data), warmup, iters)
+    seconds = time_steps(lambda: engine.train_step(data), warmup, iters)
     state.destroy()
     return seconds, config
 

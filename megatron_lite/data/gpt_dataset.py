@@ -12,21 +12,33 @@ import logging
 import math
 import os
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_lite.arguments import parse_split  # the --split parser itself, so the two never disagree
 from megatron_lite.data import indices
 from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.index_cache import load_or_build
-from megatron_lite.data.indexed_dataset import IndexedDataset
+from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path
 
 logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 # Each blended component is built a little larger than its share so that rounding never runs it dry.
 BLEND_MARGIN = 1.005
+
+
+class TokenOutOfVocabularyError(ValueError):
+    """A sample holds a token id the embedding has no row for (data made with another tokenizer).
+
+    DataLoader workers re-raise an exception in the trainer as `type(message with the worker's
+    traceback)`; the constructor keeps only our own message so the trainer can print it as is."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
 
 
 class GPTDataset:
@@ -39,8 +51,9 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, split: str, documents: Tuple[int, int], seq_length: int,
                  num_samples: Optional[int], seed: int, cache_path: Optional[str], eod_token: int,
-                 eod_mask_loss: bool) -> None:
+                 eod_mask_loss: bool, vocab_size: Optional[int] = None) -> None:
         self.indexed = indexed
+        self.vocab_size = vocab_size
         self.split = split
         self.seq_length = seq_length
         self.eod_token = eod_token
@@ -98,6 +111,12 @@ class GPTDataset:
 
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
         sample = self.sample_tokens(int(self.shuffle_index[index])).astype(np.int64)
+        if self.vocab_size is not None and (sample.max() >= self.vocab_size or sample.min() < 0):
+            bad = int(sample.max() if sample.max() >= self.vocab_size else sample.min())
+            raise TokenOutOfVocabularyError(
+                f"{data_file_path(self.indexed.prefix)}: token id {bad} in {self.split} sample {index} is outside "
+                f"the model's vocabulary [0, {self.vocab_size}); preprocess the data with the tokenizer given to "
+                f"training (--tokenizer-model / --vocab-size)")
         tokens, labels = sample[:-1], sample[1:]
         loss_mask = np.ones(self.seq_length, dtype=np.float32)
         if self.eod_mask_loss:
@@ -107,44 +126,65 @@ class GPTDataset:
                 "position_ids": np.arange(self.seq_length, dtype=np.int64)}
 
 
-def _parse_data_path(data_path: Sequence[str]) -> Tuple[Tuple[float, str], ...]:
-    """DataConfig.data_path -> ((weight, prefix), ...); one prefix gets weight 1."""
-    if len(data_path) == 1:
-        return ((1.0, data_path[0]),)
-    return tuple((float(w), p) for w, p in zip(data_path[0::2], data_path[1::2]))
+def _split_text(split: Sequence[float]) -> str:
+    return ",".join(f"{w:g}" for w in split)
 
 
-def build_train_valid_test_datasets(data_path: Sequence[str], split: str, seq_length: int,
+def check_splits(datasets: Sequence[IndexedDataset], split: Sequence[float],
+                 num_samples: Sequence[Optional[int]]) -> List[List[Tuple[int, int]]]:
+    """Document ranges [begin, end) of (train, valid, test) per dataset; ValueError naming --split
+    and the file when a wanted split has no documents (or no tokens) in some or all datasets.
+
+    Validation calls this before any process group exists, and the builder below again."""
+    total = sum(split)
+    weights = [w / total for w in split]
+    ranges = [indices.split_document_ranges(ds.num_documents, weights) for ds in datasets]
+    text = _split_text(split)
+    for i, name in enumerate(SPLIT_NAMES):
+        if num_samples[i] == 0:
+            continue
+        empty = [ds.prefix for ds, r in zip(datasets, ranges) if _tokens(ds, r[i]) <= 1]
+        if i == 0 and len(empty) == len(datasets):
+            raise ValueError(f"--split {text} leaves no training documents in {', '.join(empty)}; give the first "
+                             f"weight a positive share (e.g. --split 969,30,1) or more data")
+        if empty and len(empty) < len(datasets):
+            raise ValueError(f"--split {text} leaves the {name} split of {', '.join(empty)} without documents "
+                             f"while other --data-path datasets have some; use a --split that gives every "
+                             f"dataset {name} documents, or more data")
+    return ranges
+
+
+def _tokens(ds: IndexedDataset, documents: Tuple[int, int]) -> int:
+    first, last = (int(ds.document_indices[d]) for d in documents)
+    return int(ds.sequence_lengths[first:last].sum(dtype=np.int64))
+
+
+def build_train_valid_test_datasets(data_path: Sequence[Tuple[float, str]], split: Sequence[float], seq_length: int,
                                     num_samples: Sequence[Optional[int]], seed: int, cache_path: Optional[str],
-                                    eod_token: int, eod_mask_loss: bool):
+                                    eod_token: int, eod_mask_loss: bool, vocab_size: Optional[int] = None):
     """(train, valid, test); None for a split without documents or with 0 samples requested.
 
-    Several weighted prefixes are blended per split: each prefix gives a
-    GPTDataset with its share of the samples (plus a small margin), and a
-    BlendedDataset interleaves them in proportion to the weights.
+    data_path: (weight, prefix) pairs; split: (train, valid, test) weights. Several
+    weighted prefixes are blended per split: each prefix gives a GPTDataset with
+    its share of the samples (plus a small margin), and a BlendedDataset
+    interleaves them in proportion to the weights. With vocab_size, a token id
+    at or past it is an error naming the data file.
     """
-    weights_and_prefixes = _parse_data_path(tuple(data_path))
-    split_weights = parse_split(split)
-    datasets = [IndexedDataset(prefix) for _, prefix in weights_and_prefixes]
-    ranges = [indices.split_document_ranges(ds.num_documents, split_weights) for ds in datasets]
-    total_weight = sum(w for w, _ in weights_and_prefixes)
+    datasets = [IndexedDataset(prefix) for _, prefix in data_path]
+    ranges = check_splits(datasets, split, num_samples)
+    total_weight = sum(w for w, _ in data_path)
     result = []
     for i, name in enumerate(SPLIT_NAMES):
         wanted = num_samples[i]
-        empty = [ds.prefix for ds, r in zip(datasets, ranges) if r[i][0] == r[i][1]]
-        if wanted == 0 or len(empty) == len(datasets):
+        if wanted == 0 or all(r[i][0] == r[i][1] for r in ranges):
             result.append(None)
             continue
-        if empty:
-            raise ValueError(f"--split {split} leaves the {name} split of {', '.join(empty)} without documents "
-                             f"while other --data-path datasets have some; use a --split that gives every "
-                             f"dataset {name} documents, or more data")
         common = dict(seq_length=seq_length, seed=seed, cache_path=cache_path, eod_token=eod_token,
-                      eod_mask_loss=eod_mask_loss)
+                      eod_mask_loss=eod_mask_loss, vocab_size=vocab_size)
         if len(datasets) == 1:
             result.append(GPTDataset(datasets[0], name, ranges[0][i], num_samples=wanted, **common))
             continue
-        shares = [w / total_weight for w, _ in weights_and_prefixes]
+        shares = [w / total_weight for w, _ in data_path]
         parts = [GPTDataset(ds, name, r[i], num_samples=None if wanted is None else math.ceil(s * wanted * BLEND_MARGIN),
                             **common) for ds, r, s in zip(datasets, ranges, shares)]
         size = wanted if wanted is not None else min(int(len(p) / s) for p, s in zip(parts, shares))

@@ -15,7 +15,6 @@ import warnings
 from typing import List, Sequence, Tuple
 
 import numpy as np
-import torch
 
 _ops = None
 
@@ -24,6 +23,8 @@ def _helpers():
     """torch.ops.megatron_lite with the data helpers loaded; a clear error when the extension is not built."""
     global _ops
     if _ops is None:
+        import torch  # here, not at the top: validation reads split ranges without starting torch
+
         try:
             import megatron_lite._C  # noqa: F401  (loading the library registers the ops)
         except ImportError as e:
@@ -34,8 +35,10 @@ def _helpers():
     return _ops
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
+def _tensor(array: np.ndarray) -> "torch.Tensor":  # noqa: F821
     """Zero-copy view; read-only memmaps are fine because the helpers only read their inputs."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
         return torch.from_numpy(np.ascontiguousarray(array))

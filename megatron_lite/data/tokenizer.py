@@ -11,6 +11,7 @@ import os
 from typing import List, Optional, Sequence
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("NullTokenizer",)
 
 
 class SentencePieceTokenizer:
@@ -90,5 +91,4 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of "
-                     f"{', '.join(SENTENCEPIECE_TYPES + ('NullTokenizer',))}")
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")

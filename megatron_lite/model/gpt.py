@@ -17,10 +17,11 @@ import contextlib
 from typing import List, Tuple
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
 from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
 from megatron_lite.model.partition import SpecCost, partition, stage_table
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
@@ -140,7 +141,7 @@ def spec_costs(config: Config) -> List[SpecCost]:
     return costs
 
 
-class GPTPipe(PipelineModule):
+class GPTPipe(OwnPartitionPipelineModule):
     """DeepSpeed PipelineModule whose stage boundaries come from our partitioner."""
 
     def __init__(self, config: Config, topology):
@@ -153,19 +154,13 @@ class GPTPipe(PipelineModule):
             activation_checkpoint_interval=0,
         )
 
-    def _partition_layers(self, method: str = "cost") -> None:
+    def stage_boundaries(self, num_stages: int) -> List[int]:
+        method = self._config.parallel.pipeline_partition_method
         costs = spec_costs(self._config)
-        self.parts = partition(costs, self.num_stages, method)
+        bounds = partition(costs, num_stages, method)
         if self.global_rank == 0:
-            print(f"pipeline stages ({method}):\n{stage_table(costs, self.parts)}", flush=True)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
-
-    def _synchronize_tied_weights(self) -> None:
-        # DeepSpeed broadcasts the tied parameters in place with autograd on, which records
-        # the broadcast in the graph and makes every backward warn about it.
-        with torch.no_grad():
-            super()._synchronize_tied_weights()
+            print(f"pipeline stages ({method}):\n{stage_table(costs, bounds)}", flush=True)
+        return bounds
 
 
 def build(config: Config, topology) -> GPTPipe:

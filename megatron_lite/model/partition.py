@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from megatron_lite.arguments import layers_per_stage_uniform
 from megatron_lite.config import ConfigError
 
 
@@ -27,6 +26,12 @@ class SpecCost:
     """Parameters this layer holds (whole model, before TP splitting)."""
     is_transformer: bool
     """A transformer layer: every stage must hold at least one."""
+
+
+def layers_per_stage_uniform(num_layers: int, stages: int) -> List[int]:
+    """Transformer layers per stage when split as evenly as possible (earlier stages take the extra)."""
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
 def _balanced(costs: Sequence[float], transformer: Sequence[bool], stages: int) -> List[int]:

@@ -4,8 +4,8 @@
 
 A rank counts its TP-split parameters (each rank holds a different slice) and
 its replicated parameters (LayerNorm, row-parallel bias) only on TP rank 0.
-Parameters DeepSpeed marks `ds_pipe_replicated` (a tied weight's copy on a
-stage that does not own it) are left to the owning stage.
+A tied weight's copy on a stage that does not own it (DeepSpeed marks it; see
+deepspeed_compat.is_pipe_replicated_copy) is left to the owning stage.
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_lite.deepspeed_compat import is_pipe_replicated_copy
 from megatron_lite.parallel import state
 from megatron_lite.parallel.tp import tp_rank
 
 
 def counts_toward_grad_norm(param: torch.Tensor) -> bool:
-    if getattr(param, "ds_pipe_replicated", False):
+    if is_pipe_replicated_copy(param):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank() == 0
 

@@ -84,7 +84,7 @@ def _layout(config: Config) -> dict:
 
 
 def save(engine, config: Config, iteration: int, consumed_samples: int) -> str:
-    """Save on every rank (collective). Returns the tag."""
+    """Save on every rank (collective); `engine` is a training.engine.Engine. Returns the tag."""
     directory = config.training.save
     tag = tag_for(iteration)
     tmp_tag = TMP_PREFIX + tag
@@ -94,7 +94,7 @@ def save(engine, config: Config, iteration: int, consumed_samples: int) -> str:
         # left over from a run killed while saving
         shutil.rmtree(os.path.join(directory, tmp_tag), ignore_errors=True)
     dist.barrier()
-    engine.save_checkpoint(directory, tag=tmp_tag, save_latest=False)
+    engine.save(directory, tmp_tag)
     tmp_dir = os.path.join(directory, tmp_tag)
     os.makedirs(tmp_dir, exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp_dir, f"rng_rank_{rank:05d}.pt"))
@@ -152,7 +152,7 @@ def load(engine, config: Config) -> Tuple[int, int]:
         return 0, 0
     metadata = read_metadata(directory, tag)
     check_layout(config, metadata, os.path.join(directory, tag))
-    path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    path = engine.load(directory, tag)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
     rng_path = os.path.join(directory, tag, f"rng_rank_{dist.get_rank():05d}.pt")

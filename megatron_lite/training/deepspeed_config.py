@@ -4,15 +4,22 @@ Batch sizes come from `batching.py` only. The user's JSON may add anything we
 do not set (communication logging, flops profiler, ...) and may say "auto" for
 a value we set; a value that contradicts ours is an error naming both, since
 silently preferring either one trains a different model than the user thinks.
+Validation builds this dict once to find contradictions before any process
+group exists; no torch here, so that stays cheap.
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from megatron_lite.config import Config, ConfigError
-from megatron_lite.training.optimizer import clips_in_optimizer
+
+
+def clips_in_optimizer(config: Config) -> bool:
+    """Whether our optimizer sees the model's own gradients and so does the clipping itself
+    (ZeRO 0 without fp16 loss scaling; see training/optimizer.py for why)."""
+    return config.optimizer.clip_grad > 0 and config.parallel.zero_stage == 0 and not config.precision.fp16
 
 
 def _ours(config: Config) -> Dict[str, Any]:
@@ -65,15 +72,11 @@ def _merge(ours: Dict[str, Any], theirs: Dict[str, Any], source: str, path: str 
     return merged
 
 
-def deepspeed_config(config: Config, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The dict for `deepspeed.initialize(config=...)`.
-
-    `extra` defaults to the JSON named by `--deepspeed-config` (already checked to be an object).
-    """
+def deepspeed_config(config: Config) -> Dict[str, Any]:
+    """The dict for `deepspeed.initialize(config=...)`: ours, merged with the contents of
+    `--deepspeed-config` that validation read."""
     source = config.training.deepspeed_config or "<dict>"
-    if extra is None and config.training.deepspeed_config:
-        with open(config.training.deepspeed_config) as f:
-            extra = json.load(f)
+    extra = config.training.deepspeed_config_contents
     merged = _ours(config)
     if extra:
         merged = _checked_merge(merged, extra, source)

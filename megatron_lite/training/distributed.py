@@ -6,8 +6,6 @@ import socket
 import subprocess
 from typing import Optional
 
-import torch
-
 
 def free_port() -> int:
     """A TCP port on this machine that nothing listens on right now."""
@@ -65,8 +63,14 @@ def environment_from_launcher() -> None:
     env.setdefault("LOCAL_RANK", "0")
 
 
+def is_rank_zero_from_environment() -> bool:
+    """Rank 0 as the launcher says, before any process group exists (torchrun / deepspeed / srun)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
 def init_distributed(backend: Optional[str] = None) -> None:
-    import deepspeed
+    import deepspeed  # here: the CLI imports this module to find rank 0 before torch is needed
+    import torch
 
     environment_from_launcher()
     if backend is None:

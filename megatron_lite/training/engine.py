@@ -1,29 +1,49 @@
-"""Model, optimizer and DeepSpeed engine for a validated config, behind one train/eval API.
+"""Model, optimizer and DeepSpeed engine for a validated config, behind one small protocol.
+
+    train_step(data_iter) -> StepStats     one optimizer step over gas micro-batches
+    eval_step(data_iter) -> float          mean loss of one global batch, no update
+    set_global_batch_size(n)               batch ramp-up
+    save(directory, tag) / load(directory, tag)
+    device
 
 ZeRO 0/1 (any PP) runs the GPT as a PipelineModule under DeepSpeed's pipeline
-engine. ZeRO 2/3 needs PP = 1 (validated in arguments.py) and runs the same
+engine. ZeRO 2/3 needs PP = 1 (validation refuses the rest) and runs the same
 layers as one module under DeepSpeed's ordinary engine, which pulls the
 micro-batches itself here.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
+from megatron_lite import deepspeed_compat
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPTModel, build
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.training.deepspeed_config import deepspeed_config
-from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer, clips_in_optimizer
+from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    """Mean loss over the step's micro-batches and DP ranks (the same on every rank)."""
+    lr: float
+    """Learning rate the step used."""
+    grad_norm: Optional[float]
+    """Global gradient norm before clipping, where known."""
+    loss_scale: Optional[float]
+    """fp16 loss scale after the step; None without loss scaling."""
+    skipped: bool
+    """The optimizer skipped this step (fp16 overflow)."""
 
 
 class Engine:
-    """`train_batch(it)` runs one optimizer step over gas micro-batches; `eval_batch(it)` one batch."""
-
     def __init__(self, config: Config, with_scheduler: bool = True):
         self.config = config
         # DeepSpeed's communication layer wraps the torch.distributed world we already have.
@@ -44,12 +64,26 @@ class Engine:
             config=deepspeed_config(config),
         )
 
-    def train_batch(self, data_iter: Iterator) -> float:
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def train_step(self, data_iter: Iterator) -> StepStats:
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped_before = deepspeed_compat.skipped_steps(self.engine)
+        loss = self._train_batch(data_iter)
+        return StepStats(
+            loss=loss, lr=lr, grad_norm=self._grad_norm(),
+            loss_scale=deepspeed_compat.loss_scale(self.optimizer) if self.config.precision.fp16 else None,
+            skipped=deepspeed_compat.skipped_steps(self.engine) > skipped_before,
+        )
+
+    def _train_batch(self, data_iter: Iterator) -> float:
         """Loss averaged over micro-batches and DP ranks, on every rank (the pipeline
         engine broadcasts it from the last stage)."""
         if self.pipelined:
             return self.engine.train_batch(data_iter=data_iter).item()
-        total = torch.zeros((), device=self.engine.device)
+        total = torch.zeros((), device=self.device)
         for _ in range(self.engine.gradient_accumulation_steps()):
             loss = self.engine(*self._next_on_device(data_iter))
             self.engine.backward(loss)
@@ -58,25 +92,38 @@ class Engine:
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator) -> float:
+    def eval_step(self, data_iter: Iterator) -> float:
         if self.pipelined:
             return self.engine.eval_batch(data_iter=data_iter).item()
         self.engine.eval()
-        total = torch.zeros((), device=self.engine.device)
+        total = torch.zeros((), device=self.device)
         for _ in range(self.engine.gradient_accumulation_steps()):
             total += self.engine(*self._next_on_device(data_iter)).float()
         self.engine.train()
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
 
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Batch ramp-up: DeepSpeed derives the new gas from it (micro batch and DP stay)."""
+        if global_batch_size != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(global_batch_size)
+
+    def save(self, directory: str, tag: str) -> None:
+        self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
+
+    def load(self, directory: str, tag: str) -> Optional[str]:
+        """Model, optimizer and LR-scheduler states; the path loaded, or None when DeepSpeed found nothing."""
+        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        return path
+
     def _next_on_device(self, data_iter: Iterator):
         """(tokens, position_ids, labels, loss_mask) of the next micro-batch, where the model is.
         (The pipeline engine moves its micro-batches itself.)"""
         (tokens, position_ids), (labels, loss_mask) = next(data_iter)
-        return [t.to(self.engine.device) for t in (tokens, position_ids, labels, loss_mask)]
+        return [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask)]
 
-    def grad_norm(self):
-        """Global gradient norm of the last step, where known."""
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+    def _grad_norm(self) -> Optional[float]:
+        inner = deepspeed_compat.inner_optimizer(self.optimizer)
         if getattr(inner, "last_grad_norm", None) is not None:
             return inner.last_grad_norm
         norm = self.engine.get_global_grad_norm()
@@ -86,6 +133,6 @@ class Engine:
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
         group = state.get_data_parallel_group()
-        loss = loss.to(self.engine.device)
+        loss = loss.to(self.device)
         dist.all_reduce(loss, group=group)
         return loss.item() / dist.get_world_size(group=group)

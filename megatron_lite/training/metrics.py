@@ -59,12 +59,15 @@ class IntervalStats:
     grad_norm: Optional[float]
     loss_scale: Optional[float]
     skipped_steps: int
+    """Steps of the interval the optimizer skipped (fp16 overflow)."""
     seconds: float
     """Wall time of the interval."""
     iterations: int
     """Steps in the interval."""
     samples: int
     """Samples trained in the interval (all DP ranks)."""
+    global_batch_size: int
+    """Global batch of the interval's last step (grows during ramp-up)."""
 
 
 def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int) -> Dict[str, float]:
@@ -75,7 +78,7 @@ def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int) 
     scalars = {
         "loss": stats.loss, "lr": stats.lr, "ms_per_iteration": per_iter * 1e3, "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops_per_rank, "skipped_steps": stats.skipped_steps,
-        "consumed_samples": stats.consumed_samples,
+        "consumed_samples": stats.consumed_samples, "global_batch_size": stats.global_batch_size,
     }
     if stats.grad_norm is not None and math.isfinite(stats.grad_norm):
         scalars["grad_norm"] = stats.grad_norm
@@ -90,7 +93,8 @@ def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int) 
 
 def format_line(iteration: int, train_iters: int, scalars: Dict[str, float]) -> str:
     parts = [f"iteration {iteration:>7}/{train_iters}", f"consumed samples {int(scalars['consumed_samples']):>9}",
-             f"loss {scalars['loss']:.4f}", f"lr {scalars['lr']:.3e}"]
+             f"global batch {int(scalars['global_batch_size']):>5}", f"loss {scalars['loss']:.4f}",
+             f"lr {scalars['lr']:.3e}"]
     if "grad_norm" in scalars:
         parts.append(f"grad norm {scalars['grad_norm']:.3f}")
     if "loss_scale" in scalars:

@@ -18,7 +18,7 @@ from typing import Iterable, List
 
 import torch
 
-from megatron_lite.config import Config, OptimizerConfig
+from megatron_lite.config import OptimizerConfig
 from megatron_lite.parallel.grad_norm import global_grad_norm
 
 
@@ -53,11 +53,6 @@ class ClippedAdamW(torch.optim.AdamW):
                 if p.grad is not None:
                     p.grad.mul_(coeff.to(p.grad.dtype))
         return super().step(closure)
-
-
-def clips_in_optimizer(config: Config) -> bool:
-    """Whether our optimizer sees the model's own gradients and so does the clipping itself."""
-    return config.optimizer.clip_grad > 0 and config.parallel.zero_stage == 0 and not config.precision.fp16
 
 
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, clip_in_optimizer: bool = False) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ def two_prefixes(tmp_path):
 def test_blended_samples_follow_the_weights_within_half_a_percent(two_prefixes, tmp_path):
     a, b = two_prefixes
     train, valid, test = build_train_valid_test_datasets(
-        ("0.3", a, "0.7", b), "100,0,0", 16, (2000, 0, 0), 1234, str(tmp_path / "cache"), -1, False)
+        ((0.3, a), (0.7, b)), (100, 0, 0), 16, (2000, 0, 0), 1234, str(tmp_path / "cache"), -1, False)
     assert valid is None and test is None and len(train) == 2000
     from_b = np.array([train[i]["tokens"][0] >= B_OFFSET for i in range(len(train))])
     assert abs(from_b.mean() - 0.7) < 0.005

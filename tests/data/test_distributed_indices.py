@@ -11,7 +11,7 @@ def build_on_this_rank(prefix, cache):
 
     from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 
-    train, _, _ = build_train_valid_test_datasets((prefix,), "1,0,0", 16, (100, 0, 0), 5, cache, -1, False)
+    train, _, _ = build_train_valid_test_datasets(((1.0, prefix),), (1, 0, 0), 16, (100, 0, 0), 5, cache, -1, False)
     digest = hashlib.md5(np.ascontiguousarray(train.shuffle_index).tobytes()
                          + np.ascontiguousarray(train.sample_index).tobytes()).hexdigest()
     return dist.get_rank(), train.built_indices, digest

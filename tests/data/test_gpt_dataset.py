@@ -115,7 +115,21 @@ def test_split_969_30_1_gives_disjoint_megatron_rounded_document_ranges(indexed,
     assert indices.split_document_ranges(1000, (0.969, 0.03, 0.001)) == [(0, 969), (969, 999), (999, 1000)]
     assert indices.split_document_ranges(200, (0.9, 0.1, 0.0)) == [(0, 180), (180, 200), (200, 200)]
     train, valid, test = build_train_valid_test_datasets(
-        (indexed.prefix,), "90,10,0", SEQ, (40, 5, 5), 1234, str(tmp_path / "cache"), -1, False)
+        ((1.0, indexed.prefix),), (90, 10, 0), SEQ, (40, 5, 5), 1234, str(tmp_path / "cache"), -1, False)
     assert test is None
     assert set(train.document_index) == set(range(180)) and set(valid.document_index) == set(range(180, 200))
     assert len(train) >= 40 and len(valid) >= 5
+
+
+def test_a_token_outside_the_vocabulary_is_an_error_naming_the_data_file_even_from_a_worker(indexed, tmp_path):
+    from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError
+    from megatron_lite.data.sampler import build_data_iterator
+
+    biggest = max(int(make(indexed, tmp_path)[i]["tokens"].max()) for i in range(4))
+    ds = GPTDataset(indexed, "train", (0, indexed.num_documents), SEQ, None, 1234, str(tmp_path / "cache"),
+                    eod_token=-1, eod_mask_loss=False, vocab_size=biggest)
+    message = rf"^{indexed.prefix}.bin: token id \d+ in train sample \d+ is outside the model's vocabulary \[0, {biggest}\)"
+    with pytest.raises(TokenOutOfVocabularyError, match=message):
+        [ds[i] for i in range(len(ds))]
+    with pytest.raises(TokenOutOfVocabularyError, match=message):  # re-raised by the DataLoader: our line only
+        list(build_data_iterator(ds, 0, 2, 0, 1, num_workers=1))

@@ -31,7 +31,7 @@ def test_sampler_rejects_a_rank_outside_the_group():
 
 def test_data_iterator_gives_pipeline_engine_tuples_and_resumes_per_rank(tmp_path):
     prefix = write_positional_dataset(tmp_path / "d_text_document").prefix
-    train, _, _ = build_train_valid_test_datasets((prefix,), "1,0,0", 8, (60, 0, 0), 7, str(tmp_path / "c"), -1, False)
+    train, _, _ = build_train_valid_test_datasets(((1.0, prefix),), (1, 0, 0), 8, (60, 0, 0), 7, str(tmp_path / "c"), -1, False)
     (tokens, position_ids), (labels, loss_mask) = next(build_data_iterator(train, 0, MICRO, 0, DP))
     assert [t.shape for t in (tokens, position_ids, labels, loss_mask)] == [torch.Size([MICRO, 8])] * 4
     assert [t.dtype for t in (tokens, position_ids, labels, loss_mask)] == [torch.int64] * 3 + [torch.float32]

@@ -17,7 +17,7 @@ def _train(tp, pp, dp, extra, steps):
     state.initialize(tp, pp)
     engine = Engine(config, with_scheduler=False)
     data = micro_batches(config, global_batches(config, steps), state.get_data_parallel_rank(), dp)
-    losses = [engine.train_batch(data) for _ in range(steps)]
+    losses = [engine.train_step(data).loss for _ in range(steps)]
     # The tied word embedding lives on the first and the last stage: report a copy of each.
     tied = [m.word_embeddings.weight.detach().clone() for m in engine.module.tied_modules.values()] \
         if engine.pipelined else []

@@ -51,21 +51,27 @@ def test_deepspeed_clips_only_where_our_optimizer_cannot():
     assert deepspeed_config(config_for(["--clip-grad", "0.7", "--fp16"]))["gradient_clipping"] == 0.7
 
 
-def test_contradiction_names_both_values(tmp_path):
+def test_contradiction_is_refused_by_validation_naming_both_values(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
-    cfg = config_for(["--micro-batch-size", "2", "--deepspeed-config", str(path)])
     with pytest.raises(ConfigError, match=rf'^--deepspeed-config {path}: "train_micro_batch_size_per_gpu" is 8 but '
                                           r"the command-line flags give 2; remove it"):
-        deepspeed_config(cfg)
+        config_for(["--micro-batch-size", "2", "--deepspeed-config", str(path)])
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    cfg = config_for(["--deepspeed-config", str(path), "--pipeline-model-parallel-size", "2", "--num-layers", "2"])
     with pytest.raises(ConfigError, match=r'"zero_optimization.stage" is 2 but the command-line flags give 0'):
-        deepspeed_config(cfg)
+        config_for(["--deepspeed-config", str(path), "--pipeline-model-parallel-size", "2", "--num-layers", "2"])
 
 
 def test_optimizer_in_user_json_is_refused(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
     with pytest.raises(ConfigError, match=r'"optimizer" is set, but megatron_lite builds the optimizer'):
-        deepspeed_config(config_for(["--deepspeed-config", str(path)]))
+        config_for(["--deepspeed-config", str(path)])
+
+
+def test_the_json_file_is_read_once_by_validation(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"comms_logger": {"enabled": True}}))
+    cfg = config_for(["--deepspeed-config", str(path)])
+    path.unlink()  # the engine builds its DeepSpeed config from what validation read
+    assert deepspeed_config(cfg)["comms_logger"] == {"enabled": True}

@@ -1,0 +1,100 @@
+"""Every use of DeepSpeed beyond its documented API, in one place.
+
+Each hook says why we need it. `HOOKS` lists what each hook relies on in the
+installed DeepSpeed (`tests/test_deepspeed_compat.py` checks every entry), so an
+upgrade that moves one fails a named test instead of training wrongly.
+setup.py pins DeepSpeed to the range these were checked against.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from deepspeed.pipe import PipelineModule
+
+# (object path, what we rely on): a method's parameter names, or "attribute" for a value we read.
+HOOKS: Tuple[Tuple[str, str], ...] = (
+    ("deepspeed.runtime.pipe.module.PipelineModule._partition_layers", "self, method"),
+    ("deepspeed.runtime.pipe.module.PipelineModule._set_bounds", "self, start, stop"),
+    ("deepspeed.runtime.pipe.module.PipelineModule._synchronize_tied_weights", "self"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.stage_id", "attribute"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.parts", "attribute"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.ds_pipe_replicated", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.skipped_steps", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.was_step_applied", "self"),
+    ("deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer.loss_scale", "attribute"),
+    ("deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer.optimizer", "attribute"),
+)
+
+
+class OwnPartitionPipelineModule(PipelineModule):
+    """A PipelineModule whose stage boundaries come from `stage_boundaries()` instead of
+    DeepSpeed's partitioners.
+
+    Why: DeepSpeed's `_partition_layers` knows uniform / parameters / type:regex only, and
+    'parameters' builds every layer on every rank to count them. Overriding it is how
+    Megatron-DeepSpeed and GPT-NeoX steer the split too; `_set_bounds` is DeepSpeed's own way
+    to say which layers this rank builds.
+    """
+
+    def stage_boundaries(self, num_stages: int) -> List[int]:
+        raise NotImplementedError  # a subclass says where its stages start
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        # DeepSpeed sets stage_id (this rank's stage) before it calls _partition_layers.
+        self.parts = list(self.stage_boundaries(self.num_stages))
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def _synchronize_tied_weights(self) -> None:
+        # Why: DeepSpeed broadcasts the tied parameters in place with autograd on, which records
+        # the broadcast in the graph and makes every backward warn about it.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
+
+def is_pipe_replicated_copy(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed marked `param` as a tied weight's copy on a stage that does not own it.
+    Why: such a copy holds the same gradient as the owner's after the tied all-reduce; a global
+    norm must count it once."""
+    return bool(getattr(param, "ds_pipe_replicated", False))
+
+
+def inner_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer we passed in, under DeepSpeed's fp16 / bf16 / ZeRO wrapper (if any).
+    Why: our ClippedAdamW records the gradient norm it clipped with."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def loss_scale(optimizer) -> Optional[float]:
+    """The current fp16 loss scale, or None without loss scaling. DeepSpeed's fp16 optimizers
+    expose it as the `loss_scale` property (the `cur_scale` attribute is gone since 0.18.6)."""
+    value = getattr(optimizer, "loss_scale", None)
+    return None if value is None else float(value)
+
+
+def skipped_steps(engine) -> int:
+    """Optimizer steps DeepSpeed skipped after an fp16 overflow, over the run (the engine's counter,
+    saved in its checkpoints)."""
+    return int(getattr(engine, "skipped_steps", 0))
+
+
+def resolve(path: str):
+    """The object a HOOKS path names, or raise AttributeError/ImportError saying which part is missing."""
+    import importlib
+
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def parameter_names(function) -> Sequence[str]:
+    import inspect
+
+    return list(inspect.signature(function).parameters)

@@ -1,0 +1,60 @@
+"""`validate(config)`: every rule, on the dataclasses, before any process group exists.
+
+The sections run in order; each completes its own derived fields (DP size,
+batch sizes, vocabulary, ...). A section whose inputs come from a section that
+failed is skipped, every other one still runs, so one command line's
+independent problems are reported together.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_rules
+from megatron_lite.validation.rules import (
+    batch_rules,
+    logging_rules,
+    model_rules,
+    optimizer_rules,
+    parallel_rules,
+    precision_rules,
+    training_rules,
+)
+
+Rule = Callable[[Config, List[str]], Config]
+
+# (name, rule, the sections it needs to have passed); a section comes after those it needs.
+SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
+    ("parallel", parallel_rules, ()),
+    ("model", model_rules, ("parallel",)),
+    ("batch", batch_rules, ("parallel",)),
+    ("training", training_rules, ()),
+    ("optimizer", optimizer_rules, ()),
+    ("precision", precision_rules, ()),
+    ("logging", logging_rules, ()),
+    ("tokenizer", tokenizer_rules, ("parallel", "model")),
+    ("data", data_rules, ("batch", "training")),
+    ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
+)
+
+
+def validate(config: Config, world_size: Optional[int] = None) -> Tuple[Config, List[str]]:
+    """The checked, completed config and the notes rank 0 prints; ConfigError lists every problem found."""
+    if world_size is not None:
+        config = config.replace(parallel__world_size=world_size)
+    notes: List[str] = []
+    failed: Dict[str, Optional[str]] = {}  # section -> its message, or None when skipped
+    for name, rule, needs in SECTIONS:
+        if any(n in failed for n in needs):
+            failed[name] = None
+            continue
+        try:
+            config = rule(config, notes)
+        except ConfigError as e:
+            failed[name] = str(e)
+    problems = [message for message in failed.values() if message]
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+    return config, notes

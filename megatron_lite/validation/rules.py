@@ -1,0 +1,225 @@
+"""Rules over the config's own fields, one function per section; no file is read here.
+
+Each rule takes the whole `Config` (cross-section rules need it), returns it
+with its section completed (derived fields filled) and appends warnings to
+`notes`. The first broken rule of a section raises `ConfigError` with the
+flag, the bad value and a value that would work.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, List, Sequence, Tuple
+
+from megatron_lite import batching
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.model.partition import layers_per_stage_uniform
+
+PARTITION_METHODS = ("cost", "uniform", "parameters")
+
+
+def flag(name: str) -> str:
+    """Field name -> its command-line flag: micro_batch_size -> --micro-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def require_at_least_one(section, names: Iterable[str]) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag(name)} must be at least 1, got {value}")
+
+
+def require_not_negative(section, names: Iterable[str]) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value < 0:
+            raise ConfigError(f"{flag(name)} must be 0 or more, got {value}")
+
+
+def parallel_rules(config: Config, notes: List[str]) -> Config:
+    p = config.parallel
+    require_at_least_one(p, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    world, tp, pp = p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if world < 1:
+        raise ConfigError(f"world size {world} (WORLD_SIZE / SLURM_NTASKS) must be at least 1")
+    if world % (tp * pp):
+        fits = [f"{t}x{q}" for t in (1, 2, 4, 8) for q in (1, 2, 4, 8) if world % (t * q) == 0 and t * q > 1][:4]
+        raise ConfigError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}; the data-parallel size must be a whole number. "
+            f"Launch a multiple of {tp * pp} processes, or use TP x PP that divides {world}"
+            + (f" (e.g. {', '.join(fits)})" if fits else "")
+        )
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if p.zero_stage >= 2 and pp > 1:
+        raise ConfigError(
+            f"--zero-stage {p.zero_stage} with --pipeline-model-parallel-size {pp}: pipeline parallelism "
+            f"needs each stage's full gradients for gradient accumulation; use --zero-stage 1, or "
+            f"--pipeline-model-parallel-size 1 for ZeRO 2/3"
+        )
+    if p.cpu_offload and (pp > 1 or p.zero_stage == 0):
+        raise ConfigError(
+            f"--cpu-offload needs ZeRO (--zero-stage 1, 2 or 3) and --pipeline-model-parallel-size 1; "
+            f"got --zero-stage {p.zero_stage}, --pipeline-model-parallel-size {pp}"
+        )
+    if p.distributed_backend not in (None, "nccl", "gloo"):
+        raise ConfigError(f"--distributed-backend {p.distributed_backend} is not nccl or gloo")
+    _check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
+    return config.replace(parallel__data_parallel_size=world // (tp * pp))
+
+
+def _check_partition_method(method: str, num_layers: int, pp: int) -> None:
+    if method in PARTITION_METHODS or method.startswith("type:"):
+        return
+    example = ",".join(map(str, layers_per_stage_uniform(max(num_layers, pp), pp)))
+    try:
+        counts = [int(c) for c in method.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--pipeline-partition-method '{method}' is not one of {', '.join(PARTITION_METHODS)}, type:<regex>, "
+            f"or comma-separated layer counts like {example}"
+        ) from None
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ConfigError(
+            f"--pipeline-partition-method {method} must list {pp} stage layer counts, each >= 1, summing to "
+            f"--num-layers {num_layers}; e.g. {example}"
+        )
+
+
+def model_rules(config: Config, notes: List[str]) -> Config:
+    m, tp, pp = config.model, config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    require_at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                             "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"))
+    hidden, heads = m.hidden_size, m.num_attention_heads
+    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * hidden
+    if hidden % heads:
+        divisors = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % tp == 0]
+        near = sorted(divisors, key=lambda h: abs(h - heads))[:2]
+        raise ConfigError(
+            f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}; every head needs "
+            f"the same width. Use --num-attention-heads {batching.or_join(sorted(near))}"
+        )
+    if heads % tp:
+        raise ConfigError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; heads are "
+            f"split whole across TP ranks. Use --num-attention-heads "
+            f"{batching.or_join(batching.nearest_multiples(heads, tp))} or a TP size that divides {heads}"
+        )
+    if ffn % tp:
+        raise ConfigError(
+            f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
+            f"column-wise across TP ranks. Use --ffn-hidden-size {batching.or_join(batching.nearest_multiples(ffn, tp))}"
+        )
+    if m.position_embedding_type not in ("learned_absolute", "rope"):
+        raise ConfigError(f"--position-embedding-type {m.position_embedding_type} is not learned_absolute or rope")
+    if m.position_embedding_type == "rope" and (hidden // heads) % 2:
+        raise ConfigError(
+            f"--position-embedding-type rope needs an even head dimension; --hidden-size {hidden} / "
+            f"--num-attention-heads {heads} = {hidden // heads}"
+        )
+    max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else m.seq_length
+    if m.seq_length > max_pos:
+        raise ConfigError(
+            f"--seq-length {m.seq_length} is larger than --max-position-embeddings {max_pos}; positions past "
+            f"the table have no embedding. Use --max-position-embeddings {m.seq_length} or more"
+        )
+    if m.num_layers < pp:
+        raise ConfigError(
+            f"--num-layers {m.num_layers} is smaller than --pipeline-model-parallel-size {pp}; every stage "
+            f"needs at least one transformer layer. Use --pipeline-model-parallel-size {m.num_layers} or less"
+        )
+    if m.num_layers % pp:
+        counts = layers_per_stage_uniform(m.num_layers, pp)
+        notes.append(
+            f"warning: --num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+            f"stages get unequal layer counts (uniform split: {', '.join(map(str, counts))}), "
+            f"the partitioner balances by cost"
+        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{flag(name)} {value} must be in [0, 1), e.g. 0.1")
+    return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos)
+
+
+def batch_rules(config: Config, notes: List[str]) -> Config:
+    b = config.batch
+    batch = batching.resolve_batch(
+        config.parallel.data_parallel_size,
+        micro_batch_size=b.micro_batch_size,
+        global_batch_size=b.global_batch_size,
+        gradient_accumulation_steps=b.gradient_accumulation_steps,
+        rampup_batch_size=b.rampup_batch_size,
+    )
+    return dataclasses.replace(config, batch=batch)
+
+
+def optimizer_rules(config: Config, notes: List[str]) -> Config:
+    o, train_iters = config.optimizer, config.training.train_iters
+    if o.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {o.lr}")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
+    if o.lr_decay_style not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"--lr-decay-style {o.lr_decay_style} is not constant, linear or cosine")
+    require_not_negative(o, ("lr_warmup_iters",))
+    if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
+        raise ConfigError(f"--lr-decay-iters must be at least 1, got {o.lr_decay_iters}")
+    decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else train_iters
+    if o.lr_warmup_iters > decay_iters and decay_iters >= 1:  # a --train-iters below 1 is the training rule's
+        raise ConfigError(
+            f"--lr-warmup-iters {o.lr_warmup_iters} is longer than the decay "
+            f"({'--lr-decay-iters' if o.lr_decay_iters is not None else '--train-iters'} {decay_iters}); "
+            f"use --lr-warmup-iters {max(decay_iters // 10, 0)}"
+        )
+    if o.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be 0 (off) or positive, got {o.clip_grad}")
+    if o.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be 0 or positive, got {o.weight_decay}")
+    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
+        raise ConfigError(f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)")
+    if o.adam_eps <= 0:
+        raise ConfigError(f"--adam-eps must be positive, got {o.adam_eps}")
+    return config.replace(optimizer__lr_decay_iters=decay_iters)
+
+
+def precision_rules(config: Config, notes: List[str]) -> Config:
+    p = config.precision
+    if p.bf16 and p.fp16:
+        raise ConfigError("--bf16 and --fp16 were both given; choose one (bf16 needs no loss scaling)")
+    if p.loss_scale is not None and not p.fp16:
+        raise ConfigError(f"--loss-scale {p.loss_scale} only applies with --fp16; drop it or add --fp16")
+    if p.loss_scale is not None and p.loss_scale <= 0:
+        raise ConfigError(f"--loss-scale must be positive, got {p.loss_scale}; omit it for dynamic scaling")
+    if p.initial_loss_scale <= 0 or p.min_loss_scale <= 0:
+        raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive, e.g. 4294967296 and 1")
+    require_at_least_one(p, ("loss_scale_window", "hysteresis"))
+    return config
+
+
+def training_rules(config: Config, notes: List[str]) -> Config:
+    t = config.training
+    require_at_least_one(t, ("train_iters", "eval_interval", "save_interval", "keep_last", "exit_interval"))
+    require_not_negative(t, ("eval_iters",))
+    if t.save_interval is not None and not t.save:
+        raise ConfigError(f"--save-interval {t.save_interval} needs --save DIR to say where checkpoints go")
+    if t.keep_last is not None and not t.save:
+        raise ConfigError(f"--keep-last {t.keep_last} needs --save DIR")
+    if t.exit_interval is not None and not t.save:
+        notes.append("warning: --exit-interval without --save exits without a checkpoint")
+    return config
+
+
+def logging_rules(config: Config, notes: List[str]) -> Config:
+    require_at_least_one(config.logging, ("log_interval",))
+    return config
+
+
+def split_rules(split: Sequence[float]) -> Tuple[float, float, float]:
+    """The --split weights as given -> normalised (train, valid, test)."""
+    text = ",".join(f"{w:g}" for w in split)
+    if len(split) != 3 or any(w < 0 for w in split) or sum(split) <= 0:
+        raise ConfigError(f"--split '{text}' must be up to three non-negative numbers with a positive sum, e.g. 969,30,1")
+    total = sum(split)
+    return tuple(w / total for w in split)

@@ -1,0 +1,54 @@
+"""Every DeepSpeed internal we use still exists in the installed DeepSpeed, in the shape we use it."""
+import inspect
+
+import pytest
+
+from megatron_lite import deepspeed_compat
+
+METHODS = [(path, spec) for path, spec in deepspeed_compat.HOOKS if spec != "attribute"]
+ATTRIBUTES = [path for path, spec in deepspeed_compat.HOOKS if spec == "attribute"]
+
+
+@pytest.mark.parametrize("path, parameters", METHODS, ids=[p for p, _ in METHODS])
+def test_method_hook_exists_with_its_parameters(path, parameters):
+    method = deepspeed_compat.resolve(path)
+    assert deepspeed_compat.parameter_names(method)[:len(parameters.split(", "))] == parameters.split(", ")
+
+
+@pytest.mark.parametrize("path", ATTRIBUTES)
+def test_attribute_hook_is_still_set_by_its_class(path):
+    """An instance attribute cannot be looked up on the class: its class's source must still set it
+    (or define it as a property), so a rename in DeepSpeed fails here by name."""
+    class_path, attribute = path.rsplit(".", 1)
+    cls = deepspeed_compat.resolve(class_path)
+    source = inspect.getsource(inspect.getmodule(cls))
+    assert (f".{attribute} = " in source or f"{attribute} = property" in source
+            or f"def {attribute}(" in source), f"{path} is no longer set in {inspect.getsourcefile(cls)}"
+
+
+def test_installed_deepspeed_is_in_the_pinned_range():
+    import deepspeed
+    from packaging.version import Version
+
+    assert Version("0.19") <= Version(deepspeed.__version__) < Version("0.20")
+
+
+def test_loss_scale_reads_the_public_property_and_none_without_scaling():
+    class Scaled:
+        loss_scale = 1024
+
+    assert deepspeed_compat.loss_scale(Scaled()) == 1024.0
+    assert deepspeed_compat.loss_scale(object()) is None
+
+
+def test_no_other_module_touches_deepspeed_internals():
+    """Private DeepSpeed names appear only in deepspeed_compat.py."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(deepspeed_compat.__file__).parent
+    private = re.compile(r"\b(_partition_layers|_set_bounds|_synchronize_tied_weights|_topo|ds_pipe_replicated|"
+                         r"cur_scale|loss_scale_config|_exec_schedule|_INSTRUCTION_MAP)\b")
+    offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
+                 if p.name != "deepspeed_compat.py" and private.search(p.read_text())]
+    assert offenders == []
