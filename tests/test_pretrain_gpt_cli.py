@@ -1,3 +1,5 @@
+import pytest
+
 import os
 import subprocess
 import sys
@@ -82,3 +84,20 @@ def test_deepspeed_contradiction_and_empty_split_exit_2_on_both_ranks_before_any
     assert '"train_micro_batch_size_per_gpu" is 8 but the command-line flags give 2' in outs[0]
     assert f"--split 0,50,50 leaves no training documents in {prefix}" in outs[0]
     assert outs[1] == "" and "Traceback" not in outs[0]
+
+
+def test_fp16_on_a_device_without_fp16_kernels_exits_2_naming_the_flag(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this device trains in fp16")
+    import numpy as np
+
+    from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
+
+    prefix = str(tmp_path / "tiny_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        writer.add_document(list(range(60)))
+    proc = _launch(["--data-path", prefix, "--vocab-size", "100", "--split", "1,0,0", "--fp16", "--zero-stage", "1"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--fp16: this cpu device has no fp16 kernels" in out and "Traceback" not in out

@@ -239,3 +239,9 @@ def dataset_prefix(tmp_path_factory):
         for i in range(10):
             writer.add_document(list(range(i, i + 20)))
     return prefix
+
+
+def test_fp16_at_zero0_is_refused_with_what_works():
+    with pytest.raises(ConfigError, match=r"^--fp16 with --zero-stage 0: .* use --zero-stage 1 with --fp16, or --bf16"):
+        precision_rules(cfg(precision__fp16=True), [])
+    precision_rules(cfg(precision__fp16=True, parallel__zero_stage=1), [])

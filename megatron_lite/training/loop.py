@@ -221,12 +221,21 @@ def _agree(flags, device) -> list:
 
 
 def check_training_inputs(config: Config) -> None:
-    """What training needs beyond a consistent config (the flags parse without data, for tools)."""
+    """What training needs beyond a consistent config (the flags parse without data, for tools, and
+    a config is planned for devices other than this one), checked before any process group exists."""
     if not config.data.data_path:
         raise ConfigError(
             "--data-path is required to train: the prefix of a .bin/.idx pair written by "
             "tools/preprocess_data.py, e.g. --data-path data/corpus_text_document (see scripts/quickstart.sh)"
         )
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if config.precision.fp16 and not accelerator.is_fp16_supported():
+        raise ConfigError(f"--fp16: this {accelerator.device_name()} device has no fp16 kernels (DeepSpeed refuses "
+                          f"fp16 here); use --bf16, or train in fp32 without either flag")
+    if config.precision.bf16 and not accelerator.is_bf16_supported():
+        raise ConfigError(f"--bf16: this {accelerator.device_name()} device has no bf16 support; use --fp16 or fp32")
 
 
 def main(config: Config) -> None:

@@ -188,6 +188,13 @@ def precision_rules(config: Config, notes: List[str]) -> Config:
     p = config.precision
     if p.bf16 and p.fp16:
         raise ConfigError("--bf16 and --fp16 were both given; choose one (bf16 needs no loss scaling)")
+    if p.fp16 and config.parallel.zero_stage == 0:
+        # DeepSpeed 0.19 scales the loss in backward only for its ZeRO optimizers, while its ZeRO-0
+        # fp16 optimizer still divides the gradients by the scale: training silently stalls.
+        # tests/training/test_fp16_loss_scale.py measures it, and fails once DeepSpeed fixes it.
+        raise ConfigError("--fp16 with --zero-stage 0: DeepSpeed's ZeRO-0 fp16 optimizer does not apply the loss "
+                          "scale in backward, so gradients come out scaled down and training stalls; use "
+                          "--zero-stage 1 with --fp16, or --bf16")
     if p.loss_scale is not None and not p.fp16:
         raise ConfigError(f"--loss-scale {p.loss_scale} only applies with --fp16; drop it or add --fp16")
     if p.loss_scale is not None and p.loss_scale <= 0:
