@@ -9,7 +9,7 @@ from tests.model.gpt_layouts import dense_losses, global_batches, micro_batches,
 STEPS = 3
 
 
-def _train(tp, pp, dp, extra, steps):
+def _train(tp, pp, dp, extra, steps, batches=None):
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
@@ -18,7 +18,8 @@ def _train(tp, pp, dp, extra, steps):
     config = tiny_config(tp, pp, dp, extra)
     state.initialize(tp, pp)
     engine = Engine(config, with_scheduler=False)
-    data = micro_batches(config, global_batches(config, steps), state.get_data_parallel_rank(), dp)
+    batches = global_batches(config, steps) if batches is None else batches
+    data = micro_batches(config, batches, state.get_data_parallel_rank(), dp)
     losses = [engine.train_batch(data) for _ in range(steps)]
     # The tied word embedding lives on the first and the last stage: report a copy of each.
     tied = [m.word_embeddings.weight.detach().clone() for m in engine.module.tied_modules.values()] \
@@ -26,8 +27,9 @@ def _train(tp, pp, dp, extra, steps):
     return {"rank": dist.get_rank(), "losses": losses, "tied": tied, "coord": state.describe()}
 
 
-def run_layout(tp, pp, dp, extra=(), steps=STEPS):
-    return run_distributed(_train, tp * pp * dp, tp, pp, dp, tuple(extra), steps)
+def run_layout(tp, pp, dp, extra=(), steps=STEPS, batches=None):
+    """Per-rank results of `steps` steps on `batches` (default: fresh random batches)."""
+    return run_distributed(_train, tp * pp * dp, tp, pp, dp, tuple(extra), steps, batches)
 
 
 # Layouts that more than one test compares: run once per session.
