@@ -9,7 +9,8 @@ the softmax kernel of each stage.
 Every layer seeds its own initialisation from (seed, position in the list), so
 weights do not depend on which stage builds a layer nor on TP: a pipeline of
 any shape starts from the same weights as `GPTModel`, the single-process
-reference used by tests and tools.
+reference used by tests and tools. Dropout likewise draws from streams named by
+the layer number (parallel/random.py), not from the stage's generator.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from megatron_lite.model.partition import SpecCost, partition, stage_table
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
+from megatron_lite.parallel.random import EMBEDDING_RNG, get_rng_tracker
 
 EMBEDDING_KEY = "embedding"
 
@@ -57,7 +59,8 @@ class EmbeddingPipe(nn.Module):
         x = self.word_embeddings(tokens)  # [b, s] -> [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
-        return self.embedding_dropout(x)
+        with get_rng_tracker().fork(EMBEDDING_RNG):
+            return self.embedding_dropout(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied output head: [b, s, h] -> [b, s, V/tp] with the word-embedding weight."""
@@ -69,9 +72,9 @@ def _tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.
 
 
 class TransformerLayerPipe(TransformerLayer):
-    def __init__(self, config: ModelConfig, init_seed: int):
+    def __init__(self, config: ModelConfig, init_seed: int, layer_number: int):
         with _seeded(init_seed):
-            super().__init__(config)
+            super().__init__(config, layer_number)
 
 
 class FinalLayerNormPipe(nn.LayerNorm):
@@ -112,7 +115,7 @@ def layer_specs(config: Config) -> List[LayerSpec]:
     specs: List[LayerSpec] = [
         TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, tied_weight_attr=["word_embeddings.weight"])
     ]
-    specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i) for i in range(model.num_layers)]
+    specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i, 1 + i) for i in range(model.num_layers)]
     specs.append(LayerSpec(FinalLayerNormPipe, model, seed + 1 + model.num_layers))
     if model.untie_embeddings_and_output_weights:
         specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers))

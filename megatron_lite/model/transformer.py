@@ -2,7 +2,8 @@
 
 Activations are [b, s, h] (batch first). Heads and the MLP's inner width are
 split across TP ranks by the Column/Row parallel layers; this file calls no
-process-group function itself.
+process-group function itself. Layer N's dropouts draw from its own streams
+(parallel/random.py), so its masks do not depend on which pipeline stage runs it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron_lite.parallel.random import checkpoint, get_rng_tracker
+from megatron_lite.parallel.random import checkpoint, get_rng_tracker, layer_rng, layer_split_rng
 from megatron_lite.parallel.tp import tp_world_size
 
 
@@ -48,7 +49,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
         self.head_dim = h // heads
@@ -60,6 +61,7 @@ class ParallelAttention(nn.Module):
             softmax_in_fp32=config.attention_softmax_in_fp32, fusion=config.masked_softmax_fusion,
         )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.dropout_rng = layer_split_rng(layer_number)
         self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
                        if config.position_embedding_type == "rope" else None)
         self.dense = RowParallelLinear(h, h, input_is_parallel=True,
@@ -79,7 +81,7 @@ class ParallelAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, s]
         probs = self.softmax(scores)
         # Heads are split across TP ranks, so their dropout masks must differ per rank.
-        with get_rng_tracker().fork():
+        with get_rng_tracker().fork(self.dropout_rng):
             probs = self.attention_dropout(probs)
         context = torch.matmul(probs, v)  # [b, np, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
@@ -100,22 +102,30 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attention(LN(x))), then x + dropout(MLP(LN(x))); optional activation recompute."""
+    """x + dropout(attention(LN(x))), then x + dropout(MLP(LN(x))); optional activation recompute.
 
-    def __init__(self, config: ModelConfig):
+    layer_number counts from 1 over the whole model and names the layer's dropout streams.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.attention = ParallelAttention(config)
+        self.attention = ParallelAttention(config, layer_number)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.mlp = ParallelMLP(config)
-        # The residual stream is replicated on every TP rank: its dropout uses the default
-        # generator, seeded identically on all TP ranks, so the replicas stay equal.
+        # The residual stream is replicated on every TP rank: its dropout stream is seeded
+        # identically on all TP ranks, so the replicas stay equal.
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout_rng = layer_rng(layer_number)
         self.recompute = config.recompute_activations
 
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        with get_rng_tracker().fork(self.dropout_rng):
+            return x + self.hidden_dropout(branch)
+
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.hidden_dropout(self.attention(self.input_layernorm(x)))
-        return x + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x)))
+        x = self._residual(x, self.attention(self.input_layernorm(x)))
+        return self._residual(x, self.mlp(self.post_attention_layernorm(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():

@@ -1,18 +1,26 @@
-"""Random streams for tensor parallelism, and activation recompute that replays them.
+"""Random streams for dropout, and activation recompute that replays them.
 
-Two streams per process:
-  default generator(s)   seed, identical on every TP rank: dropout on replicated
-                          activations (residual stream, embeddings) agrees across ranks
-  'model-parallel-rng'    seed + 2718 + tp_rank: dropout on split activations
-                          (attention probabilities of this rank's heads) differs per rank,
-                          as it would for different heads at TP = 1
-The tracker keeps the second stream's state aside and swaps it in inside
-`get_rng_tracker().fork()`. Each state is the CPU generator's plus, when CUDA
-is available, the current device's generator's.
+Every dropout in the model draws from a named stream of the tracker, seeded
+from the run seed and what the stream is for, never from the pipeline stage
+or the data-parallel rank, so a layer draws the same masks under any PP layout:
+  'embedding'              (seed, "embedding"): dropout after the embeddings
+  'layer-N'                (seed, N): the residual-stream (hidden) dropout of transformer
+                           layer N; its activations are replicated, so every TP rank
+                           draws the same mask
+  'layer-N-tp-rank'        (seed, N, tp_rank): dropout on split activations (the attention
+                           probabilities of this rank's heads), different per TP rank as it
+                           would be for different heads at TP = 1. So attention dropout
+                           at TP > 1 draws other masks than at TP = 1, as in Megatron-LM
+  'model-parallel-rng'     seed + 2718 + tp_rank: split activations outside any layer
+The default generators get `seed`, identical on every rank. The tracker keeps
+each stream's state aside and swaps it in inside `get_rng_tracker().fork(name)`.
+Each state is the CPU generator's plus, when CUDA is available, the current
+device's generator's.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -22,6 +30,7 @@ from megatron_lite.parallel.tp import tp_rank
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 MODEL_PARALLEL_SEED_OFFSET = 2718
+EMBEDDING_RNG = "embedding"
 
 RNGState = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -74,7 +83,7 @@ class RNGStatesTracker:
         """Draw from the tracked stream `name` inside the block; the default stream is left untouched."""
         if name not in self._states:
             raise KeyError(f"RNG state {name!r} is not tracked; call megatron_lite.parallel.random."
-                           f"model_parallel_seed(seed) first")
+                           f"model_parallel_seed(seed, num_layers) first")
         saved = _get_default_state()
         _set_default_state(self._states[name])
         try:
@@ -91,11 +100,34 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
-def model_parallel_seed(seed: int) -> None:
-    """Seed the default generators with seed (same on all TP ranks) and the split stream per TP rank."""
+def layer_rng(layer_number: int) -> str:
+    """Stream of layer `layer_number`'s dropout on replicated activations (the residual stream)."""
+    return f"layer-{layer_number}"
+
+
+def layer_split_rng(layer_number: int) -> str:
+    """Stream of layer `layer_number`'s dropout on activations split over TP (attention probabilities)."""
+    return f"layer-{layer_number}-tp-rank"
+
+
+def stream_seed(*key) -> int:
+    """A 64-bit seed that is a fixed function of key, e.g. (seed, layer number, TP rank).
+
+    A hash rather than seed + offset, so no two keys share a seed by arithmetic accident.
+    """
+    return int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:8], "little")
+
+
+def model_parallel_seed(seed: int, num_layers: int) -> None:
+    """Seed the default generators and every tracked stream of a model with num_layers layers
+    (numbered from 1); the streams are the same on every PP stage and DP rank."""
     torch.manual_seed(seed)  # CPU and every CUDA device, whichever one this rank ends up using
     _RNG_TRACKER.reset()
     _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
+    _RNG_TRACKER.add(EMBEDDING_RNG, stream_seed(seed, EMBEDDING_RNG))
+    for n in range(1, num_layers + 1):
+        _RNG_TRACKER.add(layer_rng(n), stream_seed(seed, n))
+        _RNG_TRACKER.add(layer_split_rng(n), stream_seed(seed, n, tp_rank()))
 
 
 def checkpoint(function, *args):
@@ -103,7 +135,7 @@ def checkpoint(function, *args):
 
     torch's checkpoint restores the default CPU and device generators for the
     recompute; the context below does the same for the tracker's streams, so
-    dropout masks inside `fork()` are the forward's masks too. Streams are put
+    dropout masks inside `fork(name)` are the forward's masks too. Streams are put
     back afterwards, so recompute draws nothing from the training's sequence.
     """
     forward_states = _RNG_TRACKER.get_states()

@@ -25,8 +25,13 @@ def clips_in_optimizer(config: Config) -> bool:
 def _ours(config: Config) -> Dict[str, Any]:
     batch, precision = config.batch, config.precision
     zero: Dict[str, Any] = {"stage": config.parallel.zero_stage}
+    offload: Dict[str, Any] = {}
     if config.parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+        # Under offload DeepSpeed refuses a client optimizer unless told. Ours is torch's AdamW, the
+        # same maths on every path; DeepSpeedCPUAdam would be faster on the CPU copy but builds a C++ op
+        # at first use (minutes) and is not what the other paths train with.
+        offload["zero_force_ds_cpu_optimizer"] = False
     fp16: Dict[str, Any] = {"enabled": precision.fp16}
     if precision.fp16:
         fp16.update(
@@ -49,6 +54,7 @@ def _ours(config: Config) -> Dict[str, Any]:
         # We print our own metrics line; DeepSpeed's would repeat it every step.
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
+        **offload,
     }
 
 

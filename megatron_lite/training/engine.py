@@ -56,7 +56,7 @@ class Engine:
             self.module = GPTModel(config)
             mpu = state.ModelParallelUnit()
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
-        model_parallel_seed(config.training.seed)
+        model_parallel_seed(config.training.seed, config.model.num_layers)
         optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config))
         scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(

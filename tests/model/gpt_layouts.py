@@ -33,24 +33,33 @@ def micro_batches(config, batches, dp_rank, dp):
             yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
 
 
-def dense_losses(config, batches):
-    """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce."""
+def dense_losses(config, batches, micro_batch_size=None):
+    """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
+
+    By default each step is one forward over the whole global batch. With dropout, pass
+    micro_batch_size: the step then runs micro-batches in order and accumulates their
+    mean, so each layer's dropout stream draws the masks a DP = 1 pipeline draws.
+    """
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
     from megatron_lite.training.optimizer import build_optimizer
 
     model = GPTModel(config)
-    model_parallel_seed(config.training.seed)
+    model_parallel_seed(config.training.seed, config.model.num_layers)
     optimizer = build_optimizer(model, config.optimizer)
     seq = config.model.seq_length
     losses = []
     for step in batches:
-        tokens, labels = step[:, :-1], step[:, 1:]
-        positions = torch.arange(seq).expand_as(tokens)
-        loss = model(tokens, positions, labels, torch.ones(labels.shape))
         optimizer.zero_grad()
-        loss.backward()
+        chunks = step.split(micro_batch_size or len(step))
+        total = 0.0
+        for chunk in chunks:
+            tokens, labels = chunk[:, :-1], chunk[:, 1:]
+            positions = torch.arange(seq).expand_as(tokens)
+            loss = model(tokens, positions, labels, torch.ones(labels.shape)) / len(chunks)
+            loss.backward()
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from tests.model.gpt_layouts import dense_losses, global_batches, micro_batches,
 STEPS = 3
 
 
-def _train(tp, pp, dp, extra, steps):
+def _train(tp, pp, dp, extra, steps, batches=None):
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
@@ -16,7 +18,8 @@ def _train(tp, pp, dp, extra, steps):
     config = tiny_config(tp, pp, dp, extra)
     state.initialize(tp, pp)
     engine = Engine(config, with_scheduler=False)
-    data = micro_batches(config, global_batches(config, steps), state.get_data_parallel_rank(), dp)
+    batches = global_batches(config, steps) if batches is None else batches
+    data = micro_batches(config, batches, state.get_data_parallel_rank(), dp)
     losses = [engine.train_step(data).loss for _ in range(steps)]
     # The tied word embedding lives on the first and the last stage: report a copy of each.
     tied = [m.word_embeddings.weight.detach().clone() for m in engine.module.tied_modules.values()] \
@@ -24,8 +27,13 @@ def _train(tp, pp, dp, extra, steps):
     return {"rank": dist.get_rank(), "losses": losses, "tied": tied, "coord": state.describe()}
 
 
-def run_layout(tp, pp, dp, extra=(), steps=STEPS):
-    return run_distributed(_train, tp * pp * dp, tp, pp, dp, tuple(extra), steps)
+def run_layout(tp, pp, dp, extra=(), steps=STEPS, batches=None):
+    """Per-rank results of `steps` steps on `batches` (default: fresh random batches)."""
+    return run_distributed(_train, tp * pp * dp, tp, pp, dp, tuple(extra), steps, batches)
+
+
+# Layouts that more than one test compares: run once per session.
+run_layout_once = functools.lru_cache(maxsize=None)(run_layout)
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +76,37 @@ def test_untied_head_trains_at_pp2():
     assert_matches(run_layout(1, 2, 1, extra=("--untie-embeddings-and-output-weights",)), expected)
 
 
+HIDDEN_DROPOUT = ("--hidden-dropout", "0.1")
+BOTH_DROPOUTS = HIDDEN_DROPOUT + ("--attention-dropout", "0.1")
+
+
+def dense_with_dropout(extra):
+    """The dense run drawing the masks a DP = 1 pipeline draws: one micro-batch at a time."""
+    config = tiny_config(extra=extra)
+    return dense_losses(config, global_batches(config, STEPS), micro_batch_size=config.batch.micro_batch_size)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_with_hidden_and_attention_dropout_a_pipeline_draws_the_dense_gpts_masks(pp, reference):
+    expected = dense_with_dropout(BOTH_DROPOUTS)
+    assert max(abs(a - b) for a, b in zip(expected, reference)) > 1e-3, "dropout should change the losses"
+    assert_matches(run_layout(1, pp, 1, extra=BOTH_DROPOUTS), expected)
+
+
+def test_with_hidden_dropout_tp2_pp2_draws_the_dense_gpts_masks():
+    assert_matches(run_layout(2, 2, 1, extra=HIDDEN_DROPOUT), dense_with_dropout(HIDDEN_DROPOUT))
+
+
+def test_with_hidden_and_attention_dropout_tp2_pp2_matches_tp2_pp1():
+    # Attention-probability masks are drawn per TP rank for its own heads (as in Megatron-LM),
+    # so TP 2 draws other masks than TP 1: compare TP 2 layouts with each other.
+    one_stage = run_layout_once(2, 1, 1, BOTH_DROPOUTS)[0]["losses"]
+    assert_matches(run_layout(2, 2, 1, extra=BOTH_DROPOUTS), one_stage)
+
+
 def test_activation_recompute_gives_the_same_losses_with_dropout():
-    dropout = ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
-    plain = run_layout(2, 1, 1, extra=dropout)
-    recomputed = run_layout(2, 1, 1, extra=dropout + ("--recompute-activations",))
+    plain = run_layout_once(2, 1, 1, BOTH_DROPOUTS)
+    recomputed = run_layout(2, 1, 1, extra=BOTH_DROPOUTS + ("--recompute-activations",))
     assert plain[0]["losses"] == pytest.approx(recomputed[0]["losses"], rel=1e-6)
 
 

@@ -20,7 +20,7 @@ def _replicated_then_split_then_replicated(tp):
     from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
 
     state.initialize(tp)
-    model_parallel_seed(SEED)
+    model_parallel_seed(SEED, 0)
     first = _mask()
     with get_rng_tracker().fork():
         split = _mask()
@@ -57,6 +57,42 @@ def test_dropout_outside_fork_agrees_on_all_tp_ranks_and_fork_does_not_advance_i
         assert torch.equal(second, expected_second)
 
 
+def _layer_stream_masks(tp, pp):
+    from megatron_lite.parallel import state
+    from megatron_lite.parallel.random import get_rng_tracker, layer_rng, layer_split_rng, model_parallel_seed
+
+    state.initialize(tp, pp)
+    model_parallel_seed(SEED, 2)
+    masks = {}
+    for name in ("embedding", layer_rng(1), layer_rng(2), layer_split_rng(1), layer_split_rng(2)):
+        with get_rng_tracker().fork(name):
+            masks[name] = _mask()
+    return masks
+
+
+def test_each_layer_has_its_own_streams_replicated_across_tp_ranks_and_split_per_rank():
+    from megatron_lite.parallel.random import stream_seed
+
+    ranks = run_distributed(_layer_stream_masks, 2, 2, 1)
+    for rank, masks in enumerate(ranks):
+        assert torch.equal(masks["embedding"], _reference_masks(stream_seed(SEED, "embedding"), 1)[0])
+        for n in (1, 2):
+            assert torch.equal(masks[f"layer-{n}"], _reference_masks(stream_seed(SEED, n), 1)[0])
+            assert torch.equal(masks[f"layer-{n}-tp-rank"], _reference_masks(stream_seed(SEED, n, rank), 1)[0])
+    first = ranks[0]
+    assert not torch.equal(first["layer-1"], first["layer-2"]), "two layers drew the same hidden-dropout mask"
+    assert not torch.equal(first["layer-1-tp-rank"], first["layer-2-tp-rank"])
+    assert not torch.equal(first["embedding"], first["layer-1"])
+    assert torch.equal(ranks[0]["layer-1"], ranks[1]["layer-1"]), "replicated stream differs across TP ranks"
+    assert not torch.equal(ranks[0]["layer-1-tp-rank"], ranks[1]["layer-1-tp-rank"])
+
+
+def test_layer_streams_are_the_same_on_every_pipeline_stage():
+    first_stage, second_stage = run_distributed(_layer_stream_masks, 2, 1, 2)
+    for name, mask in first_stage.items():
+        assert torch.equal(mask, second_stage[name]), f"stream {name} depends on the pipeline stage"
+
+
 def _block(x):
     """A transformer-like block: dropout on the replicated stream, then on the split stream."""
     from megatron_lite.parallel.random import get_rng_tracker
@@ -70,7 +106,7 @@ def _block(x):
 def _grads_and_next_masks(recompute):
     from megatron_lite.parallel.random import checkpoint, get_rng_tracker, model_parallel_seed
 
-    model_parallel_seed(SEED)
+    model_parallel_seed(SEED, 0)
     x = torch.linspace(-1.0, 1.0, N).requires_grad_()
     y = checkpoint(_block, x) if recompute else _block(x)
     y.backward(torch.linspace(0.5, 1.5, N))
@@ -100,7 +136,7 @@ def test_tracker_states_round_trip_through_get_and_set():
     from megatron_lite.parallel.random import get_rng_tracker, model_parallel_seed
 
     tracker = get_rng_tracker()
-    model_parallel_seed(SEED)
+    model_parallel_seed(SEED, 0)
     saved = tracker.get_states()
     with tracker.fork():
         first = _mask()
@@ -132,14 +168,14 @@ def test_cuda_dropout_follows_the_tracker_and_recompute_replays_it():
             torch.cuda.manual_seed(seed)
             return cuda_mask()
 
-    model_parallel_seed(SEED)
+    model_parallel_seed(SEED, 0)
     replicated = cuda_mask()
     with get_rng_tracker().fork():
         split = cuda_mask()
     assert torch.equal(replicated, reference(SEED)) and torch.equal(split, reference(SEED + 2718))
 
     def run(recompute):
-        model_parallel_seed(SEED)
+        model_parallel_seed(SEED, 0)
         x = torch.linspace(-1.0, 1.0, N, device="cuda").requires_grad_()
         y = checkpoint(_block, x) if recompute else _block(x)
         y.sum().backward()

@@ -30,6 +30,7 @@ def test_precision_zero_and_clipping_are_translated():
     ds = deepspeed_config(config_for(["--bf16", "--zero-stage", "2", "--cpu-offload"]))
     assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
     assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert ds["zero_force_ds_cpu_optimizer"] is False  # else DeepSpeed refuses our torch AdamW under offload
 
 
 def test_user_json_adds_keys_and_auto_takes_ours(tmp_path):
