@@ -49,7 +49,7 @@ def test_deepspeed_clips_only_where_our_optimizer_cannot():
     assert deepspeed_config(config_for(["--clip-grad", "0.7"]))["gradient_clipping"] == 0.0
     assert deepspeed_config(config_for(["--clip-grad", "0.7", "--bf16"]))["gradient_clipping"] == 0.0
     assert deepspeed_config(config_for(["--clip-grad", "0.7", "--zero-stage", "1"]))["gradient_clipping"] == 0.7
-    assert deepspeed_config(config_for(["--clip-grad", "0.7", "--fp16"]))["gradient_clipping"] == 0.7
+    assert deepspeed_config(config_for(["--clip-grad", "0.7", "--fp16", "--zero-stage", "1"]))["gradient_clipping"] == 0.7
 
 
 def test_contradiction_is_refused_by_validation_naming_both_values(tmp_path):
