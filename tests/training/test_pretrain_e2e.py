@@ -233,3 +233,24 @@ def test_a_split_without_training_documents_is_a_clear_error(corpus):
     assert result.returncode != 0
     assert "pretrain_gpt.py: error: --split 0,1,0 leaves no training documents" in result.stderr
     assert "megatron_lite/training" not in result.stderr
+
+
+def consumed_and_batch_by_iteration(text):
+    return {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in
+            re.finditer(r"iteration\s+(\d+)/\d+ \| consumed samples\s+(\d+) \| global batch\s+(\d+)", text)}
+
+
+def test_batch_rampup_grows_the_logged_global_batch_and_resumes_mid_ramp_exactly(corpus, tmp_path):
+    # micro 2 x DP 1 = 2 per micro-step; the batch goes 4 -> 8 after 16 samples (4 steps of 4).
+    common = layout(1, 2) + ["--train-iters", "6", "--lr-decay-iters", "6", "--rampup-batch-size", "4", "4", "16"]
+    straight = pretrain(corpus, 2, common + ["--save", str(tmp_path / "a")])
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert consumed_and_batch_by_iteration(straight.stdout) == {
+        1: (4, 4), 2: (8, 4), 3: (12, 4), 4: (16, 4), 5: (24, 8), 6: (32, 8)}
+    first = pretrain(corpus, 2, common + ["--save", str(tmp_path / "b"), "--exit-interval", "3"])
+    second = pretrain(corpus, 2, common + ["--save", str(tmp_path / "b"), "--load", str(tmp_path / "b")])
+    assert first.returncode == 0 and second.returncode == 0, second.stdout + second.stderr
+    assert "at iteration 3, 12 consumed samples" in second.stdout
+    resumed = {**losses_by_iteration(first.stdout), **losses_by_iteration(second.stdout)}
+    assert resumed == losses_by_iteration(straight.stdout)
+    assert consumed_and_batch_by_iteration(second.stdout) == {4: (16, 4), 5: (24, 8), 6: (32, 8)}
