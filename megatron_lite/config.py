@@ -2,15 +2,14 @@
 
 `arguments.py` maps Megatron-LM-named flags onto these dataclasses; code (tests,
 benchmarks, the tuning planner) builds them directly. Either way a `Config` is
-checked and completed by `megatron_lite.validation.validate()` (also reachable
-as `Config.validate()`), which fills the fields documented as derived and
-refuses inconsistent ones. Each field's docstring names the flag that sets it.
+checked and completed by `megatron_lite.validation.validate()`, which fills
+the fields documented as derived and refuses inconsistent ones. Each field's docstring names the flag that sets it.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class ConfigError(ValueError):
@@ -251,12 +250,6 @@ class Config:
             values = {k: _tuples(v) for k, v in data.get(f.name, {}).items() if k in known}
             sections[f.name] = section_cls(**values)
         return cls(**sections)
-
-    def validate(self, world_size: Optional[int] = None) -> Tuple["Config", List[str]]:
-        """Checked and completed copy plus notes for rank 0; see megatron_lite.validation."""
-        from megatron_lite.validation import validate
-
-        return validate(self, world_size)
 
 
 def format_split(split: Tuple[float, ...]) -> str:
