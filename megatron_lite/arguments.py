@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--attention-backend", choices=("auto", "sdpa", "fused"), default="auto",
+                   help="sdpa: torch's scaled_dot_product_attention; fused: our fused causal softmax; "
+                        "auto (default): the one measured faster on this kind of device")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
     g.add_argument("--attention-softmax-in-fp32", action=argparse.BooleanOptionalAction, default=True,
                    help="softmax of bf16/fp16 attention scores in fp32 (default); --no-attention-softmax-in-fp32 "

@@ -67,6 +67,9 @@ class ModelConfig:
     """LayerNorm epsilon (`--layernorm-epsilon`)."""
     recompute_activations: bool = False
     """Recompute each transformer layer's activations in backward (`--recompute-activations`)."""
+    attention_backend: str = "auto"
+    """Attention kernel: `sdpa` (torch's scaled_dot_product_attention), `fused` (our scaled-masked
+    softmax between two matmuls), or `auto`: the one measured faster on the device (`--attention-backend`)."""
     masked_softmax_fusion: bool = True
     """Use the fused scaled-masked softmax kernel where it applies (`--no-masked-softmax-fusion` turns it off)."""
     attention_softmax_in_fp32: bool = True

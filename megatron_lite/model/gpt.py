@@ -15,6 +15,7 @@ the layer number (parallel/random.py), not from the stage's generator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import List, Tuple
 
 import torch
@@ -24,6 +25,8 @@ from torch import nn
 from megatron_lite.config import Config, ConfigError, ModelConfig
 from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
 from megatron_lite.model.partition import SpecCost, partition, stage_table
+from megatron_lite.model.spec_profile import measure_spec_seconds
+from megatron_lite.parallel import state
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
@@ -158,12 +161,32 @@ class GPTPipe(OwnPartitionPipelineModule):
         )
 
     def stage_boundaries(self, num_stages: int) -> List[int]:
-        method = self._config.parallel.pipeline_partition_method
-        costs = spec_costs(self._config)
+        config = self._config
+        method = config.parallel.pipeline_partition_method
+        costs = spec_costs(config)
+        if method == "profile":
+            costs = measured_spec_costs(config, costs, self._layer_specs)
         bounds = partition(costs, num_stages, method)
         if self.global_rank == 0:
-            print(f"pipeline stages ({method}):\n{stage_table(costs, bounds)}", flush=True)
+            table = stage_table(costs, bounds, config.batch.gradient_accumulation_steps)
+            print(f"pipeline stages ({method}):\n{table}", flush=True)
         return bounds
+
+
+def _this_rank_device() -> torch.device:
+    """Where the engine will put this rank's stage (init_distributed chose the CUDA device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def measured_spec_costs(config: Config, costs: List[SpecCost], specs) -> List[SpecCost]:
+    """`costs` with seconds measured on this device; every rank takes rank 0's numbers, so all
+    of them cut the pipeline at the same places."""
+    m = config.model
+    seconds = measure_spec_seconds(
+        specs, loss_fn, config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
+        config.training.seed, m.num_layers, device=_this_rank_device())
+    seconds = state.agree_with_rank0(seconds)
+    return [dataclasses.replace(c, seconds=t) for c, t in zip(costs, seconds)]
 
 
 def build(config: Config, topology) -> GPTPipe:

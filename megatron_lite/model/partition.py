@@ -1,8 +1,10 @@
 """Split the GPT's layer specs into contiguous pipeline stages.
 
-Each spec gets a cost from the config alone (no layer is built to count it):
-forward FLOPs per token, so the output head (2 h V) weighs what it costs and
-the embedding is not free. `cost` picks the boundaries that minimise the most
+Each spec gets a cost. `cost`: forward FLOPs per token from the config alone
+(no layer is built to count it), so the output head (2 h V plus the fp32
+cross entropy) weighs what it computes and the embedding is not free.
+`profile`: seconds of one forward + backward measured on the device
+(model/spec_profile.py). Both pick the boundaries that minimise the most
 expensive stage, with at least one transformer layer per stage. `uniform`,
 `parameters`, `type:<regex>` and explicit layer counts are there for users
 coming from DeepSpeed and Megatron-DeepSpeed.
@@ -11,9 +13,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from megatron_lite.config import ConfigError
+from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class SpecCost:
     """Parameters this layer holds (whole model, before TP splitting)."""
     is_transformer: bool
     """A transformer layer: every stage must hold at least one."""
+    seconds: Optional[float] = None
+    """Measured forward + backward time of one micro-batch (the `profile` method), if measured."""
 
 
 def layers_per_stage_uniform(num_layers: int, stages: int) -> List[int]:
@@ -87,6 +92,10 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
         raise ConfigError(f"--num-layers {num_transformer} is smaller than --pipeline-model-parallel-size {stages}")
     if method == "cost":
         bounds = _balanced([s.flops for s in specs], [s.is_transformer for s in specs], stages)
+    elif method == "profile":
+        if any(s.seconds is None for s in specs):
+            raise ValueError("the profile method needs measured seconds for every spec (model/spec_profile.py)")
+        bounds = _balanced([s.seconds for s in specs], [s.is_transformer for s in specs], stages)
     elif method == "parameters":
         bounds = _balanced([float(s.parameters) for s in specs], [s.is_transformer for s in specs], stages)
     elif method == "uniform":
@@ -107,14 +116,27 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
     return bounds
 
 
-def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int]) -> str:
-    """One line per stage: layers, transformer layers, parameters, cost relative to the mean stage."""
-    stage_costs = [sum(s.flops for s in specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    mean = sum(stage_costs) / len(stage_costs)
-    lines = [f"{'stage':>5} {'specs':>9} {'transformer':>11} {'parameters':>12} {'rel. cost':>9}  layers"]
+def stage_costs(specs: Sequence[SpecCost], bounds: Sequence[int], measured: bool) -> List[float]:
+    """Each stage's cost: summed measured seconds, or summed FLOPs per token."""
+    return [sum((s.seconds if measured else s.flops) for s in specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int], num_micro_batches: int) -> str:
+    """One line per stage (layers, parameters, cost relative to the mean stage, measured ms where
+    profiled) and the predicted pipeline efficiency for `num_micro_batches` per step."""
+    measured = all(s.seconds is not None for s in specs)
+    costs = stage_costs(specs, bounds, measured)
+    mean = sum(costs) / len(costs)
+    lines = [f"{'stage':>5} {'specs':>9} {'transformer':>11} {'parameters':>12} {'rel. cost':>9}"
+             + (f" {'fwd+bwd ms':>10}" if measured else "") + "  layers"]
     for stage, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         part = specs[a:b]
         names = ", ".join(sorted({s.name for s in part}, key=[s.name for s in part].index))
         lines.append(f"{stage:>5} {f'{a}-{b - 1}':>9} {sum(s.is_transformer for s in part):>11} "
-                     f"{sum(s.parameters for s in part):>12,} {stage_costs[stage] / mean:>9.2f}  {names}")
+                     f"{sum(s.parameters for s in part):>12,} {costs[stage] / mean:>9.2f}"
+                     + (f" {costs[stage] * 1e3:>10.1f}" if measured else "") + f"  {names}")
+    efficiency = predicted_pipeline_efficiency(costs, num_micro_batches)
+    lines.append(f"predicted pipeline efficiency at {num_micro_batches} micro-batches per step: {efficiency:.3f} "
+                 f"(bubble {num_micro_batches}/{num_micro_batches + len(costs) - 1} x balance "
+                 f"{mean / max(costs):.3f}, from {'measured' if measured else 'FLOP'} stage costs)")
     return "\n".join(lines)

@@ -48,6 +48,14 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def resolve_attention_backend(backend: str) -> str:
+    """`auto` -> the backend measured faster on this kind of device (tools/bench_training.py):
+    SDPA on CPU; the fused softmax on CUDA until it is measured there."""
+    if backend != "auto":
+        return backend
+    return "fused" if torch.cuda.is_available() else "sdpa"
+
+
 class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
@@ -56,8 +64,10 @@ class ParallelAttention(nn.Module):
         self.local_heads = heads // tp_world_size()
         # stride=3: the master [3h, h] weight is [Q; K; V]; each rank takes whole heads of each.
         self.query_key_value = ColumnParallelLinear(h, 3 * h, init_method=normal_init(config.init_method_std), stride=3)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.backend = resolve_attention_backend(config.attention_backend)
         self.softmax = FusedScaleMaskSoftmax(
-            attn_mask_type="causal", scale=1.0 / math.sqrt(self.head_dim),
+            attn_mask_type="causal", scale=self.scale,
             softmax_in_fp32=config.attention_softmax_in_fp32, fusion=config.masked_softmax_fusion,
         )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
@@ -78,12 +88,17 @@ class ParallelAttention(nn.Module):
         q, k, v = heads(q), heads(k), heads(v)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, s]
-        probs = self.softmax(scores)
         # Heads are split across TP ranks, so their dropout masks must differ per rank.
         with get_rng_tracker().fork(self.dropout_rng):
-            probs = self.attention_dropout(probs)
-        context = torch.matmul(probs, v)  # [b, np, s, hd]
+            if self.backend == "sdpa":
+                # One kernel for scores, causal softmax, dropout and values; its dropout draws from
+                # the stream forked above like nn.Dropout would.
+                p = self.attention_dropout.p if self.training else 0.0
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
+            else:
+                scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, s]
+                probs = self.attention_dropout(self.softmax(scores))
+                context = torch.matmul(probs, v)  # [b, np, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
         return self.dense(context)  # [b, s, h], reduced over TP
 

@@ -156,6 +156,16 @@ def is_pipeline_last_stage() -> bool:
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 
+def agree_with_rank0(value):
+    """Global rank 0's `value` on every rank (any picklable object), so that decisions made from
+    local measurements (stage boundaries from timings) come out the same everywhere."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def describe() -> Dict[str, int]:
     """This rank's coordinates and sizes, for logs."""
     return {

@@ -14,7 +14,7 @@ from megatron_lite import batching
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.model.partition import layers_per_stage_uniform
 
-PARTITION_METHODS = ("cost", "uniform", "parameters")
+PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
 
 
 def flag(name: str) -> str:
@@ -111,6 +111,8 @@ def model_rules(config: Config, notes: List[str]) -> Config:
             f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
             f"column-wise across TP ranks. Use --ffn-hidden-size {batching.or_join(batching.nearest_multiples(ffn, tp))}"
         )
+    if m.attention_backend not in ("auto", "sdpa", "fused"):
+        raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
         raise ConfigError(f"--position-embedding-type {m.position_embedding_type} is not learned_absolute or rope")
     if m.position_embedding_type == "rope" and (hidden // heads) % 2:

@@ -91,9 +91,50 @@ def test_every_stage_needs_a_transformer_layer():
     assert stage_layer_counts(specs, partition(specs, 2, "cost")) == [1, 1]
 
 
-def test_stage_table_lists_every_stage():
+def test_stage_table_lists_every_stage_and_the_predicted_efficiency():
     specs = gpt_like(4)
-    table = stage_table(specs, partition(specs, 2, "cost"))
+    table = stage_table(specs, partition(specs, 2, "cost"), num_micro_batches=8)
     lines = table.splitlines()
-    assert len(lines) == 3 and "rel. cost" in lines[0]
+    assert len(lines) == 4 and "rel. cost" in lines[0] and "fwd+bwd ms" not in lines[0]
     assert lines[1].split()[:3] == ["0", "0-3", "3"] and "EmbeddingPipe, TransformerLayer" in lines[1]
+    # stages cost 305 and 251: bubble 8/9 x balance 278/305
+    assert lines[3].startswith(f"predicted pipeline efficiency at 8 micro-batches per step: {8 / 9 * 278 / 305:.3f}")
+
+
+def measured(specs, seconds):
+    import dataclasses
+
+    return [dataclasses.replace(s, seconds=t) for s, t in zip(specs, seconds)]
+
+
+@pytest.mark.parametrize("layers, stages", [(4, 2), (7, 3), (9, 4)])
+def test_profile_partition_is_optimal_for_measured_seconds_against_brute_force(layers, stages):
+    import itertools
+    import random
+
+    rng = random.Random(layers * 10 + stages)
+    specs = measured(gpt_like(layers), [rng.uniform(0.5, 3.0) for _ in range(layers + 3)])
+    bounds = partition(specs, stages, "profile")
+
+    def seconds(b):
+        return [sum(s.seconds for s in specs[x:y]) for x, y in zip(b[:-1], b[1:])]
+
+    best = min(max(seconds([0, *cuts, len(specs)]))
+               for cuts in itertools.combinations(range(1, len(specs)), stages - 1)
+               if min(stage_layer_counts(specs, [0, *cuts, len(specs)])) >= 1)
+    assert max(seconds(bounds)) == pytest.approx(best)
+
+
+def test_profile_follows_measured_seconds_where_flops_mislead():
+    # FLOPs price the head at 1.5 layers; measured, it costs 4 of them: profile moves a layer off its stage
+    # (6.1 s | 6.05 s instead of 5.1 s | 7.05 s).
+    specs = measured(gpt_like(8), [0.1] + [1.0] * 8 + [0.05, 4.0])
+    assert stage_layer_counts(specs, partition(specs, 2, "cost")) == [5, 3]
+    assert stage_layer_counts(specs, partition(specs, 2, "profile")) == [6, 2]
+    table = stage_table(specs, partition(specs, 2, "profile"), num_micro_batches=4)
+    assert "fwd+bwd ms" in table and "from measured stage costs" in table
+
+
+def test_profile_without_measurements_is_refused():
+    with pytest.raises(ValueError, match="needs measured seconds"):
+        partition(gpt_like(4), 2, "profile")
