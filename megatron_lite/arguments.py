@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--timing-breakdown", action="store_true",
+                   help="per pipeline stage: forward, backward, time blocked in send/recv, optimizer, at every log line")
     return parser
 
 

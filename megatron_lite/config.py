@@ -207,6 +207,9 @@ class LoggingConfig:
     """Print and record metrics every this many steps (`--log-interval`)."""
     tensorboard_dir: Optional[str] = None
     """Write TensorBoard events here (`--tensorboard-dir`)."""
+    timing_breakdown: bool = False
+    """Print (and record) each pipeline stage's forward, backward, send/recv and optimizer time at every
+    log line (`--timing-breakdown`)."""
 
 
 @dataclass(frozen=True)

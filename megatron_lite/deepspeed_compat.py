@@ -7,7 +7,8 @@ setup.py pins DeepSpeed to the range these were checked against.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -24,6 +25,9 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.engine.DeepSpeedEngine.was_step_applied", "self"),
     ("deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer.loss_scale", "attribute"),
     ("deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer.optimizer", "attribute"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", "attribute"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule", "self, pipe_schedule"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._aggregate_total_loss", "self"),
 )
 
 
@@ -76,6 +80,32 @@ def skipped_steps(engine) -> int:
     """Optimizer steps DeepSpeed skipped after an fp16 overflow, over the run (the engine's counter,
     saved in its checkpoints)."""
     return int(getattr(engine, "skipped_steps", 0))
+
+
+def time_pipeline_instructions(engine, record: Callable[[str, float], None], synchronize: Callable[[], None]) -> None:
+    """Call record(instruction name, seconds) after every instruction the pipeline engine runs
+    (ForwardPass, BackwardPass, SendActivation, RecvGrad, OptimizerStep, ...) and after the
+    loss broadcast that ends each step (AggregateLoss).
+
+    Why: DeepSpeed's own wall_clock_breakdown timers report the whole job's forward and
+    backward, not each stage's time blocked in send/recv. `_exec_schedule` looks each
+    instruction up in `self._INSTRUCTION_MAP`, so an instance-level map of timed wrappers
+    times this engine only. `synchronize` waits for the device so GPU kernels are counted
+    in the instruction that launched them."""
+    def timed(name, method):
+        def run(self, **kwargs):
+            start = time.perf_counter()
+            result = method(self, **kwargs)
+            synchronize()
+            record(name, time.perf_counter() - start)
+            return result
+        return run
+
+    engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, method)
+                               for cls, method in type(engine)._INSTRUCTION_MAP.items()}
+    # After the schedule the loss is broadcast from the last stage: other stages wait there.
+    aggregate = timed("AggregateLoss", type(engine)._aggregate_total_loss)
+    engine._aggregate_total_loss = lambda: aggregate(engine)
 
 
 def resolve(path: str):

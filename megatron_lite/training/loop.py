@@ -6,6 +6,7 @@ collective behind.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -22,10 +23,11 @@ from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_trai
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.parallel import state
-from megatron_lite.training import checkpointing
+from megatron_lite.training import checkpointing, stage_timing
 from megatron_lite.training.distributed import init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
 from megatron_lite.training.metrics import IntervalStats, TensorBoardWriter, format_line, interval_scalars
+from megatron_lite.training.stage_timing import StageTimer
 
 
 def print_rank0(*args) -> None:
@@ -49,7 +51,8 @@ class ExitSignal:
 @dataclass
 class Interval:
     """What happened since the last log line."""
-    start: float = field(default_factory=time.time)
+    seconds: float = 0.0
+    """Time spent in training steps (evaluation and saving excluded)."""
     iterations: int = 0
     samples: int = 0
     loss_sum: float = 0.0
@@ -57,7 +60,8 @@ class Interval:
     global_batch_size: int = 0
     """The last step's global batch (it grows during ramp-up)."""
 
-    def add(self, stats: StepStats, samples: int) -> None:
+    def add(self, stats: StepStats, samples: int, seconds: float) -> None:
+        self.seconds += seconds
         self.iterations += 1
         self.samples += samples
         self.loss_sum += stats.loss
@@ -74,6 +78,7 @@ class Run:
     valid_dataset: object
     tb: TensorBoardWriter
     exit_signal: ExitSignal
+    stage_timer: Optional[StageTimer] = None
     iteration: int = 0
     consumed_samples: int = 0
     last_saved: Optional[int] = None
@@ -127,18 +132,20 @@ def setup(config: Config) -> Run:
                                      num_workers=config.data.num_workers)
     return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds,
                tb=TensorBoardWriter(config.logging.tensorboard_dir if dist.get_rank() == 0 else None),
-               exit_signal=ExitSignal(t.exit_signal_handler), iteration=iteration, consumed_samples=consumed,
-               last_saved=iteration if t.load else None)
+               exit_signal=ExitSignal(t.exit_signal_handler),
+               stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
+               iteration=iteration, consumed_samples=consumed, last_saved=iteration if t.load else None)
 
 
 def train_step(run: Run) -> StepStats:
     """One optimizer step at the global batch size in force (ramp-up) for the samples consumed so far."""
     step_batch = global_batch_size_at(run.config.batch, run.consumed_samples)
     run.engine.set_global_batch_size(step_batch)
+    start = time.perf_counter()
     stats = run.engine.train_step(run.train_iter)
     run.iteration += 1
     run.consumed_samples += step_batch
-    run.interval.add(stats, step_batch)
+    run.interval.add(stats, step_batch, time.perf_counter() - start)
     return stats
 
 
@@ -149,12 +156,17 @@ def maybe_log(run: Run, stats: StepStats) -> None:
     summary = IntervalStats(
         iteration=run.iteration, consumed_samples=run.consumed_samples, loss=interval.loss_sum / interval.iterations,
         lr=stats.lr, grad_norm=stats.grad_norm, loss_scale=stats.loss_scale, skipped_steps=interval.skipped,
-        seconds=time.time() - interval.start, iterations=interval.iterations, samples=interval.samples,
+        seconds=interval.seconds, iterations=interval.iterations, samples=interval.samples,
         global_batch_size=interval.global_batch_size,
     )
     scalars = interval_scalars(summary, config.model, config.parallel.world_size)
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     run.tb.write("train", scalars, run.iteration)
+    if run.stage_timer is not None:
+        stages = stage_timing.gather_stages(run.stage_timer.take(interval.seconds))
+        if stages:
+            print_rank0("time per stage:\n" + stage_timing.format_table(stages, interval.iterations))
+            run.tb.write("timing", stage_timing.scalars(stages, interval.iterations), run.iteration)
     run.interval = Interval()
 
 
@@ -205,7 +217,8 @@ def evaluate(engine: Engine, dataset, config: Config) -> Optional[float]:
 
 
 def log_evaluation(run: Run) -> None:
-    loss = evaluate(run.engine, run.valid_dataset, run.config)
+    with run.stage_timer.paused() if run.stage_timer is not None else contextlib.nullcontext():
+        loss = evaluate(run.engine, run.valid_dataset, run.config)
     if loss is None:
         return
     ppl = math.exp(min(loss, 20.0))

@@ -222,6 +222,9 @@ def training_rules(config: Config, notes: List[str]) -> Config:
 
 def logging_rules(config: Config, notes: List[str]) -> Config:
     require_at_least_one(config.logging, ("log_interval",))
+    if config.logging.timing_breakdown and config.parallel.zero_stage >= 2:
+        raise ConfigError(f"--timing-breakdown times the pipeline engine's instructions, which --zero-stage "
+                          f"{config.parallel.zero_stage} does not use; use --zero-stage 0 or 1, or drop the flag")
     return config
 
 

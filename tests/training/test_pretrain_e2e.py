@@ -254,3 +254,42 @@ def test_batch_rampup_grows_the_logged_global_batch_and_resumes_mid_ramp_exactly
     resumed = {**losses_by_iteration(first.stdout), **losses_by_iteration(second.stdout)}
     assert resumed == losses_by_iteration(straight.stdout)
     assert consumed_and_batch_by_iteration(second.stdout) == {4: (16, 4), 5: (24, 8), 6: (32, 8)}
+
+
+def stage_tables(text):
+    """Each 'time per stage' table as {stage: {column: ms}}."""
+    tables = []
+    for block in text.split("time per stage:\n")[1:]:
+        lines = block.splitlines()
+        columns = lines[0].split("(")[0].split()[1:]
+        rows = {}
+        for line in lines[1:]:
+            cells = line.split()
+            if len(cells) != len(columns) + 1 or not cells[0].isdigit():
+                break
+            rows[int(cells[0])] = dict(zip(columns, map(float, cells[1:])))
+        tables.append(rows)
+    return tables
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_timing_breakdown_accounts_for_each_stages_step_and_reaches_tensorboard(corpus, tmp_path, pp):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = pretrain(corpus, pp, layout(1, pp) + ["--num-layers", "3", "--train-iters", "4", "--log-interval", "2",
+                                                   "--timing-breakdown", "--tensorboard-dir", str(tmp_path / "tb"),
+                                                   "--eval-interval", "2"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    tables = stage_tables(result.stdout)
+    assert len(tables) == 2 and all(sorted(t) == list(range(pp)) for t in tables)
+    for table in tables:
+        for stage, row in table.items():
+            instructions = sum(v for k, v in row.items() if k not in ("other", "step"))
+            assert abs(instructions - row["step"]) <= 0.1 * row["step"], (stage, row)
+            assert row["forward"] > 0 and row["backward"] > 0 and row["optimizer"] > 0
+        assert table[0]["send"] > 0 and table[pp - 1]["recv"] > 0
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    tags = events.Tags()["scalars"]
+    for stage in range(pp):
+        for column in ("forward", "backward", "recv", "send", "optimizer", "step"):
+            assert f"timing/stage{stage}/{column}" in tags

@@ -1,0 +1,79 @@
+"""Where each pipeline stage's time goes: `--timing-breakdown`.
+
+Every instruction the pipeline engine runs is timed on every rank (see
+deepspeed_compat.time_pipeline_instructions) and summed per category over the
+log interval ("loss" is the broadcast of the loss from the last stage that ends
+every step: the other stages wait for it there). At each log line the first rank of every stage sends its sums to
+rank 0, which prints one small table and writes `timing/stage{N}/{category}`
+to TensorBoard. Time a fast stage spends blocked in recv is the imbalance,
+measured; "other" is the step time no instruction accounts for.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.parallel import state
+
+CATEGORY = {
+    "LoadMicroBatch": "load", "ForwardPass": "forward", "BackwardPass": "backward",
+    "SendActivation": "send", "SendGrad": "send", "RecvActivation": "recv", "RecvGrad": "recv",
+    "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce", "OptimizerStep": "optimizer", "AggregateLoss": "loss",
+}
+COLUMNS = ("forward", "backward", "recv", "send", "reduce", "optimizer", "loss", "load", "other")
+
+
+class StageTimer:
+    def __init__(self, pipeline_engine):
+        self.seconds: Dict[str, float] = defaultdict(float)
+        synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        deepspeed_compat.time_pipeline_instructions(pipeline_engine, self._record, synchronize)
+
+    def _record(self, instruction: str, seconds: float) -> None:
+        self.seconds[CATEGORY.get(instruction, instruction)] += seconds
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Instructions run inside (evaluation) do not count toward the training interval."""
+        saved = dict(self.seconds)
+        try:
+            yield
+        finally:
+            self.seconds = defaultdict(float, saved)
+
+    def take(self, step_seconds: float) -> Dict[str, float]:
+        """This interval's sums (with "other" = step time - instructions) and a fresh start."""
+        sums = dict(self.seconds)
+        sums["other"] = max(step_seconds - sum(sums.values()), 0.0)
+        sums["step"] = step_seconds
+        self.seconds = defaultdict(float)
+        return sums
+
+
+def gather_stages(sums: Dict[str, float]) -> List[Tuple[int, Dict[str, float]]]:
+    """(stage, sums) of each stage's first rank, on rank 0 ([] elsewhere). A collective: every rank calls it."""
+    first_of_stage = state.get_data_parallel_rank() == 0 and state.get_tensor_model_parallel_rank() == 0
+    mine = (state.get_pipeline_model_parallel_rank(), sums) if first_of_stage else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted(entry for entry in everyone if entry is not None) if dist.get_rank() == 0 else []
+
+
+def format_table(stages: List[Tuple[int, Dict[str, float]]], iterations: int) -> str:
+    """Milliseconds per iteration, one line per stage; the last column is the measured step time."""
+    header = f"{'stage':>5} " + " ".join(f"{c:>9}" for c in COLUMNS) + f" {'step':>9}   (ms per iteration)"
+    lines = [header]
+    for stage, sums in stages:
+        cells = " ".join(f"{1e3 * sums.get(c, 0.0) / iterations:>9.1f}" for c in COLUMNS)
+        lines.append(f"{stage:>5} {cells} {1e3 * sums['step'] / iterations:>9.1f}")
+    return "\n".join(lines)
+
+
+def scalars(stages: List[Tuple[int, Dict[str, float]]], iterations: int) -> Dict[str, float]:
+    """TensorBoard scalars: timing/stage{N}/{category} in ms per iteration."""
+    return {f"stage{stage}/{name}": 1e3 * value / iterations for stage, sums in stages for name, value in sums.items()}
