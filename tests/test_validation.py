@@ -49,7 +49,7 @@ RULES = [
                  r"^--pipeline-partition-method 3,2 must list 2 stage layer counts, each >= 1, summing to --num-layers 6; "
                  r"e.g. 3,3", id="partition-counts"),
     pytest.param(parallel_rules, layout(1, parallel__pipeline_partition_method="fastest"),
-                 r"^--pipeline-partition-method 'fastest' is not one of cost, uniform, parameters", id="partition-name"),
+                 r"^--pipeline-partition-method 'fastest' is not one of cost, profile, uniform, parameters", id="partition-name"),
     pytest.param(model_rules, layout(4, 4, model__num_attention_heads=6, model__hidden_size=96),
                  r"^--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4; heads are split whole"
                  r".*Use --num-attention-heads 4 or 8", id="heads-divisible-by-tp"),
