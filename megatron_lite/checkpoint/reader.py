@@ -79,6 +79,10 @@ class CheckpointReader:
         self._check_files_exist()
 
     def _check_files_exist(self) -> None:
+        if self.config.parallel.zero_stage >= 2:
+            raise CheckpointError(f"{self.path} was written with --zero-stage {self.config.parallel.zero_stage} "
+                                  f"(DeepSpeed's non-pipeline engine: one module file plus ZeRO shards, no per-layer "
+                                  f"files); these tools read ZeRO 0 and 1 checkpoints only")
         needed = [layer_file(spec, t) for spec in self.layout.layer_specs_with_files() for t in range(self.tp)]
         needed += [mp_rank_file(s, t, self.tp) for s in range(self.pp) for t in range(self.tp)]
         missing = [n for n in needed if not os.path.isfile(os.path.join(self.path, n))]

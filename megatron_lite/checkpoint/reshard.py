@@ -145,7 +145,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
         metadata = dict(reader.metadata)
         metadata.update(layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                 "data_parallel_size": config.parallel.data_parallel_size},
-                        config=dataclasses.asdict(config),
+                        config=dataclasses.asdict(config), optimizer_states=not no_optimizer,
                         resharded_from={"path": os.path.abspath(reader.path), "tensor_model_parallel_size": reader.tp,
                                         "pipeline_model_parallel_size": reader.pp})
         with open(os.path.join(tmp, METADATA), "w") as f:

@@ -152,7 +152,9 @@ def load(engine, config: Config) -> Tuple[int, int]:
         return 0, 0
     metadata = read_metadata(directory, tag)
     check_layout(config, metadata, os.path.join(directory, tag))
-    path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.
+    path, _ = engine.load_checkpoint(directory, tag=tag, load_optimizer_states=metadata.get("optimizer_states", True),
+                                     load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
     rng_path = os.path.join(directory, tag, f"rng_rank_{dist.get_rank():05d}.pt")

@@ -1,4 +1,5 @@
 """convert_checkpoint.py reshard: weights and Adam moments follow their slicing; training continues exactly."""
+import json
 import os
 
 import pytest
@@ -67,6 +68,9 @@ def test_no_optimizer_reshard_writes_fresh_moments_and_keeps_the_position(run22,
     target = str(tmp_path / "weights")
     result = _reshard(run22["ckpt"], target, 1, 2, "--no-optimizer")
     assert "no Adam moments" in result.stdout
+    metadata = json.load(open(os.path.join(target, "iter_0000004", "megatron_lite.json")))
+    # checkpointing.load then asks DeepSpeed for no optimizer state (ZeRO 1 would look for shards)
+    assert metadata["optimizer_states"] is False and metadata["iteration"] == 4
     files = _files(target, "iter_0000004")
     for name, state in files.items():
         if name.startswith("mp_rank"):
