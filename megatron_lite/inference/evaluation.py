@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from megatron_lite.checkpoint.reader import CheckpointReader
-from megatron_lite.checkpoint.reshard import reshard
+from megatron_lite.checkpoint.reshard import reshard, target_config
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.tokenizer import build_tokenizer
@@ -45,7 +45,8 @@ def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method:
                  eval_iters: Optional[int], load: str) -> Config:
     if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
+                          f"--pipeline-model-parallel-size {pp} (default: the checkpoint's layout); launch a "
+                          f"multiple of {tp * pp} processes, or give sizes whose product divides {world}")
     dp = world // (tp * pp)
     b = source.batch
     if b.global_batch_size % (b.micro_batch_size * dp):
@@ -78,6 +79,7 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None, data_pat
     directory, tag, tmp = load_dir, reader.tag, None
     method = source.parallel.pipeline_partition_method
     if (tp, pp) != (reader.tp, reader.pp):
+        target_config(source, tp, pp, None)  # a bad layout fails on every rank, before any rank waits for another
         tmp = os.path.join(os.path.dirname(os.path.abspath(load_dir)),
                            f".{os.path.basename(os.path.abspath(load_dir))}.eval-tp{tp}pp{pp}")
         if rank == 0:
