@@ -48,7 +48,8 @@ setup(
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.9",
     install_requires=["torch", "deepspeed>=0.19,<0.20", "sentencepiece", "numpy", "tensorboard", "pybind11"],
-    extras_require={"test": ["pytest"]},
+    # Hugging Face export (tools/convert_checkpoint.py export-hf) and its test; not needed to train.
+    extras_require={"hf": ["safetensors", "transformers"], "test": ["pytest", "safetensors", "transformers"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -37,10 +37,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [b, np, s, hd]
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        # x: [b, np, s, hd] at positions offset..offset+s-1
         s = x.shape[2]
-        positions = torch.arange(s, device=x.device, dtype=torch.float32)
+        positions = torch.arange(offset, offset + s, device=x.device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]
         cos = torch.cat((freqs, freqs), dim=-1).cos().to(x.dtype)
         sin = torch.cat((freqs, freqs), dim=-1).sin().to(x.dtype)
@@ -77,8 +77,11 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(h, h, input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """kv_cache (generation only): an object with `offset` (tokens already cached) and
+        `append(k, v) -> (all keys, all values)`; x then holds the tokens after those."""
         b, s, _ = x.shape
+        offset = 0 if kv_cache is None else kv_cache.offset
         qkv = self.query_key_value(x)  # [b, s, h] -> [b, s, 3h/tp]
         q, k, v = qkv.split(self.local_heads * self.head_dim, dim=-1)
 
@@ -87,10 +90,18 @@ class ParallelAttention(nn.Module):
 
         q, k, v = heads(q), heads(k), heads(v)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # [b, np, offset + s, hd]
         # Heads are split across TP ranks, so their dropout masks must differ per rank.
         with get_rng_tracker().fork(self.dropout_rng):
-            if self.backend == "sdpa":
+            if offset:
+                # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
+                # that SDPA's is_causal and the fused kernel handle.
+                scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, offset + s]
+                probs = self.attention_dropout(self._softmax_after_cache(scores, offset))
+                context = torch.matmul(probs, v)  # [b, np, s, hd]
+            elif self.backend == "sdpa":
                 # One kernel for scores, causal softmax, dropout and values; its dropout draws from
                 # the stream forked above like nn.Dropout would.
                 p = self.attention_dropout.p if self.training else 0.0
@@ -101,6 +112,14 @@ class ParallelAttention(nn.Module):
                 context = torch.matmul(probs, v)  # [b, np, s, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
         return self.dense(context)  # [b, s, h], reduced over TP
+
+    def _softmax_after_cache(self, scores: torch.Tensor, offset: int) -> torch.Tensor:
+        """Causal softmax for queries at positions offset.. over keys 0..offset+s-1 (not square, so
+        not the fused kernel's case)."""
+        s, keys = scores.shape[-2], scores.shape[-1]
+        future = torch.ones(s, keys, dtype=torch.bool, device=scores.device).triu(offset + 1)
+        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")) / math.sqrt(self.head_dim), dim=-1)
+        return probs.to(scores.dtype)
 
 
 class ParallelMLP(nn.Module):
@@ -138,11 +157,11 @@ class TransformerLayer(nn.Module):
         with get_rng_tracker().fork(self.dropout_rng):
             return x + self.hidden_dropout(branch)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self._residual(x, self.attention(self.input_layernorm(x)))
+    def _forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        x = self._residual(x, self.attention(self.input_layernorm(x), kv_cache))
         return self._residual(x, self.mlp(self.post_attention_layernorm(x)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._forward, x)
-        return self._forward(x)
+        return self._forward(x, kv_cache)

@@ -152,7 +152,8 @@ def load(engine, config: Config) -> Tuple[int, int]:
         return 0, 0
     metadata = read_metadata(directory, tag)
     check_layout(config, metadata, os.path.join(directory, tag))
-    path = engine.load(directory, tag)
+    # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.
+    path = engine.load(directory, tag, load_optimizer_states=metadata.get("optimizer_states", True))
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
     rng_path = os.path.join(directory, tag, f"rng_rank_{dist.get_rank():05d}.pt")

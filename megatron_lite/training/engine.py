@@ -3,7 +3,7 @@
     train_step(data_iter) -> StepStats     one optimizer step over gas micro-batches
     eval_step(data_iter) -> float          mean loss of one global batch, no update
     set_global_batch_size(n)               batch ramp-up
-    save(directory, tag) / load(directory, tag)
+    save(directory, tag) / load(directory, tag) / load_weights(directory, tag)
     device
 
 ZeRO 0/1 (any PP) runs the GPT as a PipelineModule under DeepSpeed's pipeline
@@ -110,10 +110,16 @@ class Engine:
     def save(self, directory: str, tag: str) -> None:
         self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
 
-    def load(self, directory: str, tag: str) -> Optional[str]:
+    def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> Optional[str]:
         """Model, optimizer and LR-scheduler states; the path loaded, or None when DeepSpeed found nothing."""
-        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=load_optimizer_states,
                                               load_lr_scheduler_states=True)
+        return path
+
+    def load_weights(self, directory: str, tag: str) -> Optional[str]:
+        """The model's weights only (evaluation, generation); None when DeepSpeed found nothing."""
+        path, _ = self.engine.load_checkpoint(directory, tag=tag, load_module_only=True, load_optimizer_states=False,
+                                              load_lr_scheduler_states=False)
         return path
 
     def _next_on_device(self, data_iter: Iterator):

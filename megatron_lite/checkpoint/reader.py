@@ -1,0 +1,178 @@
+"""Read a megatron_lite checkpoint of any TP x PP layout back into full (TP = 1) tensors.
+
+Everything is checked before it is used: the tag folder and its metadata,
+every layer file and every per-rank state file the layout needs, that each
+file can be read, and that it holds exactly the tensors, with the shapes, that
+the config in megatron_lite.json describes. Problems are `CheckpointError`s
+naming the file and what is wrong with it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_lite.config import Config
+from megatron_lite.checkpoint import slicing
+from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo, layer_file, mp_rank_file
+from megatron_lite.training.checkpointing import LATEST, METADATA, CheckpointError, read_metadata, tag_for
+
+Key = Tuple[int, str]  # (spec index, parameter name)
+
+
+def _list_some(names: List[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def load_file(path: str, weights_only: bool = True):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - any failure to read means the same thing to the user
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: cannot be read, the file is truncated or not a checkpoint file ({reason})") \
+            from None
+
+
+def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such folder; give the --save folder of a pretrain_gpt.py run")
+    if iteration is not None:
+        tag = tag_for(iteration)
+        if not os.path.isdir(os.path.join(load_dir, tag)):
+            have = sorted(d for d in os.listdir(load_dir) if d.startswith("iter_"))
+            raise CheckpointError(f"--iteration {iteration}: {os.path.join(load_dir, tag)} does not exist; "
+                                  f"saved iterations: {', '.join(have) or 'none'}")
+        return tag
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{latest}: no such file, so there is no complete checkpoint to read; "
+                              f"give --iteration N for one of the iter_XXXXXXX folders, or a folder written by "
+                              f"pretrain_gpt.py --save")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise CheckpointError(f"{latest} names '{tag}', but {os.path.join(load_dir, tag)} does not exist")
+    return tag
+
+
+class CheckpointReader:
+    def __init__(self, load_dir: str, iteration: Optional[int] = None):
+        self.load_dir = load_dir
+        self.tag = resolve_tag(load_dir, iteration)
+        self.path = os.path.join(load_dir, self.tag)
+        if not os.path.isfile(os.path.join(self.path, METADATA)):
+            raise CheckpointError(f"{os.path.join(self.path, METADATA)}: no such file; this folder was not written "
+                                  f"by megatron_lite's pretrain_gpt.py, or the save did not finish")
+        self.metadata = read_metadata(load_dir, self.tag)
+        try:
+            self.config = Config.from_dict(self.metadata["config"])
+            self.tp = int(self.metadata["layout"]["tensor_model_parallel_size"])
+            self.pp = int(self.metadata["layout"]["pipeline_model_parallel_size"])
+            self.iteration = int(self.metadata["iteration"])
+            self.consumed_samples = int(self.metadata["consumed_samples"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{os.path.join(self.path, METADATA)}: missing or malformed entry ({e})") from None
+        self.layout = ModelLayout(self.config)
+        self.bounds = self.layout.stage_bounds(self.pp, self.config.parallel.pipeline_partition_method)
+        self._check_files_exist()
+
+    def _check_files_exist(self) -> None:
+        if self.config.parallel.zero_stage >= 2:
+            raise CheckpointError(f"{self.path} was written with --zero-stage {self.config.parallel.zero_stage} "
+                                  f"(DeepSpeed's non-pipeline engine: one module file plus ZeRO shards, no per-layer "
+                                  f"files); these tools read ZeRO 0 and 1 checkpoints only")
+        needed = [layer_file(spec, t) for spec in self.layout.layer_specs_with_files() for t in range(self.tp)]
+        needed += [mp_rank_file(s, t, self.tp) for s in range(self.pp) for t in range(self.tp)]
+        missing = [n for n in needed if not os.path.isfile(os.path.join(self.path, n))]
+        if missing:
+            raise CheckpointError(
+                f"{self.path} is incomplete for TP={self.tp}, PP={self.pp}: missing {_list_some(missing)}")
+
+    def layer_shards(self, spec: int) -> List[Dict[str, torch.Tensor]]:
+        """Each TP rank's state dict of one layer, checked against the config."""
+        shards = []
+        for t in range(self.tp):
+            path = os.path.join(self.path, layer_file(spec, t))
+            sd = load_file(path)
+            expected = {p.name: p for p in self.layout.params[spec]}
+            if not isinstance(sd, dict) or set(sd) != set(expected):
+                got = sorted(sd) if isinstance(sd, dict) else [type(sd).__name__]
+                raise CheckpointError(f"{path} holds {_list_some(got)}, but the config in {METADATA} expects "
+                                      f"{_list_some(sorted(expected))}: the file belongs to another model")
+            for name, info in expected.items():
+                want = self.slice_shape(info)
+                if tuple(sd[name].shape) != want:
+                    raise CheckpointError(f"{path}: {name} has shape {tuple(sd[name].shape)}, the config in "
+                                          f"{METADATA} gives {want} at TP={self.tp}: the file belongs to another model")
+            shards.append(sd)
+        return shards
+
+    def slice_shape(self, info: ParamInfo) -> Tuple[int, ...]:
+        shape = list(info.shape)
+        if info.partition_dim >= 0:
+            shape[info.partition_dim] //= self.tp
+        return tuple(shape)
+
+    def full_weights(self) -> Dict[Key, torch.Tensor]:
+        """Every parameter as its full fp32 tensor."""
+        weights: Dict[Key, torch.Tensor] = {}
+        self.dtypes: Dict[Key, torch.dtype] = {}
+        for spec in self.layout.layer_specs_with_files():
+            shards = self.layer_shards(spec)
+            for info in self.layout.params[spec]:
+                full = slicing.merge([sd[info.name] for sd in shards], info.partition_dim, info.partition_stride)
+                weights[(spec, info.name)] = full.float()
+                self.dtypes[(spec, info.name)] = full.dtype
+        return weights
+
+    def rank_state(self, stage: int, tp_rank: int) -> dict:
+        """DeepSpeed's per-rank state (optimizer at ZeRO 0, LR schedule, step counters)."""
+        path = os.path.join(self.path, mp_rank_file(stage, tp_rank, self.tp))
+        state = load_file(path, weights_only=False)
+        if not isinstance(state, dict) or "global_steps" not in state:
+            raise CheckpointError(f"{path}: not a DeepSpeed model-states file (no 'global_steps')")
+        return state
+
+    def optimizer_states(self) -> Tuple[Dict[Tuple[int, str, bool], Dict[str, torch.Tensor]], List[dict]]:
+        """Full AdamW moments per (spec, name, is tied copy), and rank 0's parameter-group settings.
+
+        Only ZeRO 0's plain torch optimizer state can be read: ZeRO 1 and the bf16/fp16 wrappers keep
+        flat, DP-partitioned buffers that this tool does not take apart (use --no-optimizer)."""
+        states: Dict[Tuple[int, str, bool], Dict[str, torch.Tensor]] = {}
+        groups: List[dict] = []
+        for stage in range(self.pp):
+            per_rank = []
+            params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
+            for t in range(self.tp):
+                path = os.path.join(self.path, mp_rank_file(stage, t, self.tp))
+                opt = self.rank_state(stage, t).get("optimizer")
+                if not (isinstance(opt, dict) and "state" in opt and "param_groups" in opt):
+                    zero = sorted(f for f in os.listdir(self.path) if "optim_states" in f)
+                    kind = f"ZeRO optimizer shards ({_list_some(zero)})" if zero else \
+                        f"a DeepSpeed optimizer wrapper state ({_list_some(sorted(opt)) if isinstance(opt, dict) else opt})"
+                    raise CheckpointError(f"{path}: the optimizer state is {kind}, not a plain AdamW state (ZeRO 0, "
+                                          f"fp32); only that can be resharded. Use --no-optimizer to reshard the "
+                                          f"weights, LR schedule and position without the Adam moments")
+                count = sum(len(g["params"]) for g in opt["param_groups"])
+                if count != len(params):
+                    raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the "
+                                          f"config in {METADATA} has {len(params)}: the file belongs to another model "
+                                          f"or another --pipeline-partition-method")
+                per_rank.append(opt)
+                if stage == 0 and t == 0:
+                    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
+            for index, (info, copy) in enumerate(params):
+                entries = [opt["state"].get(index) for opt in per_rank]
+                if any(e is None for e in entries):
+                    continue  # no step taken yet for this parameter
+                merged = {}
+                for name, value in entries[0].items():
+                    if torch.is_tensor(value) and value.dim() > 0:
+                        merged[name] = slicing.merge([e[name] for e in entries], info.partition_dim,
+                                                     info.partition_stride)
+                    else:
+                        merged[name] = value
+                states[(info.spec, info.name, copy)] = merged
+        return states, groups

@@ -1,0 +1,1 @@
+"""Using a trained GPT: text generation and evaluation of a checkpoint."""

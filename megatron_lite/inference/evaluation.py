@@ -1,0 +1,114 @@
+"""Loss and perplexity of a checkpoint on a dataset split, under any TP x PP layout that fits the world.
+
+The batches are the ones training's evaluation uses (training/loop.py
+`evaluate`: the first --eval-iters global batches of the split, with the
+dataset sized as training sized it), so on the checkpoint's own data and
+split the loss is the validation loss training logged at that iteration,
+and the perplexity is exp of it. A layout other than the checkpoint's is
+resharded first (weights only) into a temporary folder next to it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from megatron_lite.checkpoint.reader import CheckpointReader
+from megatron_lite.checkpoint.reshard import reshard, target_config
+from megatron_lite.config import Config, ConfigError, format_split
+from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
+from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.parallel import state
+from megatron_lite.training.checkpointing import CheckpointError
+from megatron_lite.training.distributed import init_distributed
+from megatron_lite.training.engine import Engine
+from megatron_lite.training.loop import evaluate
+from megatron_lite.validation import validate
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    perplexity: float
+    iteration: int
+    batches: int
+    samples: int
+    layout: tuple
+
+
+def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method: str, data_path, split,
+                 eval_iters: Optional[int], load: str) -> Config:
+    """The run's config under the evaluation's layout, checked by the same validation training uses."""
+    config = source.replace(
+        parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
+        parallel__data_parallel_size=None, parallel__zero_stage=0, parallel__cpu_offload=False,
+        parallel__pipeline_partition_method=partition_method, parallel__distributed_backend=None,
+        batch__gradient_accumulation_steps=None, batch__rampup_batch_size=None, model__padded_vocab_size=None,
+        data__data_path=tuple(data_path) if data_path else source.data.data_path,
+        data__split=tuple(split) if split else source.data.split, data__num_workers=0,
+        training__eval_iters=eval_iters if eval_iters is not None else source.training.eval_iters,
+        training__load=load, training__save=None, training__save_interval=None, training__keep_last=None,
+        training__exit_interval=None, logging__timing_breakdown=False,
+    )
+    return validate(config, world)[0]
+
+
+def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
+                        data_path: Optional[Sequence[Tuple[float, str]]] = None,
+                        split: Optional[Tuple[float, float, float]] = None, split_name: str = "valid", eval_iters: Optional[int] = None,
+                        tp: Optional[int] = None, pp: Optional[int] = None, backend: Optional[str] = None) -> EvalResult:
+    """Collective: every rank of the launched job calls it; all return the same result."""
+    init_distributed(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reader = CheckpointReader(load_dir, iteration)
+    source = reader.config
+    tp = tp or reader.tp
+    pp = pp or reader.pp
+    directory, tag, tmp = load_dir, reader.tag, None
+    method = source.parallel.pipeline_partition_method
+    if (tp, pp) != (reader.tp, reader.pp):
+        target_config(source, tp, pp, None)  # a bad layout fails on every rank, before any rank waits for another
+        tmp = os.path.join(os.path.dirname(os.path.abspath(load_dir)),
+                           f".{os.path.basename(os.path.abspath(load_dir))}.eval-tp{tp}pp{pp}")
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reshard(load_dir, tmp, tp, pp, iteration, no_optimizer=True, log=lambda *a: None)
+        dist.barrier()
+        directory = tmp
+        method = CheckpointReader(tmp).config.parallel.pipeline_partition_method
+    try:
+        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, directory)
+        if not config.data.data_path:
+            raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
+        state.initialize(tp, pp)
+        engine = Engine(config, with_scheduler=False)
+        path = engine.load_weights(directory, tag)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
+        tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", config.data.tokenizer_model,
+                                    config.model.vocab_size)
+        gbs, t = config.batch.global_batch_size, config.training
+        try:
+            datasets = build_train_valid_test_datasets(
+                config.data.data_path, config.data.split, config.model.seq_length,
+                (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs), t.seed, config.data.data_cache_path,
+                tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        dataset = datasets[SPLITS.index(split_name)]
+        if dataset is None or t.eval_iters == 0:
+            raise ConfigError(f"--split {format_split(config.data.split)} gives the {split_name} split no documents (or "
+                              f"--eval-iters is 0); nothing to evaluate")
+        loss = evaluate(engine, dataset, config)
+    finally:
+        dist.barrier()
+        if tmp is not None and rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return EvalResult(loss=loss, perplexity=math.exp(loss), iteration=reader.iteration, batches=t.eval_iters,
+                      samples=t.eval_iters * gbs, layout=(tp, pp, config.parallel.data_parallel_size))

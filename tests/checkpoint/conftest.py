@@ -1,0 +1,90 @@
+"""Checkpoints shared by the checkpoint-tool tests: made once per session by the real training entry point.
+
+- `run22`: TP 2 x PP 2 (4 processes), 4 layers, dropout 0, fp32, 4 steps, checkpoints at 2 and 4,
+  validation at 2 and 4, every loss in TensorBoard (full precision).
+- `rope_run`: one process, rotary positions, 1 step (a model GPT-2 cannot represent).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO_ROOT, run_launcher
+
+MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
+         "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "2", "--num-workers", "0",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5",
+         # vocabulary 400 pads to 512 at TP 1 and TP 2 alike, so resharding between them keeps the padding
+         "--make-vocab-size-divisible-by", "128"]
+
+
+def run_tool(*args, check=True, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
+    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                            env=env)
+    if check:
+        assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def scalars(tb_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb_dir))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def layout(tp, pp):
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """(data prefix, tokenizer model) built with the project's own tools."""
+    root = tmp_path_factory.mktemp("corpus")
+    jsonl = root / "corpus.jsonl"
+    run_tool("tools/make_corpus.py", "--output", str(jsonl), "--max-docs", "120")
+    run_tool("tools/train_tokenizer.py", "--input", str(jsonl), "--vocab-size", "400", "--model-prefix",
+             str(root / "spm"))
+    run_tool("tools/preprocess_data.py", "--input", str(jsonl), "--output-prefix", str(root / "corpus"),
+             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(root / "spm.model"),
+             "--append-eod", "--workers", "1")
+    return str(root / "corpus_text_document"), str(root / "spm.model")
+
+
+def data_args(corpus):
+    prefix, model = corpus
+    return ["--data-path", prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
+            "--split", "90,10,0"]
+
+
+def pretrain(corpus, nproc, args, timeout=400):
+    result = run_launcher(["pretrain_gpt.py", *MODEL, *data_args(corpus), *args], nproc=nproc, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def run22(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run22")
+    pretrain(corpus, 4, layout(2, 2) + ["--train-iters", "4", "--save", str(root / "ckpt"), "--save-interval", "2",
+                                        "--tensorboard-dir", str(root / "tb")])
+    return {"ckpt": str(root / "ckpt"), "tb": str(root / "tb"), "losses": scalars(root / "tb", "train/loss"),
+            "valid": scalars(root / "tb", "valid/loss"), "corpus": corpus}
+
+
+@pytest.fixture(scope="session")
+def rope_run(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("rope")
+    pretrain(corpus, 1, layout(1, 1) + ["--position-embedding-type", "rope", "--train-iters", "1",
+                                        "--eval-iters", "0", "--save", str(root / "ckpt")])
+    return str(root / "ckpt")
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)

@@ -1,0 +1,78 @@
+"""Bad input to the tools: one clear line naming the file or feature, exit 2, nothing written at the target."""
+import os
+import shutil
+
+import pytest
+
+from tests.checkpoint.conftest import copy_checkpoint, run_tool
+
+pytestmark = pytest.mark.slow
+
+
+def _error(result):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if "error:" in l]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_truncated_layer_file_is_named_and_nothing_is_written(run22, tmp_path):
+    ckpt = copy_checkpoint(run22["ckpt"], tmp_path / "ckpt")
+    layer = os.path.join(ckpt, "iter_0000004", "layer_02-model_01-model_states.pt")
+    with open(layer, "r+b") as f:
+        f.truncate(os.path.getsize(layer) // 2)
+    merged = tmp_path / "model.pt"
+    line = _error(run_tool("tools/convert_checkpoint.py", "merge", "--load", ckpt, "--output", str(merged), check=False))
+    assert "layer_02-model_01-model_states.pt" in line and "truncated" in line
+    assert not merged.exists()
+    target = tmp_path / "resharded"
+    line = _error(run_tool("tools/convert_checkpoint.py", "reshard", "--load", ckpt, "--save", str(target),
+                           "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+                           check=False))
+    assert "layer_02-model_01-model_states.pt" in line
+    assert not target.exists() and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_a_missing_latest_is_named(run22, tmp_path):
+    ckpt = copy_checkpoint(run22["ckpt"], tmp_path / "ckpt")
+    os.remove(os.path.join(ckpt, "latest"))
+    out = tmp_path / "hf"
+    line = _error(run_tool("tools/convert_checkpoint.py", "export-hf", "--load", ckpt, "--output", str(out),
+                           check=False))
+    assert os.path.join(ckpt, "latest") in line and "--iteration" in line
+    assert not out.exists()
+
+
+def test_a_missing_layer_file_and_a_file_of_another_model_are_named(run22, rope_run, tmp_path):
+    ckpt = copy_checkpoint(run22["ckpt"], tmp_path / "ckpt")
+    os.remove(os.path.join(ckpt, "iter_0000004", "layer_03-model_00-model_states.pt"))
+    line = _error(run_tool("tools/convert_checkpoint.py", "merge", "--load", ckpt, "--output",
+                           str(tmp_path / "a.pt"), check=False))
+    assert "missing layer_03-model_00-model_states.pt" in line
+
+    other = copy_checkpoint(run22["ckpt"], tmp_path / "other")
+    foreign = os.path.join(rope_run, "iter_0000001", "layer_01-model_00-model_states.pt")
+    # a transformer layer of the TP 1 rotary model where this TP 2 model's layer 1 belongs
+    shutil.copy2(foreign, os.path.join(other, "iter_0000004", "layer_01-model_00-model_states.pt"))
+    line = _error(run_tool("tools/convert_checkpoint.py", "merge", "--load", other, "--output",
+                           str(tmp_path / "b.pt"), check=False))
+    assert "layer_01-model_00-model_states.pt" in line and "another model" in line
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
+
+
+def test_export_of_a_rotary_model_is_refused_naming_the_feature(rope_run, tmp_path):
+    out = tmp_path / "hf"
+    line = _error(run_tool("tools/convert_checkpoint.py", "export-hf", "--load", rope_run, "--output", str(out),
+                           check=False))
+    assert "--position-embedding-type rope" in line and "GPT2LMHeadModel" in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_reshard_never_writes_over_an_existing_folder(run22, tmp_path):
+    target = tmp_path / "exists"
+    target.mkdir()
+    line = _error(run_tool("tools/convert_checkpoint.py", "reshard", "--load", run22["ckpt"], "--save", str(target),
+                           "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+                           check=False))
+    assert "already exists" in line and list(target.iterdir()) == []

@@ -1,0 +1,26 @@
+"""evaluate.py: the perplexity of a checkpoint is exp of the validation loss training logged for it."""
+import math
+import re
+
+import pytest
+
+from tests.harness import run_launcher
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2)])
+def test_evaluate_perplexity_equals_exp_of_the_logged_validation_loss(run22, tp, pp):
+    # TP 2 x PP 2 training, evaluated under another layout (resharded on the fly) on 2 processes
+    prefix, _ = run22["corpus"]
+    result = run_launcher(["tools/evaluate.py", "--load", run22["ckpt"], "--data-path", prefix, "--split", "90,10,0",
+                           "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)],
+                          nproc=tp * pp, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    match = re.search(r"at iteration 4 on the valid split: loss (\S+) \| perplexity (\S+)", result.stdout)
+    assert match, result.stdout[-2000:]
+    loss, perplexity = float(match.group(1)), float(match.group(2))
+    logged = run22["valid"][4]
+    assert perplexity == pytest.approx(math.exp(logged), rel=1e-5)
+    assert loss == pytest.approx(logged, rel=1e-5)
+    assert f"TP={tp}, PP={pp}" in result.stdout

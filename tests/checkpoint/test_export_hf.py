@@ -1,0 +1,49 @@
+"""export-hf: Hugging Face's own GPT2LMHeadModel on the exported folder is our GPT (the external reference)."""
+import json
+
+import pytest
+import torch
+
+from tests.checkpoint.conftest import run_tool
+
+pytestmark = pytest.mark.slow
+
+TEXT = ('def read_config(path):\n    """Read a JSON file and return its contents."""\n'
+        '    with open(path) as f:\n        return json.load(f)\n')
+
+
+def test_hf_gpt2_gives_our_dense_logits_on_real_text_and_the_same_greedy_continuation(run22, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import sentencepiece
+
+    from megatron_lite.checkpoint.dense import load_dense_model
+    from megatron_lite.inference.generation import SamplingOptions, generate
+
+    out = tmp_path / "hf"
+    result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", run22["ckpt"], "--output", str(out))
+    assert "GPT2LMHeadModel" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["activation_function"] == "gelu" and hf_config["tie_word_embeddings"] is True
+
+    config, ours = load_dense_model(run22["ckpt"])
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    ids = sp.encode(TEXT)[: config.model.seq_length]
+    assert len(ids) >= 16
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        expected = ours(tokens, torch.arange(len(ids)).unsqueeze(0))[..., : config.model.vocab_size]
+        theirs = hf(tokens).logits
+    assert theirs.shape == expected.shape
+    rel = ((theirs - expected).abs().max() / expected.abs().max()).item()
+    assert rel <= 1e-4, rel
+
+    prompt = ids[:6]
+    new = 12
+    ours_greedy = generate(ours, config, prompt, SamplingOptions(max_new_tokens=new, temperature=0.0))
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=sp.eos_id())
+    assert hf_out[0, len(prompt):].tolist() == ours_greedy

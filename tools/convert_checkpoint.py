@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Convert a megatron_lite checkpoint: merge it into one file, reshard it, or export it to Hugging Face.
+
+    convert_checkpoint.py merge     --load ckpt [--iteration N] --output model.pt [--strip-vocab-padding]
+    convert_checkpoint.py reshard   --load ckpt --save ckpt_tp1pp4 --target-tensor-model-parallel-size 1 \\
+                                    --target-pipeline-model-parallel-size 4 [--no-optimizer]
+    convert_checkpoint.py export-hf --load ckpt --output hf_model/
+
+A bad checkpoint or flag is one line on stderr and exit 2; nothing is left at the target.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.training.checkpointing import CheckpointError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def source(p):
+        p.add_argument("--load", required=True, help="the --save folder of a pretrain_gpt.py run")
+        p.add_argument("--iteration", type=int, default=None, help="which iter_XXXXXXX to read (default: latest)")
+
+    p = sub.add_parser("merge", help="all TP/PP shards -> one fp32 state dict of the dense GPTModel")
+    source(p)
+    p.add_argument("--output", required=True, help="file to write, e.g. model.pt")
+    p.add_argument("--strip-vocab-padding", action="store_true",
+                   help="drop the rows the vocabulary was padded with for TP (--make-vocab-size-divisible-by); the "
+                        "saved config then has padded_vocab_size = vocab_size. Default: keep them, so the tensors "
+                        "have the shapes training used")
+
+    p = sub.add_parser("reshard", help="rewrite for another TP x PP layout; --load under it continues training")
+    source(p)
+    p.add_argument("--save", required=True, help="new folder to write (must not exist)")
+    p.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
+    p.add_argument("--target-pipeline-partition-method", default=None,
+                   help="the --pipeline-partition-method the resumed run will use (default: the source's; cost if "
+                        "the source gave explicit layer counts)")
+    p.add_argument("--no-optimizer", action="store_true",
+                   help="leave out the Adam moments (the resumed run starts them fresh); needed for ZeRO 1 and "
+                        "bf16/fp16 optimizer states, which are not resharded")
+
+    p = sub.add_parser("export-hf", help="Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, "
+                                         "tokenizer.model)")
+    source(p)
+    p.add_argument("--output", required=True, help="folder to write (must not exist or be empty)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model to copy alongside (default: the one training used)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.time()
+    try:
+        if args.command == "merge":
+            from megatron_lite.checkpoint.merge import merge
+
+            if os.path.isdir(args.output):
+                raise CheckpointError(f"--output {args.output} is a folder; give a file name such as model.pt")
+            r = merge(args.load, args.output, args.iteration, args.strip_vocab_padding)
+            print(f"merged {args.load}/{r['tag']} (TP={r['tp']}, PP={r['pp']}) into {args.output}: {r['tensors']} "
+                  f"tensors, {r['parameters']:,} parameters, vocabulary rows {r['padded_vocab_size']}, fp32, "
+                  f"{time.time() - start:.1f}s")
+        elif args.command == "reshard":
+            from megatron_lite.checkpoint.reshard import reshard
+
+            r = reshard(args.load, args.save, args.target_tensor_model_parallel_size,
+                        args.target_pipeline_model_parallel_size, args.iteration, args.no_optimizer,
+                        args.target_pipeline_partition_method)
+            before, after = r["padded_vocab"]
+            notes = ["Adam moments" if r["optimizer"] else "no Adam moments (--no-optimizer)",
+                     "RNG" if r["rng"] else "RNG reseeded (layout changed)"]
+            if before != after:
+                notes.append(f"vocabulary rows {before} -> {after}")
+            print(f"resharded {args.load}/{r['tag']} TP={r['source'][0]}, PP={r['source'][1]} -> {args.save} "
+                  f"TP={r['target'][0]}, PP={r['target'][1]} (--pipeline-partition-method {r['partition_method']}): "
+                  f"weights, LR schedule, iteration, {', '.join(notes)}, {time.time() - start:.1f}s")
+        else:
+            from megatron_lite.checkpoint.hf_export import export_hf
+
+            r = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
+            print(f"exported {args.load}/{r['tag']} to {args.output} as {r['architecture']}: {r['parameters']:,} "
+                  f"parameters, vocabulary {r['vocab_size']}, files {', '.join(r['files'])}, {time.time() - start:.1f}s")
+    except CheckpointError as e:
+        print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

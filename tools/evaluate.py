@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Loss and perplexity of a checkpoint on a dataset split; launch like training (torchrun, srun, or plain python).
+
+    torchrun --nproc_per_node 2 tools/evaluate.py --load ckpt --data-path data/corpus_text_document --split 969,30,1
+
+Uses the batches training's evaluation uses (the first --eval-iters global
+batches of the split), so on the run's own data and split the result is the
+validation loss it logged for that checkpoint. Any TP x PP that fits the
+world size works (default: the checkpoint's); another layout is resharded
+(weights only) into a temporary folder first.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="the --save folder of a pretrain_gpt.py run")
+    p.add_argument("--iteration", type=int, default=None, help="which iter_XXXXXXX (default: latest)")
+    p.add_argument("--data-path", nargs="+", default=None, help="dataset prefix(es) (default: the run's)")
+    p.add_argument("--split", default=None, help="train,valid,test weights (default: the run's)")
+    p.add_argument("--split-name", choices=("train", "valid", "test"), default="valid", help="which split to use")
+    p.add_argument("--eval-iters", type=int, default=None, help="global batches to average (default: the run's)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
+    p.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_lite.arguments import parse_data_path, parse_split
+    from megatron_lite.training.distributed import is_rank_zero_from_environment
+    from megatron_lite.config import ConfigError
+    from megatron_lite.inference.evaluation import evaluate_checkpoint
+    from megatron_lite.training.checkpointing import CheckpointError
+
+    start = time.time()
+    try:
+        if args.eval_iters is not None and args.eval_iters < 1:
+            raise ConfigError(f"--eval-iters must be at least 1, got {args.eval_iters}")
+        r = evaluate_checkpoint(args.load, args.iteration, parse_data_path(args.data_path),
+                                parse_split(args.split) if args.split else None, args.split_name,
+                                args.eval_iters, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                args.distributed_backend)
+    except (ConfigError, CheckpointError) as e:
+        if is_rank_zero_from_environment():
+            print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if is_rank_zero_from_environment():
+        print(f"evaluated {args.load} at iteration {r.iteration} on the {args.split_name} split: loss {r.loss:.6f} | "
+              f"perplexity {r.perplexity:.4f} | {r.batches} batches, {r.samples} samples | TP={r.layout[0]}, "
+              f"PP={r.layout[1]}, DP={r.layout[2]} | {time.time() - start:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
