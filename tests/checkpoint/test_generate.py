@@ -25,7 +25,7 @@ def _memorising_model(tokenizer_model, tmp_path):
                     training=TrainingConfig(seed=3))
     torch.manual_seed(0)
     model = GPTModel(config)
-    model_parallel_seed(3)
+    model_parallel_seed(3, config.model.num_layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.tensor(ids)
     positions = torch.arange(32).unsqueeze(0).expand(8, 32)

@@ -41,7 +41,7 @@ def _sharded_logits(ckpt, tokens, position_ids):
 
 
 def test_merge_of_tp2_pp2_checkpoint_gives_the_sharded_logits(run22, tmp_path):
-    from megatron_lite.checkpoint.config_io import config_from_dict
+    from megatron_lite.config import Config
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
@@ -49,13 +49,13 @@ def test_merge_of_tp2_pp2_checkpoint_gives_the_sharded_logits(run22, tmp_path):
     result = run_tool("tools/convert_checkpoint.py", "merge", "--load", run22["ckpt"], "--output", str(out))
     assert "merged" in result.stdout and "TP=2, PP=2" in result.stdout
     saved = torch.load(out, weights_only=True)
-    config = config_from_dict(json.loads(saved["config_json"]))
+    config = Config.from_dict(json.loads(saved["config_json"]))
     assert config.parallel.tensor_model_parallel_size == 1 and saved["iteration"] == 4
     assert all(t.dtype == torch.float32 for t in saved["model"].values())
     model = GPTModel(config)
     model.load_state_dict(saved["model"], strict=True)
     model.eval()
-    model_parallel_seed(1)
+    model_parallel_seed(1, config.model.num_layers)
     tokens, positions = _batch(config.model.vocab_size)
     with torch.no_grad():
         dense = model(tokens, positions)
