@@ -63,6 +63,7 @@ def ignore_trainer_signals(worker_id: int) -> None:
     workers watch their parent)."""
     for sig in TRAINER_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
 
 
 def _shut_down_workers(iterator_ref) -> None:
@@ -83,12 +84,19 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # would then see different dropout masks than the run it continues.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate, persistent_workers=num_workers > 0,
-                                         worker_init_fn=ignore_trainer_signals if num_workers else None,
+                                         worker_init_fn=ignore_trainer_signals,
                                          generator=torch.Generator().manual_seed(data_parallel_rank))
-    iterator = iter(loader)
-    if num_workers:
-        # At interpreter exit PyTorch leaves live workers to multiprocessing, which stops them
-        # with SIGTERM, now ignored, and would wait for them forever. Stop them the orderly way
-        # first (atexit runs this before the hooks torch and multiprocessing registered earlier).
-        atexit.register(_shut_down_workers, weakref.ref(iterator))
+    if not num_workers:
+        return iter(loader)
+    # Workers start blocking these signals (the mask is inherited), so none can die of one
+    # between its start and ignore_trainer_signals; the trainer gets any that arrived meanwhile.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, TRAINER_SIGNALS)
+    try:
+        iterator = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # At interpreter exit PyTorch leaves live workers to multiprocessing, which stops them with
+    # SIGTERM, now ignored, and would wait for them forever. Stop them the orderly way first
+    # (atexit runs this before the hooks torch and multiprocessing registered earlier).
+    atexit.register(_shut_down_workers, weakref.ref(iterator))
     return iterator

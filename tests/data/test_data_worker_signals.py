@@ -15,6 +15,8 @@ import pytest
 
 from tests.harness import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # subprocesses with data workers; PyTorch's workers look for their parent every 5 s
+
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from megatron_lite.data.sampler import build_data_iterator
@@ -74,7 +76,6 @@ def test_a_signal_to_the_whole_process_group_leaves_data_workers_running_and_the
     assert "killed by signal" not in out
 
 
-@pytest.mark.slow  # PyTorch's workers look for their parent every 5 s
 def test_data_workers_stop_when_their_trainer_is_killed():
     proc, workers, _ = _start("wait")
     try:
