@@ -175,6 +175,15 @@ wait_for_nodes() {
     die "the nodes did not become idle within 60 s; see $ROOT/log/"
 }
 
+undo_failed_up() {  # a start that stopped part-way leaves nothing running, after showing its logs
+    (($1 == 0)) && return 0
+    local f
+    for f in "$ROOT"/log/*.log "$ROOT"/munge/munged.log; do
+        [[ -s $f ]] && { echo "--- $f" && tail -n 20 "$f"; } >&2
+    done
+    down_quietly
+}
+
 up() {
     require_root_and_tools
     install_packages
@@ -182,12 +191,14 @@ up() {
         die "a cluster is already running from $ROOT (run '$0 down' first)"
     fi
     down_quietly
+    trap 'undo_failed_up $?' EXIT
     mkdir -p "$ROOT"/{state,spool,run,log}
     write_slurm_conf
     start_munge
     start_network
     start_slurm
     wait_for_nodes
+    trap - EXIT
     log "up: nodes ${NODES[*]} idle"
     echo "SLURM_CONF=$ROOT/slurm.conf"
 }
