@@ -13,6 +13,7 @@ from tests.training.test_pretrain_e2e import corpus, losses_by_iteration  # noqa
 pytestmark = pytest.mark.slow
 
 TORCHRUN, PER_RANK = "examples/slurm/pretrain_gpt.sbatch", "examples/slurm/pretrain_gpt_srun.sbatch"
+SWEEP = "examples/slurm/sweep_tp_pp.sbatch"
 RESOURCES = ["--nodes", "2", "--cpus-per-task", "2", "--time", "10"]
 MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32 --make-vocab-size-divisible-by 16"
 # --lr-decay-iters fixed: the schedule must not follow --train-iters, or a resubmission with more
@@ -91,12 +92,30 @@ def test_usr1_to_the_job_step_saves_exits_0_and_the_requeued_job_resumes(slurm_c
     assert open(ckpt / "latest").read() == "iter_0000060"
 
 
+def test_usr1_to_the_batch_shell_reaches_the_ranks_which_save_and_exit_0(slurm_cluster, corpus, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    job = slurm_cluster.submit(PER_RANK, str(tmp_path / "job.out"), *per_rank_sbatch(RESOURCES),
+                               **variables(corpus, ckpt, 60))
+    slurm_cluster.wait_for_output(job, r"iteration\s+3/60")
+    # what `--signal=B:USR1@T` does: only the batch shell, which passes it on to the step
+    slurm_cluster.command("scancel", "--batch", "--signal=USR1", job.id)
+    slurm_cluster.wait(job, until=lambda i: i.get("Restarts") == "1" and i.get("JobState") == "PENDING")
+    slurm_cluster.command("scancel", job.id)
+    log = job.log()
+    assert "USR1 received: passing it to the training step" in log, log[-4000:]
+    assert "exit signal received" in log and "killed by signal" not in log, log[-4000:]
+    saved = int(open(ckpt / "latest").read().split("_")[1])
+    assert f"stopped at iteration {saved} of 60 with a checkpoint: requeueing job {job.id}" in log
+
+
 @pytest.mark.parametrize("script, bad, message", [
     (TORCHRUN, dict(DATA_PATH=""), "error: DATA_PATH is empty"),
     (TORCHRUN, dict(GPUS_PER_NODE="3", TP="2"), "error: TP=2 does not divide GPUS_PER_NODE=3"),
     (PER_RANK, dict(DATA_PATH="/nonexistent/corpus"), "error: DATA_PATH: '/nonexistent/corpus.bin'"),
     (PER_RANK, dict(GPU_REQUEST="--gpus-per-node=1"), "error: GPU_REQUEST='--gpus-per-node=1' but this job holds no GPUs"),
-], ids=["no-data-path", "tp-not-dividing-gpus-per-node", "missing-data-files", "gpus-requested-on-cpu-nodes"])
+    (SWEEP, dict(), "error: PLAN is empty: give the plan as the script's argument"),
+], ids=["no-data-path", "tp-not-dividing-gpus-per-node", "missing-data-files", "gpus-requested-on-cpu-nodes",
+        "sweep-without-plan"])
 def test_bad_input_fails_in_seconds_naming_the_variable(slurm_cluster, corpus, tmp_path, script, bad, message):  # noqa: F811
     job = slurm_cluster.submit(script, str(tmp_path / "job.out"), *per_rank_sbatch(RESOURCES),
                                **variables(corpus, tmp_path / "ckpt", 4, **bad))
