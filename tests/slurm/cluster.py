@@ -6,7 +6,7 @@ import re
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Sequence
 
 from tests.harness import REPO_ROOT
 
@@ -44,9 +44,12 @@ class Cluster:
             raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result.stdout
 
-    def submit(self, script: str, output: str, *sbatch_args: str, **variables: str) -> Job:
-        """sbatch an examples/slurm script from the repository root; variables go in the environment."""
-        result = subprocess.run(["sbatch", "--parsable", "--output", output, *sbatch_args, script], cwd=REPO_ROOT,
+    def submit(self, script: str, output: str, *sbatch_args: str, script_args: Sequence[str] = (),
+               **variables: str) -> Job:
+        """sbatch an examples/slurm script from the repository root; variables go in the environment,
+        script_args after the script (sweep_tp_pp.sbatch's plan)."""
+        result = subprocess.run(["sbatch", "--parsable", "--output", output, *sbatch_args, script, *script_args],
+                                cwd=REPO_ROOT,
                                 env=self.env(**variables), capture_output=True, text=True, timeout=60)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {script} failed: {result.stderr}")
