@@ -53,6 +53,23 @@ def _start(mode):
     return proc, workers, lines
 
 
+def still_running(procs, timeout):
+    """Those of procs still running after timeout s. An exited process whose parent died stays a
+    zombie until init reaps it, which counts as stopped."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 def _kill_group(proc):
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -81,7 +98,7 @@ def test_data_workers_stop_when_their_trainer_is_killed():
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        gone, alive = psutil.wait_procs(workers, timeout=20)
+        alive = still_running(workers, timeout=30)
         assert not alive, f"data workers {[p.pid for p in alive]} outlived their trainer"
     finally:
         _kill_group(proc)

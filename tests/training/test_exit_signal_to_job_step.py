@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from megatron_lite.training.distributed import free_port
+from tests.data.test_data_worker_signals import still_running
 from tests.harness import REPO_ROOT
 from tests.training.test_pretrain_e2e import MODEL, corpus, data_args, layout, losses_by_iteration, pretrain  # noqa: F401
 
@@ -60,7 +61,7 @@ def test_a_signal_to_every_process_of_the_step_with_data_workers_saves_exits_0_a
     assert "exit signal received" in out and "killed by signal" not in out
     saved = int(open(ckpt / "latest").read().split("_")[1])
     assert 2 <= saved < 1000
-    assert not psutil.wait_procs(workers, timeout=10)[1], "data workers outlived their ranks"
+    assert not still_running(workers, timeout=30), "data workers outlived their ranks"
 
     resumed = pretrain(corpus, 2, layout(1, 2) + ["--num-workers", "2", "--train-iters", str(saved + 2),
                                                   "--save", str(ckpt), "--load", str(ckpt)])
