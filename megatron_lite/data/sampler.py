@@ -8,6 +8,9 @@ exactly the micro-batches it would have seen next.
 """
 from __future__ import annotations
 
+import atexit
+import signal
+import weakref
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -49,6 +52,26 @@ def collate(samples: Sequence[Dict[str, np.ndarray]]):
     return (stack("tokens"), stack("position_ids")), (stack("labels"), stack("loss_mask"))
 
 
+# The signals the trainer turns into "save and stop" (training/loop.py, --exit-signal-handler).
+TRAINER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def ignore_trainer_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn: Slurm signals every process of a job step (`scancel -s USR1`,
+    `--signal=USR1@T`), data workers included. A worker killed by it takes the trainer down before
+    it can save, so workers ignore these signals; they still stop with the trainer (PyTorch's
+    workers watch their parent)."""
+    for sig in TRAINER_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
+
+
+def _shut_down_workers(iterator_ref) -> None:
+    iterator = iterator_ref()
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                         data_parallel_size: int, num_workers: int = 0) -> Optional[Iterator]:
     """Iterator of this DP rank's micro-batches from consumed_samples on; None for no dataset."""
@@ -61,5 +84,19 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # would then see different dropout masks than the run it continues.
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate, persistent_workers=num_workers > 0,
+                                         worker_init_fn=ignore_trainer_signals,
                                          generator=torch.Generator().manual_seed(data_parallel_rank))
-    return iter(loader)
+    if not num_workers:
+        return iter(loader)
+    # Workers start blocking these signals (the mask is inherited), so none can die of one
+    # between its start and ignore_trainer_signals; the trainer gets any that arrived meanwhile.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, TRAINER_SIGNALS)
+    try:
+        iterator = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # At interpreter exit PyTorch leaves live workers to multiprocessing, which stops them with
+    # SIGTERM, now ignored, and would wait for them forever. Stop them the orderly way first
+    # (atexit runs this before the hooks torch and multiprocessing registered earlier).
+    atexit.register(_shut_down_workers, weakref.ref(iterator))
+    return iterator
