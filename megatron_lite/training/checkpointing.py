@@ -100,7 +100,7 @@ def save(engine, config: Config, iteration: int, consumed_samples: int) -> str:
     torch.save(_rng_state(), os.path.join(tmp_dir, f"rng_rank_{rank:05d}.pt"))
     if rank == 0:
         metadata = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(config),
-                    "config": config.to_dict()}
+                    "layers_per_stage": getattr(engine.module, "layers_per_stage", None), "config": config.to_dict()}
         _write_atomically(os.path.join(tmp_dir, METADATA), json.dumps(metadata, indent=1))
     dist.barrier()
     if rank == 0:
@@ -142,6 +142,19 @@ def check_layout(config: Config, metadata: dict, where: str) -> None:
             f"{saved['tensor_model_parallel_size']} --pipeline-model-parallel-size "
             f"{saved['pipeline_model_parallel_size']} (or reshard the checkpoint first)"
         )
+
+
+def with_saved_stages(config: Config) -> Config:
+    """A resumed `profile`-partitioned run cuts its stages where the checkpoint's run did: timings
+    differ from run to run, and each stage's optimizer state belongs to the layers it held."""
+    directory = config.training.load
+    if config.parallel.pipeline_partition_method != "profile" or not directory or not os.path.isdir(directory):
+        return config
+    tag = latest_tag(directory)
+    counts = read_metadata(directory, tag).get("layers_per_stage") if tag else None
+    if not counts or len(counts) != config.parallel.pipeline_model_parallel_size:
+        return config
+    return config.replace(parallel__pipeline_partition_method=",".join(map(str, counts)))
 
 
 def load(engine, config: Config) -> Tuple[int, int]:

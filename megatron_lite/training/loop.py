@@ -115,6 +115,7 @@ def setup(config: Config) -> Run:
     init_distributed(config.parallel.distributed_backend)
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
+    config = checkpointing.with_saved_stages(config)
     engine = Engine(config)
     iteration, consumed = 0, 0
     if config.training.load:

@@ -293,3 +293,18 @@ def test_timing_breakdown_accounts_for_each_stages_step_and_reaches_tensorboard(
     for stage in range(pp):
         for column in ("forward", "backward", "recv", "send", "optimizer", "step"):
             assert f"timing/stage{stage}/{column}" in tags
+
+
+def test_a_profile_partitioned_run_resumes_with_the_stages_it_saved(corpus, tmp_path):
+    import json
+
+    common = layout(1, 2) + ["--num-layers", "3", "--pipeline-partition-method", "profile", "--train-iters", "3",
+                             "--save", str(tmp_path / "ckpt")]
+    first = pretrain(corpus, 2, common + ["--exit-interval", "2"])
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "pipeline stages (profile)" in first.stdout and "fwd+bwd ms" in first.stdout
+    counts = json.load(open(tmp_path / "ckpt" / "iter_0000002" / "megatron_lite.json"))["layers_per_stage"]
+    assert len(counts) == 2 and sum(counts) == 3
+    second = pretrain(corpus, 2, common + ["--load", str(tmp_path / "ckpt")])
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"pipeline stages ({','.join(map(str, counts))})" in second.stdout
