@@ -1,13 +1,17 @@
 """Training throughput of our GPT against baselines measured in the same run.
 
-1. TP = PP = DP = 1: our GPT through DeepSpeed's pipeline engine vs a plain PyTorch
-   GPT of the same dimensions (nn.Linear, scaled_dot_product_attention, AdamW).
-2. PP = 2 vs DP = 2 (two processes each, one thread each), same global batch,
-   gas = 16 for the pipeline: measured pipeline efficiency beside the theory
-   gas / (gas + PP - 1).
+1. single: TP = PP = DP = 1, our GPT through DeepSpeed's pipeline engine (each
+   --attention-backend) vs a plain PyTorch GPT of the same dimensions (nn.Linear,
+   scaled_dot_product_attention, AdamW), at each --seq-lengths.
+2. pipeline: PP = N vs DP = N (N processes, one thread each), same model and global
+   batch, for each --pipeline-sizes and --pipeline-vocab-sizes, with the `cost` and
+   the `profile` partition: measured PP/DP ratio, the bubble bound gas/(gas+PP-1),
+   the efficiency predicted from stage costs measured on this machine, and each
+   stage's time breakdown (forward, backward, blocked in recv, ...).
 
     python tools/bench_training.py                 # both, CPU-sized model
-    python tools/bench_training.py --part single --hidden-size 512
+    python tools/bench_training.py --part single --seq-lengths 256 1024
+    python tools/bench_training.py --part pipeline --pipeline-sizes 2 --pipeline-vocab-sizes 2048
 """
 from __future__ import annotations
 
@@ -55,15 +59,17 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def model_argv(args, tp=1, pp=1, micro=None, gas=None, dp=1, num_layers=None):
+def model_argv(args, tp=1, pp=1, micro=None, gas=None, dp=1, num_layers=None, seq=None, vocab=None,
+               backend="auto", partition="cost"):
     micro = micro or args.micro_batch_size
     gas = gas or args.gas
     return ["--num-layers", str(num_layers or args.num_layers), "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
-            "--vocab-size", str(args.vocab_size), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(seq or args.seq_length),
+            "--vocab-size", str(vocab or args.vocab_size), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--micro-batch-size", str(micro), "--global-batch-size", str(micro * gas * dp),
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--clip-grad", "1.0", "--lr", "1e-4"]
+            "--clip-grad", "1.0", "--lr", "1e-4", "--attention-backend", backend,
+            "--pipeline-partition-method", partition]
 
 
 def random_batches(config, seed=0):
@@ -75,7 +81,7 @@ def random_batches(config, seed=0):
         yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
 
 
-def time_steps(step, warmup, iters, rounds=3):
+def time_steps(step, warmup, iters, rounds=2):
     """Seconds per step: the best of `rounds` means over `iters` steps (the machine may be shared)."""
     for _ in range(warmup):
         step()
@@ -89,18 +95,39 @@ def time_steps(step, warmup, iters, rounds=3):
 
 
 def _ours(argv, world_size, warmup, iters):
-    """Seconds per optimizer step of our engine in this process (inside an initialised world)."""
+    """(seconds per optimizer step, details) of our engine in this process (inside an initialised world).
+    details, for a pipeline: the stage split, each stage's measured fwd+bwd seconds per micro-batch,
+    the predicted efficiency from them, and this rank's time breakdown over the timed steps."""
     from megatron_lite.arguments import parse_args
+    from megatron_lite.model.gpt import layer_specs, measured_spec_costs, spec_costs
+    from megatron_lite.model.partition import stage_costs
+    from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
     from megatron_lite.parallel import state
+    from megatron_lite.training import stage_timing
     from megatron_lite.training.engine import Engine
 
     config = parse_args(argv, world_size=world_size)[0]
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     engine = Engine(config, with_scheduler=False)
+    details = {}
+    if config.parallel.pipeline_model_parallel_size > 1:
+        measured = measured_spec_costs(config, spec_costs(config), layer_specs(config))
+        costs = stage_costs(measured, engine.module.parts, measured=True)
+        details = {"layers_per_stage": engine.module.layers_per_stage, "stage_seconds": costs,
+                   "predicted": predicted_pipeline_efficiency(costs, config.batch.gradient_accumulation_steps)}
+        timer = stage_timing.StageTimer(engine.engine)
     data = random_batches(config, seed=state.get_data_parallel_rank())
-    seconds = time_steps(lambda: engine.train_step(data), warmup, iters)
+    for _ in range(warmup):
+        engine.train_step(data)
+    if details:
+        timer.take(0.0)  # the timed steps only
+    start = time.perf_counter()
+    seconds = time_steps(lambda: engine.train_step(data), 0, iters, rounds=2)
+    if details:
+        stages = stage_timing.gather_stages(timer.take(time.perf_counter() - start))
+        details["breakdown"] = stage_timing.format_table(stages, 2 * iters) if stages else None
     state.destroy()
-    return seconds, config
+    return seconds, details
 
 
 def _worker(rank, world_size, port, argv, warmup, iters, results):
@@ -110,12 +137,13 @@ def _worker(rank, world_size, port, argv, warmup, iters, results):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    seconds, _ = _ours(argv, world_size, warmup, iters)
-    results.put((rank, seconds))
+    seconds, details = _ours(argv, world_size, warmup, iters)
+    results.put((rank, seconds, details))
     dist.destroy_process_group()
 
 
 def run_world(argv, world_size, warmup, iters):
+    """(seconds per step: the slowest rank's, rank 0's details)."""
     from megatron_lite.training.distributed import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
@@ -125,61 +153,73 @@ def run_world(argv, world_size, warmup, iters):
              for r in range(world_size)]
     for p in procs:
         p.start()
-    times = [results.get(timeout=1800) for _ in procs]
+    out = sorted(results.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    return max(t for _, t in times)
+    return max(t for _, t, _ in out), out[0][2]
 
 
 def bench_single(args):
     from megatron_lite.arguments import parse_args
 
-    argv = model_argv(args, gas=1)
-    config = parse_args(argv, world_size=1)[0]
-    tokens_per_step = config.batch.global_batch_size * config.model.seq_length
-
-    ours = run_world(argv, 1, args.warmup, args.iters)
-
-    torch.manual_seed(0)
-    plain = PlainGPT(config.model.padded_vocab_size, args.hidden_size, args.num_attention_heads,
-                     config.model.ffn_hidden_size, args.num_layers, args.seq_length)
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    data = random_batches(config)
-
-    def plain_step():
-        (tokens, _), (labels, _) = next(data)
-        loss = plain(tokens, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        optimizer.step()
-
-    torch.set_num_threads(1)
-    baseline = time_steps(plain_step, args.warmup, args.iters)
     print(f"\n## TP = PP = DP = 1 (one process, one thread), {args.num_layers} layers, hidden {args.hidden_size}, "
-          f"seq {args.seq_length}, micro batch {args.micro_batch_size}")
-    print("| model | ms/step | tokens/s | ratio |\n|---|---|---|---|")
-    print(f"| plain PyTorch GPT (SDPA) | {baseline * 1e3:.1f} | {tokens_per_step / baseline:.0f} | 1.00 |")
-    print(f"| megatron_lite (DeepSpeed pipeline engine) | {ours * 1e3:.1f} | {tokens_per_step / ours:.0f} | "
-          f"{baseline / ours:.2f} |")
+          f"micro batch {args.micro_batch_size}, vocabulary {args.vocab_size}")
+    print("| seq | model | ms/step | tokens/s | ratio to plain |\n|---|---|---|---|---|")
+    for seq in args.seq_lengths:
+        config = parse_args(model_argv(args, gas=1, seq=seq), world_size=1)[0]
+        tokens_per_step = config.batch.global_batch_size * seq
+        ours = {backend: run_world(model_argv(args, gas=1, seq=seq, backend=backend), 1, args.warmup, args.iters)[0]
+                for backend in ("sdpa", "fused")}
+
+        torch.manual_seed(0)
+        plain = PlainGPT(config.model.padded_vocab_size, args.hidden_size, args.num_attention_heads,
+                         config.model.ffn_hidden_size, args.num_layers, seq)
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+        data = random_batches(config)
+
+        def plain_step():
+            (tokens, _), (labels, _) = next(data)
+            loss = plain(tokens, labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            optimizer.step()
+
+        torch.set_num_threads(1)
+        baseline = time_steps(plain_step, args.warmup, args.iters)
+        print(f"| {seq} | plain PyTorch GPT (SDPA) | {baseline * 1e3:.1f} | {tokens_per_step / baseline:.0f} | 1.00 |")
+        for backend, seconds in ours.items():
+            print(f"| {seq} | megatron_lite, --attention-backend {backend} | {seconds * 1e3:.1f} | "
+                  f"{tokens_per_step / seconds:.0f} | {baseline / seconds:.2f} |", flush=True)
 
 
 def bench_pipeline(args):
-    gas_pp, micro = args.pipeline_gas, args.pipeline_micro_batch_size
+    gas_pp, micro, layers = args.pipeline_gas, args.pipeline_micro_batch_size, args.pipeline_num_layers
     global_batch = micro * gas_pp
-    layers = args.pipeline_num_layers
-    pp_argv = model_argv(args, pp=2, micro=micro, gas=gas_pp, num_layers=layers)
-    dp_argv = model_argv(args, micro=micro, gas=gas_pp // 2, dp=2, num_layers=layers)
-    tokens = global_batch * args.seq_length
-    t_dp = run_world(dp_argv, 2, args.warmup, args.iters)
-    t_pp = run_world(pp_argv, 2, args.warmup, args.iters)
-    theory = gas_pp / (gas_pp + 2 - 1)
-    print(f"\n## PP = 2 vs DP = 2 (two processes, one thread each), {layers} layers, global batch {global_batch}, "
-          f"micro batch {micro}, gas {gas_pp} (PP) / {gas_pp // 2} (DP)")
-    print("| layout | ms/step | tokens/s | ratio to DP=2 |\n|---|---|---|---|")
-    print(f"| DP = 2 | {t_dp * 1e3:.1f} | {tokens / t_dp:.0f} | 1.00 |")
-    print(f"| PP = 2 | {t_pp * 1e3:.1f} | {tokens / t_pp:.0f} | {t_dp / t_pp:.2f} |")
-    print(f"pipeline efficiency: measured {t_dp / t_pp:.2f}, theory gas/(gas+PP-1) = {theory:.2f}")
+    print(f"\n## PP = N vs DP = N (N processes, one thread each), {layers} layers, hidden {args.hidden_size}, "
+          f"seq {args.seq_length}, global batch {global_batch}, micro batch {micro}, gas {gas_pp} (PP)")
+    rows, breakdowns = [], []
+    for pp in args.pipeline_sizes:
+        for vocab in args.pipeline_vocab_sizes:
+            dp_argv = model_argv(args, micro=micro, gas=gas_pp // pp, dp=pp, num_layers=layers, vocab=vocab)
+            t_dp, _ = run_world(dp_argv, pp, args.warmup, args.iters)
+            for method in ("cost", "profile"):
+                pp_argv = model_argv(args, pp=pp, micro=micro, gas=gas_pp, num_layers=layers, vocab=vocab,
+                                     partition=method)
+                t_pp, details = run_world(pp_argv, pp, args.warmup, args.iters)
+                measured, bound = t_dp / t_pp, gas_pp / (gas_pp + pp - 1)
+                rows.append(f"| {pp} | {vocab} | {method} | {','.join(map(str, details['layers_per_stage']))} | "
+                            f"{t_dp * 1e3:.0f} | {t_pp * 1e3:.0f} | {measured:.3f} | {bound:.3f} | "
+                            f"{details['predicted']:.3f} | {measured / details['predicted']:.3f} |")
+                stages = " / ".join(f"{1e3 * t:.0f}" for t in details["stage_seconds"])
+                breakdowns.append(f"PP {pp}, vocabulary {vocab}, {method} ({stages} ms fwd+bwd per micro-batch "
+                                  f"and stage):\n{details['breakdown']}")
+                print(rows[-1], flush=True)
+    print("\n| PP | vocab | partition | layers per stage | DP ms/step | PP ms/step | PP/DP measured | bubble bound "
+          "| predicted | measured/predicted |\n|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\nPer-stage time breakdown (ms per step, rank 0's view of each stage's first rank):")
+    print("\n\n".join(breakdowns))
 
 
 def main():
@@ -188,16 +228,19 @@ def main():
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--seq-length", type=int, default=256, help="for the pipeline part")
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[256, 1024], help="for the single part")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="for the single part")
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--gas", type=int, default=1, help="gradient accumulation for the single-process part")
     parser.add_argument("--pipeline-gas", type=int, default=16)
     parser.add_argument("--pipeline-micro-batch-size", type=int, default=4)
     parser.add_argument("--pipeline-num-layers", type=int, default=8,
                         help="layers for the PP/DP part: with few layers, whole layers cannot balance two stages")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--pipeline-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--pipeline-vocab-sizes", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
     if args.part in ("single", "all"):
         bench_single(args)
