@@ -116,3 +116,9 @@ def test_zero2_with_pipeline_is_refused_before_any_collective():
 
     with pytest.raises(ConfigError, match="use --zero-stage 1, or --pipeline-model-parallel-size 1 for ZeRO 2/3"):
         parse_args(["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], world_size=2)
+
+
+def test_the_fused_softmax_attention_backend_matches_its_dense_run_at_tp2_pp2():
+    extra = ("--attention-backend", "fused")
+    config = tiny_config(extra=extra)
+    assert_matches(run_layout(2, 2, 1, extra=extra), dense_losses(config, global_batches(config, STEPS)))

@@ -39,9 +39,10 @@ def _models(extra):
     return config, ours, reference
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpt_model_gives_the_logits_and_loss_of_an_independent_plain_pytorch_gpt(variant):
-    config, ours, reference = _models(VARIANTS[variant])
+def test_gpt_model_gives_the_logits_and_loss_of_an_independent_plain_pytorch_gpt(variant, backend):
+    config, ours, reference = _models(tuple(VARIANTS[variant]) + ("--attention-backend", backend))
     g = torch.Generator().manual_seed(4)
     b, s = 3, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s + 1), generator=g)
