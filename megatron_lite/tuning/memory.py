@@ -69,6 +69,7 @@ two full copies at PP > 1 (first and last stage) and one module at PP = 1.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
@@ -128,8 +129,15 @@ def spec_parameters_per_rank(config: Config) -> List[int]:
 
 
 def stage_bounds(config: Config) -> List[int]:
-    return partition(spec_costs(config), config.parallel.pipeline_model_parallel_size,
-                     config.parallel.pipeline_partition_method)
+    """Spec boundaries of the stages, as model/gpt.py's GPTPipe cuts them."""
+    return list(_bounds(config.model, config.parallel.pipeline_model_parallel_size,
+                        config.parallel.pipeline_partition_method))
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(model, pp: int, method: str):
+    # The partitioner's exact search is the slow part of a plan; the model config is immutable.
+    return tuple(partition(spec_costs(Config(model=model)), pp, method))
 
 
 def _stage_parameters(config: Config, bounds: List[int]) -> List[int]:
