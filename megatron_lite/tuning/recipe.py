@@ -12,8 +12,10 @@ with activation recompute; the first whose predicted peak on every stage fits
 the GPU less the margin is kept, and the plan says which saver that was.
 
 Order (default `shaden`): layouts with gas >= 8 x PP (bubble <= ~11%) first,
-then TP closest to the GPUs per node, the fewest stages, micro batch 1 before
-larger ones, the cheapest saver, and predicted throughput last. `throughput`
+then TP closest to the GPUs per node, then the saver tier (ZeRO 0/1 alone,
+then with recompute, then ZeRO 2/3/offload: stages are added only when the
+cheap savers do not fit), the fewest stages, micro batch 1 before larger ones,
+and predicted throughput last. `throughput`
 orders by the predicted tokens/s of tuning/throughput.py alone.
 Samyam's micro-batch probe (`micro_batch_probe`): one node, the model cut to a
 few layers at full hidden size, PP = 1, micro batch 1..64 at gas 1.
@@ -207,12 +209,21 @@ def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
 
+SAVERS = [saver_name(*z, r) for z in ZERO_LADDER for r in (False, True)]
+
+
+def saver_tier(c: Candidate) -> int:
+    """0: ZeRO 0/1 alone; 1: with activation recompute; 2: ZeRO 2/3 or offload (the slow savers)."""
+    if c.zero_stage >= 2 or c.cpu_offload:
+        return 2
+    return 1 if c.recompute_activations else 0
+
+
 def _shaden_key(c: Candidate, gpus_per_node: int):
+    # Pipeline stages are added only where the cheap savers do not make fewer stages fit.
     return (c.gradient_accumulation_steps < 8 * c.pipeline_model_parallel_size,
             abs(math.log2(c.tensor_model_parallel_size / gpus_per_node)),
-            c.pipeline_model_parallel_size, c.micro_batch_size,
-            [saver_name(*z, r) for z in ZERO_LADDER for r in (False, True)].index(c.saver)
-            if c.saver != "none" else -1,
+            saver_tier(c), c.pipeline_model_parallel_size, c.micro_batch_size, SAVERS.index(c.saver),
             -c.predicted_tokens_per_s)
 
 
