@@ -37,6 +37,12 @@ twice with `overlap_comm`, and once more at ZeRO 1 under the pipeline engine
 (`reduce_gradients(pipeline_parallel=True)`). Bucket sizes are read from the
 DeepSpeed config our engine will pass (user JSON included).
 
+Pipeline engine buffers (PP > 1), activation-sized (e bsh each) and kept
+between steps: a later stage keeps its received inputs and their gradients
+for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3 more (receive
+and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
+this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1.
+
 Activations saved for backward, per micro-batch and transformer layer, for
 our layer (model/transformer.py; what each autograd node keeps, storages
 counted once):
@@ -251,6 +257,13 @@ def _head_transient_bytes(config: Config) -> int:
     return (e + 4 + (4 if e < 4 else 0)) * b * m.seq_length * m.padded_vocab_size // t
 
 
+def pipeline_buffer_count(stage: int, pp: int, gas: int) -> int:
+    """Activation-sized buffers the pipeline engine keeps between steps on a stage (see above)."""
+    if pp == 1:
+        return 0
+    return 1 if stage == 0 else 2 * max(2, min(pp - stage, gas)) + 3
+
+
 def micro_batches_in_flight(config: Config, stage: int) -> int:
     pp, gas = config.parallel.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
     if config.parallel.zero_stage >= 2:
@@ -278,6 +291,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]] = None,
     largest = max(spec_parameters_per_rank(config))
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
+    pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
     num_specs = len(spec_parameters_per_rank(config))
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -299,7 +313,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]] = None,
         stages.append(StageMemory(
             stage=i, transformer_layers=layers, parameters=params[i], weights=states["weights"],
             gradients=states["gradients"], optimizer_states=states["optimizer_states"],
-            communication_buffers=comm, activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
+            communication_buffers=comm + pipeline_buffer_count(i, pp, gas) * e * bsh,
+            activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
             activations=per_mb * inflight, transient=transient, cpu_bytes=states["cpu_bytes"],
         ))
     return stages

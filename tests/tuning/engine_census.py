@@ -37,7 +37,8 @@ def engine_census(tp, pp, dp, extra, ds_json):
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
 
-    config = tiny_config(tp, pp, dp, tuple(extra) + ("--deepspeed-config", ds_json))
+    # hidden 128: model states large next to the few activation-sized buffers the engine keeps between steps
+    config = tiny_config(tp, pp, dp, ("--hidden-size", "128") + tuple(extra) + ("--deepspeed-config", ds_json))
     state.initialize(tp, pp)
     engine = Engine(config, with_scheduler=False)
     data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
