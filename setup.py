@@ -48,7 +48,7 @@ setup(
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.9",
     install_requires=["torch", "deepspeed", "sentencepiece", "numpy", "tensorboard", "pybind11"],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest"], "tune": ["matplotlib"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,
