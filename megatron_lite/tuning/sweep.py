@@ -25,7 +25,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 

@@ -2,7 +2,6 @@
 before the optimizer's second step (gradients reduced, optimizer states and master copies
 allocated by the first step, activations freed)."""
 import gc
-import json
 
 import torch
 

@@ -2,8 +2,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from megatron_lite.tuning import recipe
 from tests.harness import REPO_ROOT
 
