@@ -13,6 +13,7 @@ sweep: launcher placeholders are listed by `sweep --help`. report: markdown, CSV
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +58,8 @@ def _plan(argv) -> int:
     build_parser().parse_args(model_argv)  # unknown flags: argparse's own message and exit 2
     hw = Hardware(gpus_per_node=own.gpus_per_node, peak_tflops=own.peak_tflops,
                   intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps)
-    workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else os.getcwd()
+    # The ZeRO-3 parameter-offload candidates name a DeepSpeed JSON written next to the plan.
+    workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else tempfile.mkdtemp(prefix="plan_")
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers)
