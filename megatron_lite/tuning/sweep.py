@@ -4,8 +4,8 @@
         --launcher "torchrun --nproc_per_node {nproc_per_node} --nnodes {nodes} --master_port {port}" \\
         -- --data-path data/corpus_text_document --tokenizer-type NullTokenizer ...
 
-Launcher placeholders (str.format): {nproc_per_node} = {gpus_per_node} (processes per node),
-{nodes}, {world_size} (= TP x PP x DP of the candidate), {port} (a free TCP port on this host),
+Launcher placeholders (str.format): {nproc_per_node} (processes per node: the plan's GPUs per
+node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x PP x DP of the candidate), {port} (a free TCP port on this host),
 {name} (the run's folder name), {run_dir} (its absolute path), {script} (pretrain_gpt.py; appended
 after the launcher when the template does not place it). Inside a Slurm allocation use e.g.
 "srun --ntasks {world_size} --ntasks-per-node {gpus_per_node} python".
