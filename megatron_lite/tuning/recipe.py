@@ -302,7 +302,8 @@ def format_plan(p: Plan, limit: int = 30) -> str:
              f"{'peak GiB (stages)':>24} {'pipe eff':>8} {'rel. thr':>8}  saver"]
     for c in p.candidates[:limit]:
         peaks = [x / memory.GIB for x in c.peak_bytes_per_stage]
-        peak_txt = f"{max(peaks):.1f} ({peaks[0]:.1f}..{peaks[-1]:.1f})" if len(peaks) > 1 else f"{peaks[0]:.1f}"
+        peak_txt = (f"{max(peaks):.3g} ({peaks[0]:.3g}..{peaks[-1]:.3g})" if len(peaks) > 1
+                    else f"{peaks[0]:.3g}")
         lines.append(f"{c.rank:>4} {c.throughput_rank:>8} {c.tensor_model_parallel_size:>3} "
                      f"{c.pipeline_model_parallel_size:>3} {c.data_parallel_size:>4} {c.micro_batch_size:>5} "
                      f"{c.gradient_accumulation_steps:>5} {peak_txt:>24} {c.predicted_pipeline_efficiency:>8.3f} "

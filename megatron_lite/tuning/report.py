@@ -4,10 +4,10 @@ Columns are looked up by name, never by position (NeMo's AutoConfigurator once
 sorted by the wrong column after one was added). Runs that did not complete are
 listed after the ranked ones with their status.
 
-Measured pipeline efficiency of a PP > 1 run = its TFLOP/s per GPU over that of
-the completed PP = 1 run with the same TP and micro batch (both count the same
-FLOPs per token, so the ratio is the throughput lost to the pipeline); runs
-without such a baseline have none.
+Measured pipeline efficiency of a PP > 1 run = its tokens/s over that of the
+completed PP = 1 run with the same TP and micro batch (one plan has one world
+size, so this is the throughput per GPU lost to the pipeline); runs without
+such a baseline have none.
 
 Plots (matplotlib, Agg backend): throughput per layout; predicted against
 measured peak memory (rank 0, i.e. stage 0, unless training logged per-stage
@@ -32,14 +32,14 @@ COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s"
 
 def _measured_efficiency(rows: List[Dict[str, Any]]) -> None:
     base = {(r["tensor_model_parallel_size"], r["micro_batch_size"]): r for r in rows
-            if r["status"] == "completed" and r["pipeline_model_parallel_size"] == 1 and r.get("tflops_per_gpu")}
+            if r["status"] == "completed" and r["pipeline_model_parallel_size"] == 1 and r.get("tokens_per_s")}
     for r in rows:
         b = base.get((r["tensor_model_parallel_size"], r["micro_batch_size"]))
         r["measured_pipeline_efficiency"] = None
-        if r["status"] != "completed" or not r.get("tflops_per_gpu") or b is None:
+        if r["status"] != "completed" or not r.get("tokens_per_s") or b is None:
             continue
         r["measured_pipeline_efficiency"] = (1.0 if r["pipeline_model_parallel_size"] == 1
-                                             else r["tflops_per_gpu"] / b["tflops_per_gpu"])
+                                             else r["tokens_per_s"] / b["tokens_per_s"])
 
 
 def rank_rows(rows: List[Dict[str, Any]], sort_by: str) -> List[Dict[str, Any]]:
@@ -120,7 +120,7 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
         ax.scatter(r["predicted_pipeline_efficiency"], r["measured_pipeline_efficiency"], label=r["layout"])
     ax.plot([0, 1.2], [0, 1.2], "k--", linewidth=0.8)
     ax.set_xlabel("predicted pipeline efficiency (bubble x balance)")
-    ax.set_ylabel("measured (TFLOP/s per GPU vs the PP = 1 run)")
+    ax.set_ylabel("measured (tokens/s vs the PP = 1 run)")
     ax.set_title("pipeline efficiency: predicted vs measured")
     if eff:
         ax.legend(fontsize=6)
