@@ -139,3 +139,12 @@ def test_first_stage_holds_more_micro_batches_than_the_last():
     stages = memory.estimate(config)
     assert [st.micro_batches_in_flight for st in stages] == [4, 3, 2, 1]
     assert stages[0].activations > stages[-1].activations - stages[-1].activations_per_micro_batch
+
+
+def test_estimate_peak_bytes_is_the_stage_total_the_training_loop_logs():
+    config = tiny_config(1, 2, 1, ["--global-batch-size", "8"])
+    stages = memory.estimate(config, device="cpu")
+    for st in stages:
+        assert memory.estimate_peak_bytes(config, st.stage, device="cpu") == st.peak == (
+            st.weights + st.gradients + st.optimizer_states + st.communication_buffers + st.activations + st.transient)
+    assert memory.estimate_peak_bytes(config, 0) == stages[0].peak  # no GPU here: device defaults to cpu
