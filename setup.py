@@ -48,8 +48,10 @@ setup(
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.9",
     install_requires=["torch", "deepspeed>=0.19,<0.20", "sentencepiece", "numpy", "tensorboard", "pybind11"],
-    # Hugging Face export (tools/convert_checkpoint.py export-hf) and its test; not needed to train.
-    extras_require={"hf": ["safetensors", "transformers"], "test": ["pytest", "safetensors", "transformers"]},
+    # Optional: Hugging Face export (tools/convert_checkpoint.py export-hf), the tuning report's plots
+    # (tools/tune_parallelism.py report); the tests exercise both. Not needed to train.
+    extras_require={"hf": ["safetensors", "transformers"], "tune": ["matplotlib"],
+                    "test": ["pytest", "safetensors", "transformers", "matplotlib"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

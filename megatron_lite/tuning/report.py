@@ -1,0 +1,181 @@
+"""A sweep's results ranked by a named column: markdown, CSV, PNG plots and the best command line.
+
+Columns are looked up by name, never by position (NeMo's AutoConfigurator once
+sorted by the wrong column after one was added). Runs that did not complete are
+listed after the ranked ones with their status.
+
+Measured pipeline efficiency of a PP > 1 run = its tokens/s over that of the
+completed PP = 1 run with the same TP and micro batch (one plan has one world
+size, so this is the throughput per GPU lost to the pipeline); runs without
+such a baseline have none.
+
+Plots (matplotlib, Agg backend): throughput per layout; predicted against
+measured peak memory (rank 0, i.e. stage 0, unless training logged per-stage
+lines); predicted against measured pipeline efficiency.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shlex
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_lite.tuning.sweep import collect
+
+COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+           "ms_per_iteration", "gradient_accumulation_steps", "saver", "predicted_relative_throughput",
+           "predicted_pipeline_efficiency", "measured_pipeline_efficiency", "predicted_peak_gib_stage0",
+           "predicted_peak_gib_max", "peak_memory_gib", "name")
+
+
+def _measured_efficiency(rows: List[Dict[str, Any]]) -> None:
+    base = {(r["tensor_model_parallel_size"], r["micro_batch_size"]): r for r in rows
+            if r["status"] == "completed" and r["pipeline_model_parallel_size"] == 1 and r.get("tokens_per_s")}
+    for r in rows:
+        b = base.get((r["tensor_model_parallel_size"], r["micro_batch_size"]))
+        r["measured_pipeline_efficiency"] = None
+        if r["status"] != "completed" or not r.get("tokens_per_s") or b is None:
+            continue
+        r["measured_pipeline_efficiency"] = (1.0 if r["pipeline_model_parallel_size"] == 1
+                                             else r["tokens_per_s"] / b["tokens_per_s"])
+
+
+def rank_rows(rows: List[Dict[str, Any]], sort_by: str) -> List[Dict[str, Any]]:
+    if rows and all(sort_by not in r for r in rows):
+        known = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float))})
+        raise ValueError(f"--sort-by {sort_by}: no such column; numeric columns: {', '.join(known)}")
+    for r in rows:
+        peaks = r.get("predicted_peak_gib_per_stage") or []
+        r["predicted_peak_gib_stage0"] = peaks[0] if peaks else None
+        r["predicted_peak_gib_max"] = max(peaks) if peaks else None
+    _measured_efficiency(rows)
+    lower_is_better = sort_by in ("ms_per_iteration", "seconds", "peak_memory_gib")
+    done = [r for r in rows if r["status"] == "completed" and isinstance(r.get(sort_by), (int, float))]
+    done.sort(key=lambda r: r[sort_by], reverse=not lower_is_better)
+    rest = [r for r in rows if r not in done]
+    for i, r in enumerate(done, 1):
+        r["rank_by_metric"] = i
+    for r in rest:
+        r["rank_by_metric"] = None
+    return done + rest
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def best_command(row: Dict[str, Any]) -> str:
+    """The fastest layout as a pretrain_gpt.py command (its launcher from the sweep; set your own
+    --train-iters, --save and the evaluation flags)."""
+    launcher = row.get("launcher_args") or ["torchrun", "--nproc_per_node", "<gpus per node>"]
+    launcher = [("<port>" if prev == "--master_port" else tok) for prev, tok in zip([""] + launcher[:-1], launcher)]
+    script = "pretrain_gpt.py"
+    return shlex.join(launcher + [script] + list(row.get("pretrain_args") or row.get("argv") or []))
+
+
+def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: str, out_dir: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {k: os.path.join(out_dir, f"{k}.png") for k in ("throughput", "memory", "efficiency")}
+    series: Dict[str, List[str]] = {}
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ranked) + 2), 4))
+    ax.bar([r["layout"] for r in ranked], [r[sort_by] for r in ranked], color="tab:blue")
+    ax.set_ylabel(sort_by)
+    ax.set_title(f"{sort_by} per layout (completed runs)")
+    ax.tick_params(axis="x", rotation=60)
+    fig.tight_layout()
+    fig.savefig(paths["throughput"], dpi=100)
+    plt.close(fig)
+    series[paths["throughput"]] = [r["layout"] for r in ranked]
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    mem = [r for r in rows if r.get("peak_memory_gib") and r.get("predicted_peak_gib_stage0")]
+    for r in mem:
+        ax.scatter(r["predicted_peak_gib_stage0"], r["peak_memory_gib"], label=r["layout"])
+    top = max([1e-3] + [max(r["predicted_peak_gib_stage0"], r["peak_memory_gib"]) for r in mem]) * 1.1
+    ax.plot([0, top], [0, top], "k--", linewidth=0.8)
+    ax.set_xlabel("predicted peak, stage 0 (GiB)")
+    ax.set_ylabel(f"measured peak, rank 0 (GiB; {mem[0].get('peak_memory_kind') if mem else 'none'})")
+    ax.set_title("memory: predicted vs measured")
+    if mem:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(paths["memory"], dpi=100)
+    plt.close(fig)
+    series[paths["memory"]] = [r["layout"] for r in mem]
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    eff = [r for r in rows if r.get("measured_pipeline_efficiency") is not None]
+    for r in eff:
+        ax.scatter(r["predicted_pipeline_efficiency"], r["measured_pipeline_efficiency"], label=r["layout"])
+    ax.plot([0, 1.2], [0, 1.2], "k--", linewidth=0.8)
+    ax.set_xlabel("predicted pipeline efficiency (bubble x balance)")
+    ax.set_ylabel("measured (tokens/s vs the PP = 1 run)")
+    ax.set_title("pipeline efficiency: predicted vs measured")
+    if eff:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(paths["efficiency"], dpi=100)
+    plt.close(fig)
+    series[paths["efficiency"]] = [r["layout"] for r in eff]
+    return paths, series
+
+
+def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optional[str] = None) -> Dict[str, Any]:
+    rows = rank_rows(collect(results_dir), sort_by)
+    out_dir = out_dir or results_dir
+    os.makedirs(out_dir, exist_ok=True)
+    ranked = [r for r in rows if r["rank_by_metric"] is not None]
+    md_path, csv_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.csv")
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in COLUMNS})
+    command = best_command(ranked[0]) if ranked else ""
+    lines = [f"# Sweep report: {len(ranked)} completed of {len(rows)} runs, ranked by {sort_by}", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r.get(k)) for k in COLUMNS) + " |" for r in rows]
+    if command:
+        lines += ["", "Best layout:", "", "```", command, "```"]
+    paths, series = _plots(rows, ranked, sort_by, out_dir)
+    lines += ["", *(f"![{k}]({os.path.basename(p)})" for k, p in paths.items())]
+    with open(md_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return {"rows": rows, "markdown": md_path, "csv": csv_path, "best_command": command,
+            "plots": series, "plot_paths": paths}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tune_parallelism.py report", allow_abbrev=False,
+                                     description="Rank a sweep's runs; write report.md, report.csv and PNG plots.")
+    parser.add_argument("--results", required=True, help="the sweep's results folder")
+    parser.add_argument("--sort-by", default="tokens_per_s",
+                        help="column to rank by (default tokens_per_s; ms_per_iteration ranks ascending)")
+    parser.add_argument("--output", default=None, help="folder for the report (default: --results)")
+    args = parser.parse_args(list(argv))
+    if not os.path.isdir(args.results):
+        parser.error(f"--results {args.results}: no such folder; run `tune_parallelism.py sweep` first")
+    start = time.time()
+    try:
+        out = write_report(args.results, args.sort_by, args.output)
+    except ValueError as e:
+        parser.error(str(e))
+    with open(out["markdown"]) as f:
+        print(f.read())
+    ranked = [r for r in out["rows"] if r["rank_by_metric"] is not None]
+    best = f"best {ranked[0]['layout']} at {ranked[0][args.sort_by]:.4g} {args.sort_by}" if ranked else "no completed run"
+    print(f"report: {len(ranked)}/{len(out['rows'])} completed, {best}; wrote {out['markdown']}, {out['csv']}, "
+          f"{len(out['plot_paths'])} PNGs in {time.time() - start:.1f}s")
+    return 0
+

@@ -1,0 +1,308 @@
+"""Run a plan's candidates as short real pretrain_gpt.py runs: one folder per run, resumable.
+
+    tune_parallelism.py sweep --plan plan.json --results sweep/ \\
+        --launcher "torchrun --nproc_per_node {nproc_per_node} --nnodes {nodes} --master_port {port}" \\
+        -- --data-path data/corpus_text_document --tokenizer-type NullTokenizer ...
+
+Launcher placeholders (str.format): {nproc_per_node} (processes per node: the plan's GPUs per
+node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x PP x DP of the candidate), {port} (a free TCP port on this host),
+{name} (the run's folder name), {run_dir} (its absolute path), {script} (pretrain_gpt.py; appended
+after the launcher when the template does not place it). Inside a Slurm allocation use e.g.
+"srun --ntasks {world_size} --ntasks-per-node {gpus_per_node} python".
+
+Each run folder holds command.txt, log.txt (stdout and stderr), status (pending, running,
+completed, oom, timeout, refused, failed) and, when it ran, result.json. results.jsonl in the
+results folder gets one line per run, rewritten after every run. A failing or hanging run is
+recorded and the sweep goes on; a second invocation skips runs whose status is completed (and
+those with another final status unless `--retry` names it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_lite.config import ConfigError
+from megatron_lite.training.distributed import free_port
+from megatron_lite.tuning.recipe import LAYOUT_FLAGS, strip_flags
+
+STATUSES = ("pending", "running", "completed", "oom", "timeout", "refused", "failed")
+FINAL_FAILURES = ("oom", "timeout", "refused", "failed")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SWEEP_OWNED = ("--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--save", "--load",
+               "--save-interval", "--exit-interval")
+
+# One field each, from training/metrics.py format_line; units stay in the names.
+_FIELDS = {
+    "iteration": re.compile(r"iteration\s+(\d+)/\s*(\d+)"),
+    "ms_per_iteration": re.compile(r"([\d.]+(?:e[+-]?\d+)?) ms/it"),
+    "samples_per_s": re.compile(r"([\d.]+(?:e[+-]?\d+)?) samples/s"),
+    "tokens_per_s": re.compile(r"([\d.]+(?:e[+-]?\d+)?) tokens/s"),
+    "tflops_per_gpu": re.compile(r"([\d.]+(?:e[+-]?\d+)?) TFLOP/s/rank"),
+    "mfu": re.compile(r"MFU ([\d.]+)%"),
+    "gpu_mem": re.compile(r"mem ([\d.]+)/([\d.]+) GiB"),
+    "rss": re.compile(r"rss ([\d.]+) GiB \(peak ([\d.]+)\)"),
+}
+_STAGE_MEMORY = re.compile(r"memory stage (\d+):.*?estimated ([\d.]+) GiB.*?measured peak ([\d.]+) GiB")
+_OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory|std::bad_alloc|Cannot allocate memory",
+                  re.IGNORECASE)
+
+
+def parse_log(text: str, warmup_iters: int) -> Dict[str, Any]:
+    """Throughput averaged over the logged iterations after `warmup_iters`, and the peak memory seen.
+
+    Lines that are not metric lines (DeepSpeed's, warnings, other ranks) are skipped; so is any
+    metric line missing a field. Each metric line covers the iterations since the previous one.
+    """
+    rows = []
+    peak_gib = None
+    stage_memory: Dict[int, Dict[str, float]] = {}
+    for line in text.splitlines():
+        m = _STAGE_MEMORY.search(line)
+        if m:
+            stage_memory[int(m.group(1))] = {"estimated_gib": float(m.group(2)), "measured_gib": float(m.group(3))}
+        it = _FIELDS["iteration"].search(line)
+        if not it or "ms/it" not in line:
+            continue
+        row = {"iteration": int(it.group(1))}
+        try:
+            for key in ("ms_per_iteration", "samples_per_s", "tokens_per_s", "tflops_per_gpu"):
+                row[key] = float(_FIELDS[key].search(line).group(1))
+        except AttributeError:
+            continue
+        mfu = _FIELDS["mfu"].search(line)
+        if mfu:
+            row["mfu"] = float(mfu.group(1)) / 100.0
+        mem = _FIELDS["gpu_mem"].search(line) or _FIELDS["rss"].search(line)
+        if mem:
+            peak_gib = max(peak_gib or 0.0, float(mem.group(2)))
+        rows.append(row)
+    out: Dict[str, Any] = {"logged_iterations": len(rows), "peak_memory_gib": peak_gib,
+                           "peak_memory_kind": None, "stage_memory": stage_memory or None}
+    if peak_gib is not None:
+        out["peak_memory_kind"] = ("GPU max_memory_allocated (rank 0)" if _FIELDS["gpu_mem"].search(text)
+                                   else "process peak RSS (rank 0)")
+    timed = [r for r in rows if r["iteration"] > warmup_iters] or rows
+    out["warmup_excluded"] = bool(rows) and timed is not rows
+    if not timed:
+        return out
+    n = len(timed)
+    ms = sum(r["ms_per_iteration"] for r in timed) / n
+    out.update(
+        timed_iterations=n,
+        ms_per_iteration=ms,
+        # Rates are per interval: average the times, not the rates, then convert.
+        samples_per_s=sum(r["samples_per_s"] * r["ms_per_iteration"] for r in timed) / (ms * n),
+        tokens_per_s=sum(r["tokens_per_s"] * r["ms_per_iteration"] for r in timed) / (ms * n),
+        tflops_per_gpu=sum(r["tflops_per_gpu"] * r["ms_per_iteration"] for r in timed) / (ms * n),
+    )
+    if all("mfu" in r for r in timed):
+        out["mfu"] = sum(r["mfu"] for r in timed) / n
+    return out
+
+
+def classify(returncode: Optional[int], timed_out: bool, log_text: str, parsed: Dict[str, Any]) -> str:
+    if timed_out:
+        return "timeout"
+    if returncode != 0 and (_OOM.search(log_text) or returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)):
+        return "oom"  # the kernel's OOM killer leaves only SIGKILL
+    if returncode == 2:
+        return "refused"  # pretrain_gpt.py's configuration errors exit 2 with one line
+    if returncode == 0 and parsed.get("timed_iterations"):
+        return "completed"
+    return "failed"
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and everything under it (torchrun's workers run in sessions of their own)."""
+    try:
+        import psutil
+
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except Exception:  # noqa: BLE001 - psutil missing or the process is gone
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def pretrain_args(candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str]) -> List[str]:
+    """The candidate's pretrain_gpt.py flags: model, layout, the user's fixed flags."""
+    return strip_flags(plan["model_argv"], LAYOUT_FLAGS) + list(candidate["argv"]) + list(fixed)
+
+
+def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str],
+                  run_dir: str, train_iters: int, script: str) -> List[str]:
+    cluster = plan["cluster"]
+    world = (candidate["tensor_model_parallel_size"] * candidate["pipeline_model_parallel_size"]
+             * candidate["data_parallel_size"])
+    values = {"nproc_per_node": min(cluster["gpus_per_node"], world), "gpus_per_node": cluster["gpus_per_node"],
+              "nodes": cluster["nodes"], "world_size": world, "port": free_port(), "name": candidate["name"],
+              "run_dir": os.path.abspath(run_dir), "script": script}
+    try:
+        cmd = shlex.split(launcher.format(**values))
+    except (KeyError, IndexError) as e:
+        raise ConfigError(f"--launcher {launcher!r}: unknown placeholder {e}; use "
+                          f"{', '.join('{' + k + '}' for k in values)}") from None
+    if "{script}" not in launcher:
+        cmd.append(script)
+    return cmd + pretrain_args(candidate, plan, fixed) + [
+        "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", str(10 ** 9),
+        "--eval-iters", "0"]
+
+
+def _read(path: str, default: str = "") -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return default
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """Run a command with its output in run_dir/log.txt; kill it at time_limit."""
+    _write(os.path.join(run_dir, "command.txt"), " ".join(shlex.quote(c) for c in cmd) + "\n")
+    _write(os.path.join(run_dir, "status"), "running\n")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    full_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    start = time.time()
+    timed_out = False
+    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO_ROOT,
+                                    start_new_session=True)
+        except OSError as e:
+            log.write(f"sweep: could not start {cmd[0]}: {e}\n")
+            return {"returncode": None, "timed_out": False, "seconds": 0.0}
+        try:
+            returncode = proc.wait(timeout=time_limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_tree(proc.pid)
+            returncode = proc.wait()
+    return {"returncode": returncode, "timed_out": timed_out, "seconds": time.time() - start}
+
+
+def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any], parsed: Dict[str, Any]) -> Dict[str, Any]:
+    keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
+            "recompute_activations", "saver", "predicted_pipeline_efficiency", "predicted_tokens_per_s",
+            "predicted_relative_throughput", "peak_bytes_per_stage", "argv")
+    line = {k: candidate.get(k) for k in keys}
+    line["predicted_peak_gib_per_stage"] = [b / 2 ** 30 for b in candidate.get("peak_bytes_per_stage") or []]
+    line.update(status=status, returncode=run.get("returncode"), seconds=run.get("seconds"))
+    line.update(parsed)
+    return line
+
+
+def collect(results_dir: str) -> List[Dict[str, Any]]:
+    """Every run's result.json, in the plan's order; written to results.jsonl."""
+    lines = []
+    for name in sorted(os.listdir(results_dir)):
+        path = os.path.join(results_dir, name, "result.json")
+        if os.path.isfile(path):
+            lines.append(json.loads(_read(path)))
+    lines.sort(key=lambda r: r.get("rank") or 0)
+    _write(os.path.join(results_dir, "results.jsonl"), "".join(json.dumps(r) + "\n" for r in lines))
+    return lines
+
+
+def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence[str], train_iters: int = 10,
+          warmup_iters: int = 2, time_limit: float = 900.0, retry: Sequence[str] = (), only: Sequence[str] = (),
+          max_runs: Optional[int] = None, script: Optional[str] = None, log=print) -> Dict[str, int]:
+    """Run every selected candidate not yet done; returns counts per status of this invocation."""
+    script = script or os.path.join(REPO_ROOT, "pretrain_gpt.py")
+    owned = [f for f in fixed if f.split("=", 1)[0] in LAYOUT_FLAGS + SWEEP_OWNED]
+    if owned:
+        raise ConfigError(f"fixed pretrain_gpt.py flags {owned} are set by the plan or the sweep; remove them "
+                          f"(layout flags come from the plan, --train-iters from sweep --train-iters)")
+    os.makedirs(results_dir, exist_ok=True)
+    candidates = plan["candidates"]
+    if only:
+        candidates = [c for c in candidates if any(o in c["name"] for o in only)]
+    if max_runs is not None:
+        candidates = candidates[:max_runs]
+    counts: Dict[str, int] = {}
+    for i, c in enumerate(candidates, 1):
+        run_dir = os.path.join(results_dir, c["name"])
+        os.makedirs(run_dir, exist_ok=True)
+        status_path = os.path.join(run_dir, "status")
+        previous = _read(status_path, "pending").strip()
+        if previous == "completed" or (previous in FINAL_FAILURES and previous not in retry):
+            counts["skipped"] = counts.get("skipped", 0) + 1
+            continue
+        cmd = build_command(launcher, c, plan, fixed, run_dir, train_iters, script)
+        log(f"[{i}/{len(candidates)}] {c['name']}: running ({c['saver']})")
+        run = run_one(cmd, run_dir, time_limit)
+        text = _read(os.path.join(run_dir, "log.txt"))
+        parsed = parse_log(text, warmup_iters)
+        status = classify(run["returncode"], run["timed_out"], text, parsed)
+        line = _result_line(c, status, run, parsed)
+        line["pretrain_args"] = pretrain_args(c, plan, fixed)
+        line["launcher_args"] = cmd[:cmd.index(script)] if script in cmd else []
+        line["script"] = script
+        _write(os.path.join(run_dir, "result.json"), json.dumps(line, indent=1))
+        _write(status_path, status + "\n")
+        collect(results_dir)
+        counts[status] = counts.get(status, 0) + 1
+        rate = f", {parsed['tokens_per_s']:.0f} tokens/s" if parsed.get("tokens_per_s") else ""
+        log(f"[{i}/{len(candidates)}] {c['name']}: {status} in {run['seconds']:.0f}s{rate}")
+    collect(results_dir)
+    return counts
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    fixed: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, fixed = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="tune_parallelism.py sweep", allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--plan", required=True, help="plan JSON from `tune_parallelism.py plan`")
+    parser.add_argument("--results", required=True, help="folder for the run folders and results.jsonl")
+    parser.add_argument("--launcher", required=True, help="launcher command template (placeholders above)")
+    parser.add_argument("--train-iters", type=int, default=10)
+    parser.add_argument("--warmup-iters", type=int, default=2, help="first iterations left out of the timing")
+    parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per run before it is killed")
+    parser.add_argument("--retry", nargs="+", default=[], choices=FINAL_FAILURES,
+                        help="rerun runs with these statuses (completed runs are never rerun)")
+    parser.add_argument("--only", nargs="+", default=[], help="run only candidates whose name contains one of these")
+    parser.add_argument("--max-runs", type=int, default=None, help="the first N candidates of the plan")
+    parser.add_argument("--script", default=None, help="training script (default: this checkout's pretrain_gpt.py)")
+    args = parser.parse_args(argv)
+    if args.train_iters <= args.warmup_iters:
+        parser.error(f"--train-iters {args.train_iters} must be larger than --warmup-iters {args.warmup_iters}")
+    try:
+        with open(args.plan) as f:
+            plan = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        parser.error(f"--plan {args.plan}: {e}")
+    start = time.time()
+    counts = sweep(plan, args.results, args.launcher, fixed, args.train_iters, args.warmup_iters, args.time_limit,
+                   args.retry, args.only, args.max_runs, args.script, log=lambda s: print(s, flush=True))
+    summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to run"
+    print(f"sweep: {summary} in {time.time() - start:.0f}s; results in {os.path.join(args.results, 'results.jsonl')}")
+    return 0

@@ -1,0 +1,66 @@
+"""A simple, documented model of training speed, to rank layouts before running any.
+
+One optimizer step of a layout (TP t, PP p, DP n, micro batch b, gas g):
+
+  step = (g + p - 1) x max over stages (compute_i + tp_comm_i) + p2p + dp_comm + offload
+
+  compute_i  = 3 (4 with recompute) x stage forward FLOPs x b x s / t / (peak x gemm_eff(b s))
+               gemm_eff(tokens) = tokens / (tokens + 256): small matrices run below peak
+  tp_comm_i  = layers_i x 4 all-reduces x 2 (t-1)/t x (b s h x 2 bytes) / bandwidth
+               (forward and backward, two per layer each; NVLink when the TP group sits in a node)
+  p2p        = 2 (g + p - 1) x b s h x 2 bytes / bandwidth between consecutive stages
+  dp_comm    = 2 (n-1)/n x stage parameters x 2 bytes / bandwidth; ZeRO 3 moves 1.5x that
+  offload    = 16 bytes x partition parameters / host bandwidth (CPU Adam and the copies)
+
+The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
+model/pipeline_efficiency.py). Tokens/s = global batch x s / step. The numbers
+are for ranking layouts against each other; only the sweep measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus_per_node: int = 8
+    peak_tflops: float = 312.0
+    """Dense 16-bit peak per GPU (A100: 312, H100: 989)."""
+    intra_node_gbps: float = 150.0
+    """All-reduce bus bandwidth inside a node, GB/s (NVLink)."""
+    inter_node_gbps: float = 25.0
+    """Per-GPU network bandwidth across nodes, GB/s."""
+    host_gbps: float = 20.0
+    """Host memory bandwidth one rank gets for offloaded optimizer work, GB/s."""
+
+
+def gemm_efficiency(tokens: int) -> float:
+    return tokens / (tokens + 256.0)
+
+
+def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
+                         stage_parameters: Sequence[int], hw: Hardware, *, hidden: int, seq: int,
+                         tp: int, pp: int, dp: int, micro: int, gas: int, zero_stage: int,
+                         recompute: bool, cpu_offload: bool) -> Dict[str, float]:
+    tokens = micro * seq
+    passes = 4.0 if recompute else 3.0
+    flops_per_s = hw.peak_tflops * 1e12 * gemm_efficiency(tokens)
+    gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
+    tp_bw = gbps(tp <= hw.gpus_per_node)
+    act_bytes = tokens * hidden * 2
+    per_stage: List[float] = []
+    for flops, layers in zip(stage_flops_per_token, stage_layers):
+        compute = passes * flops * tokens / tp / flops_per_s
+        tp_comm = layers * 4 * 2 * (tp - 1) / tp * act_bytes / tp_bw if tp > 1 else 0.0
+        per_stage.append(compute + tp_comm)
+    # Rank order is (pipe, data, model): a stage spans tp x dp consecutive ranks.
+    p2p = 2 * (gas + pp - 1) * act_bytes / gbps(tp * dp * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
+    dp_inside = tp * dp <= hw.gpus_per_node
+    largest = max(stage_parameters)
+    dp_comm = 2 * (dp - 1) / dp * largest * 2 / gbps(dp_inside) * (1.5 if zero_stage == 3 else 1.0) if dp > 1 else 0.0
+    offload = 16.0 * largest / dp / (hw.host_gbps * 1e9) if cpu_offload else 0.0
+    pipeline = (gas + pp - 1) * max(per_stage)
+    step = pipeline + p2p + dp_comm + offload
+    return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
+            "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": max(per_stage)}

@@ -1,0 +1,150 @@
+import io
+import json
+import re
+from contextlib import redirect_stdout
+
+import pytest
+
+from megatron_lite.tuning import memory
+from tests.harness import run_distributed, shutdown_pools
+from tests.model.gpt_layouts import tiny_config
+from tests.tuning.activation_census import saved_bytes_per_stage
+
+GIB = 2 ** 30
+
+
+def _printed_gpu_gib(printed, options):
+    """The per-GPU GB column of the row of a DeepSpeed `_all_cold`/`_all_live` table whose options match."""
+    for line in printed.splitlines():
+        if options in line.replace(" ", "").replace("OffloadDeviceEnum.", ""):
+            return float(re.findall(r"([\d.]+)GB", line)[1])
+    raise AssertionError(f"no row {options!r} in\n{printed}")
+
+
+SHAPES = [(1_300_000_000, 1, 8), (6_700_000_000, 2, 8), (175_000_000_000, 16, 8), (20_000_000_000, 4, 4)]
+
+
+@pytest.mark.parametrize("params, nodes, gpus", SHAPES)
+def test_zero2_model_states_equal_deepspeeds_estimator(params, nodes, gpus):
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs, estimate_zero2_model_states_mem_needs_all_cold)
+
+    n = nodes * gpus
+    for offload in (False, True):
+        ours = memory.model_state_bytes(params, 2, n, "bf16", cpu_offload=offload)
+        theirs = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)[1]
+        assert sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) == pytest.approx(theirs, rel=0.01)
+        out = io.StringIO()
+        with redirect_stdout(out):
+            estimate_zero2_model_states_mem_needs_all_cold(params, gpus, nodes)
+        printed = _printed_gpu_gib(out.getvalue(), "offload_optimizer=cpu" if offload else "offload_optimizer=none")
+        assert sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) / GIB == \
+            pytest.approx(printed, rel=0.01, abs=0.006)
+
+
+@pytest.mark.parametrize("params, nodes, gpus", SHAPES)
+def test_zero3_model_states_equal_deepspeeds_estimator(params, nodes, gpus):
+    from deepspeed.runtime.zero.stage3 import (
+        estimate_zero3_model_states_mem_needs, estimate_zero3_model_states_mem_needs_all_cold)
+
+    largest = params // 40
+    n = nodes * gpus
+    out = io.StringIO()
+    with redirect_stdout(out):
+        estimate_zero3_model_states_mem_needs_all_cold(params, largest, gpus, nodes)
+    for offload, offload_param, row in ((False, False, "offload_param=none,offload_optimizer=none,zero_init=1"),
+                                        (True, False, "offload_param=none,offload_optimizer=cpu,zero_init=1"),
+                                        (True, True, "offload_param=cpu,offload_optimizer=cpu,zero_init=1")):
+        ours = memory.model_state_bytes(params, 3, n, "bf16", cpu_offload=offload, offload_param=offload_param,
+                                        largest_layer_parameters=largest)
+        device = sum(ours[k] for k in ("weights", "gradients", "optimizer_states"))
+        theirs = estimate_zero3_model_states_mem_needs(params, largest, gpus, nodes, cpu_offload=offload,
+                                                       cpu_offload_params=offload_param)[1]
+        assert device == pytest.approx(theirs, rel=0.01)
+        assert device / GIB == pytest.approx(_printed_gpu_gib(out.getvalue(), row), rel=0.01, abs=0.006)
+
+
+def test_live_estimators_on_a_real_module_agree():
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_live
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+
+    # torch.empty never touches its pages: 1.5e9 parameters cost no resident memory here.
+    layers = torch.nn.ModuleList(torch.nn.Linear(1, 1, bias=False) for _ in range(3))
+    for layer in layers:
+        layer.weight = torch.nn.Parameter(torch.empty(500_000_000))
+    params = 1_500_000_000
+    for fn, zero, row in ((estimate_zero2_model_states_mem_needs_all_live, 2, "offload_optimizer=none"),
+                          (estimate_zero3_model_states_mem_needs_all_live, 3,
+                           "offload_param=none,offload_optimizer=none,zero_init=1")):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            fn(layers, num_gpus_per_node=4, num_nodes=1)
+        ours = memory.model_state_bytes(params, zero, 4, "bf16", largest_layer_parameters=500_000_000)
+        assert sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) / GIB == \
+            pytest.approx(_printed_gpu_gib(out.getvalue(), row), rel=0.01)
+
+
+ENGINE_LAYOUTS = [(1, 1, 1, ()), (2, 1, 1, ()), (1, 2, 1, ()), (2, 2, 1, ()), (1, 1, 2, ("--zero-stage", "1")),
+                  (1, 2, 2, ("--zero-stage", "1")), (2, 1, 2, ("--zero-stage", "2")), (1, 1, 2, ("--zero-stage", "2"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp, dp, extra", ENGINE_LAYOUTS)
+def test_model_states_of_a_real_engine_match_the_estimate(tp, pp, dp, extra, tmp_path):
+    from tests.tuning.engine_census import engine_census
+
+    ds_json = tmp_path / "ds.json"
+    # Small buckets, so the comparison is about the model states, not a 2 GB reduction buffer.
+    ds_json.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))
+    shutdown_pools()  # a fresh pool: no engine of an earlier test still holds memory
+    results = run_distributed(engine_census, tp * pp * dp, tp, pp, dp, list(extra), str(ds_json))
+    shutdown_pools()
+    config = results[0]["config"]
+    stages = memory.estimate(config, {"zero_optimization": {"stage": config.parallel.zero_stage,
+                                                            "reduce_bucket_size": 2000}})
+    for r in results:
+        st = stages[r["stage"]]
+        predicted = st.model_states + st.communication_buffers
+        assert r["bytes"] == pytest.approx(predicted, rel=0.02), (r["rank"], r["stage"], r["bytes"], st)
+
+
+def _activation_config(tp, pp, recompute, dropout):
+    extra = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+    if dropout:
+        extra += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    if recompute:
+        extra += ["--recompute-activations"]
+    return tiny_config(tp, pp, 1, extra)
+
+
+def _census(tp, pp, recompute, dropout):
+    return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_saved_activations_per_micro_batch_match_the_estimate(tp, pp, recompute, dropout):
+    measured = run_distributed(_census, tp, tp, pp, recompute, dropout)[0]
+    config = _activation_config(tp, pp, recompute, dropout)
+    predicted = [st.activations_per_micro_batch for st in memory.estimate(config, device="cpu")]
+    for stage, (got, want) in enumerate(zip(measured, predicted)):
+        assert got == pytest.approx(want, rel=0.10), f"stage {stage}: measured {got} predicted {want}"
+
+
+def test_first_stage_holds_more_micro_batches_than_the_last():
+    config = tiny_config(1, 4, 1, ["--global-batch-size", "16"])
+    stages = memory.estimate(config)
+    assert [st.micro_batches_in_flight for st in stages] == [4, 3, 2, 1]
+    assert stages[0].activations > stages[-1].activations - stages[-1].activations_per_micro_batch
+
+
+def test_estimate_peak_bytes_is_the_stage_total_the_training_loop_logs():
+    config = tiny_config(1, 2, 1, ["--global-batch-size", "8"])
+    stages = memory.estimate(config, device="cpu")
+    for st in stages:
+        assert memory.estimate_peak_bytes(config, st.stage, device="cpu") == st.peak == (
+            st.weights + st.gradients + st.optimizer_states + st.communication_buffers + st.activations + st.transient)
+    assert memory.estimate_peak_bytes(config, 0) == stages[0].peak  # no GPU here: device defaults to cpu

@@ -1,0 +1,102 @@
+import json
+import subprocess
+import sys
+
+from megatron_lite.tuning import recipe
+from tests.harness import REPO_ROOT
+
+BIG = ["--num-layers", "104", "--hidden-size", "8192", "--num-attention-heads", "64", "--seq-length", "2048",
+       "--vocab-size", "51200", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0",
+       "--global-batch-size", "1024"]
+SMALL = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "12", "--seq-length", "64",
+         "--vocab-size", "1000", "--global-batch-size", "16"]
+
+
+def _plan(argv, tmp_path, **kw):
+    kw.setdefault("max_micro_batch", 4)
+    return recipe.plan(argv, workdir=str(tmp_path), **kw)
+
+
+def _rejections(p, kind):
+    return {r["layout"] for r in p.rejected if recipe.rejection_kind(r["reason"]) == kind}
+
+
+def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp4(tmp_path):
+    p = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    first = p.candidates[0]
+    assert (first.tensor_model_parallel_size, first.pipeline_model_parallel_size) == (8, 4)
+    assert first.micro_batch_size == 1 and first.gradient_accumulation_steps >= 32
+    assert max(first.peak_bytes_per_stage) <= p.memory_budget_bytes
+    assert "does not fit in memory" in {recipe.rejection_kind(r["reason"]) for r in p.rejected}
+    # One node does not hold it without the slow savers (ZeRO 2/3, offload).
+    one_node = _plan(BIG, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
+    assert all(recipe.saver_tier(c) == 2 for c in one_node.candidates)
+
+
+def test_rejections_name_their_reasons(tmp_path):
+    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    # 12 heads: TP 8 does not divide them
+    assert {"tp8_pp1_dp1_mb1"} <= _rejections(p, "not divisible by TP")
+    # 2 layers: 4 and 8 stages are too many
+    assert {"tp1_pp4_dp2_mb1", "tp1_pp8_dp1_mb1", "tp2_pp4_dp1_mb1"} <= _rejections(p, "layers fewer than stages")
+    # global batch 16 with micro 4 x DP 8 = 32
+    assert "tp1_pp1_dp8_mb4" in _rejections(p, "global batch not divisible by micro x DP")
+    kept = {c.layout for c in p.candidates}
+    assert {"tp1_pp1_dp8_mb1", "tp2_pp2_dp2_mb2", "tp4_pp1_dp2_mb1"} <= kept
+    assert not kept & {r["layout"] for r in p.rejected}
+    first = p.candidates[0]
+    # Shaden's order: TP as close to the GPUs per node as the heads allow (4), micro batch 1
+    assert first.tensor_model_parallel_size == 4 and first.micro_batch_size == 1
+
+
+def test_too_little_memory_rejects_everything_with_the_needed_bytes(tmp_path):
+    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=0.001)
+    assert not p.candidates
+    assert all("does not fit" in r["reason"] and "GiB" in r["reason"] for r in p.rejected
+               if recipe.rejection_kind(r["reason"]) == "does not fit in memory")
+
+
+def test_memory_savers_are_tried_fastest_first_and_named(tmp_path):
+    # Enough memory for the states but not for micro batch 4's activations at ZeRO 0: recompute saves it.
+    loose = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
+    assert all(c.saver == "none" and c.zero_stage == 0 for c in loose.candidates)
+    c = next(c for c in loose.candidates if c.layout == "tp1_pp1_dp2_mb4")
+    tight_gb = (max(c.peak_bytes_per_stage) - 1) / 2 ** 30 / 0.9
+    tight = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=tight_gb)
+    saved = next(x for x in tight.candidates if x.layout == "tp1_pp1_dp2_mb4")
+    assert saved.saver != "none" and max(saved.peak_bytes_per_stage) < max(c.peak_bytes_per_stage)
+    assert recipe.SAVERS.index(saved.saver) > 0
+
+
+def test_every_kept_candidate_passes_pretrain_validation(tmp_path):
+    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    for c in p.candidates:
+        world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+        config = recipe.validate_candidate(recipe.strip_flags(p.model_argv, recipe.LAYOUT_FLAGS) + c.argv, world)
+        assert config.batch.gradient_accumulation_steps == c.gradient_accumulation_steps
+
+
+def test_micro_batch_probe_uses_one_node_few_layers_and_micro_batches_to_64(tmp_path):
+    p = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80, micro_batch_probe=True)
+    assert p.mode == "micro-batch-probe" and "2" == p.model_argv[p.model_argv.index("--num-layers") + 1]
+    assert all(c.pipeline_model_parallel_size == 1 and c.gradient_accumulation_steps == 1 for c in p.candidates)
+    assert all(c.tensor_model_parallel_size * c.data_parallel_size == 8 for c in p.candidates)
+    assert 64 in {c.micro_batch_size for c in p.candidates} | {r["micro_batch_size"] for r in p.rejected}
+
+
+def test_strip_flags_removes_layout_flags_with_their_values():
+    argv = ["--num-layers", "4", "--tensor-model-parallel-size", "2", "--recompute-activations",
+            "--micro-batch-size=4", "--bf16"]
+    assert recipe.strip_flags(argv, recipe.LAYOUT_FLAGS) == ["--num-layers", "4", "--bf16"]
+
+
+def test_plan_cli_writes_json_and_refuses_unknown_flags(tmp_path):
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "tools/tune_parallelism.py", "plan", "--nodes", "1", "--gpus-per-node", "2",
+           "--gpu-memory-gb", "80", *SMALL, "--output", str(out)]
+    r = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["candidates"] and data["candidates"][0]["rank"] == 1 and "plan:" in r.stdout
+    bad = subprocess.run(cmd[:-2] + ["--num-layer", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--num-layer" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,135 @@
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
+from megatron_lite.tuning import recipe, report, sweep
+
+LINE = ("iteration {i:>7}/      6 | consumed samples        {c} | loss 4.8000 | lr 1.000e-04 | grad norm 1.000 | "
+        "{ms:.1f} ms/it | {sps:.1f} samples/s | {tps:.0f} tokens/s | {tf:.3f} TFLOP/s/rank | rss 0.50 GiB (peak {pk:.2f})")
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+        "--vocab-size", "128", "--make-vocab-size-divisible-by", "16", "--global-batch-size", "4",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _log(times):
+    return "\n".join(["[WARNING] deepspeed says hello", "pipeline stages (cost):"] + [
+        LINE.format(i=i, c=4 * i, ms=ms, sps=4000 / ms, tps=4000 / ms * 32, tf=1e-3 * 1000 / ms, pk=0.5 + 0.1 * i)
+        for i, ms in enumerate(times, 1)] + ["validation at iteration 6 | loss 4.7"])
+
+
+def test_parse_log_skips_warmup_and_averages_time_not_rates():
+    parsed = sweep.parse_log(_log([900.0, 500.0, 100.0, 300.0]), warmup_iters=2)
+    assert parsed["timed_iterations"] == 2 and parsed["warmup_excluded"]
+    assert parsed["ms_per_iteration"] == pytest.approx(200.0)
+    assert parsed["samples_per_s"] == pytest.approx(4 / 0.2, rel=0.01)  # 4 samples per 200 ms, not mean(40, 13.3)
+    assert parsed["tokens_per_s"] == pytest.approx(4 / 0.2 * 32, rel=0.01)
+    assert parsed["peak_memory_gib"] == pytest.approx(0.9) and "RSS" in parsed["peak_memory_kind"]
+
+
+def test_parse_log_ignores_broken_lines_and_reads_gpu_memory():
+    text = _log([100.0, 100.0, 100.0]).replace("rss 0.50 GiB (peak 0.80)", "MFU 41.5% | mem 10.00/61.25 GiB")
+    text += "\niteration 4/6 | consumed samples 16 | loss nan | garbage ms/it\n"
+    parsed = sweep.parse_log(text, warmup_iters=1)
+    assert parsed["timed_iterations"] == 2 and parsed["peak_memory_gib"] == pytest.approx(61.25)
+    assert "GPU" in parsed["peak_memory_kind"] and parsed.get("mfu") is None
+
+
+@pytest.mark.parametrize("code, timed_out, text, expected", [
+    (0, False, _log([1, 1, 1]), "completed"), (1, False, "Traceback ... boom", "failed"),
+    (2, False, "pretrain_gpt.py: error: --lr must be positive", "refused"), (None, True, "", "timeout"),
+    (1, False, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", "oom"), (-9, False, "", "oom"),
+    (0, False, "no metric lines", "failed")])
+def test_classify(code, timed_out, text, expected):
+    assert sweep.classify(code, timed_out, text, sweep.parse_log(text, 1)) == expected
+
+
+def _fake_plan(tmp_path, n=3):
+    p = recipe.plan(TINY, 1, 2, 80, max_micro_batch=1, device="cpu", workdir=str(tmp_path))
+    data = p.to_dict()
+    data["candidates"] = data["candidates"][:n]
+    return data
+
+
+def test_a_hanging_and_a_failing_run_do_not_stop_the_sweep_and_rerun_skips_finished(tmp_path):
+    plan = _fake_plan(tmp_path)
+    names = [c["name"] for c in plan["candidates"]]
+    # A launcher that sleeps for the first candidate, fails for the second, "trains" for the third.
+    fake = tmp_path / "fake.py"
+    fake.write_text("import sys, time\nname = sys.argv[1]\n"
+                    f"if name == {names[0]!r}: time.sleep(60)\n"
+                    f"if name == {names[1]!r}: sys.exit(3)\n"
+                    f"print({_log([5.0, 4.0, 4.0])!r})\n")
+    launcher = f"{sys.executable} {fake} {{name}} {{script}}"
+    counts = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
+                         log=lambda s: None)
+    assert counts == {"timeout": 1, "failed": 1, "completed": 1}
+    lines = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["timeout", "failed", "completed"]
+    assert (tmp_path / "out" / names[1] / "status").read_text().strip() == "failed"
+    assert "--train-iters 3" in (tmp_path / "out" / names[2] / "command.txt").read_text()
+    again = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
+                        log=lambda s: None)
+    assert again == {"skipped": 3}
+    retried = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
+                          retry=["failed"], log=lambda s: None)
+    assert retried == {"skipped": 2, "failed": 1}
+
+
+def test_layout_flags_among_the_fixed_flags_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
+        sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--tensor-model-parallel-size", "2"])
+
+
+def test_unknown_launcher_placeholder_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="gpus"):
+        sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun --nproc {gpus}", [], log=lambda s: None)
+
+
+@pytest.fixture(scope="module")
+def null_corpus(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("corpus") / "null_text_document")
+    rng = np.random.RandomState(0)
+    with IndexedDatasetWriter(prefix, np.int32) as writer:
+        for _ in range(300):
+            writer.add_document(np.append(rng.randint(0, 127, size=rng.randint(20, 80)), 127))
+    return prefix
+
+
+@pytest.mark.slow
+def test_a_real_sweep_of_six_layouts_completes_records_a_failure_and_reports(tmp_path, null_corpus):
+    p = recipe.plan(TINY, nodes=1, gpus_per_node=2, gpu_memory_gb=16, max_micro_batch=2, device="cpu",
+                    workdir=str(tmp_path))
+    plan = p.to_dict()
+    wanted = ["tp1_pp1_dp2_mb1", "tp2_pp1_dp1_mb1", "tp1_pp2_dp1_mb1", "tp1_pp1_dp2_mb2", "tp2_pp1_dp1_mb2",
+              "tp1_pp2_dp1_mb2"]
+    plan["candidates"] = [c for c in plan["candidates"] if c["layout"] in wanted]
+    assert sorted(c["layout"] for c in plan["candidates"]) == sorted(wanted)
+    broken = dict(plan["candidates"][0], name="999_broken", argv=plan["candidates"][0]["argv"] + ["--lr", "1e38"],
+                  rank=999)
+    plan["candidates"].append(broken)
+    # The broken candidate diverges (lr 1e38): pretrain_gpt.py stops on the non-finite loss with exit 1.
+    fixed = ["--data-path", null_corpus, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
+             "--num-workers", "0"]
+    launcher = f"{sys.executable} -m torch.distributed.run --nproc_per_node {{nproc_per_node}} " \
+               f"--master_addr 127.0.0.1 --master_port {{port}}"
+    out = str(tmp_path / "sweep")
+    counts = sweep.sweep(plan, out, launcher, fixed, train_iters=4, warmup_iters=1, time_limit=120,
+                         log=lambda s: None)
+    assert counts == {"completed": 6, "failed": 1}, counts
+    assert sweep.sweep(plan, out, launcher, fixed, train_iters=4, warmup_iters=1, time_limit=120,
+                       log=lambda s: None) == {"skipped": 7}
+    rows = sweep.collect(out)
+    assert all(r["tokens_per_s"] > 0 for r in rows if r["status"] == "completed")
+
+    written = report.write_report(out, sort_by="tokens_per_s")
+    ranked = [r for r in written["rows"] if r["status"] == "completed"]
+    assert [r["tokens_per_s"] for r in ranked] == sorted((r["tokens_per_s"] for r in ranked), reverse=True)
+    assert "pretrain_gpt.py" in written["best_command"] and ranked[0]["argv"][1] in written["best_command"]
+    for png, series in written["plots"].items():
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        assert series, png
+    assert set(written["plots"][written["plot_paths"]["throughput"]]) == {r["layout"] for r in ranked}

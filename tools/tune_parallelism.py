@@ -1,0 +1,95 @@
+"""Find a fast TP / PP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
+
+    python tools/tune_parallelism.py plan --nodes 4 --gpus-per-node 8 --gpu-memory-gb 80 \\
+        <pretrain_gpt.py model flags> --global-batch-size 1024 --output plan.json
+    python tools/tune_parallelism.py sweep --plan plan.json --results sweep/ \\
+        --launcher "torchrun --nproc_per_node {gpus_per_node} --nnodes {nodes} --master_port {port}" \\
+        -- <fixed pretrain_gpt.py flags: --data-path, --tokenizer-*, ...>
+    python tools/tune_parallelism.py report --results sweep/ [--sort-by tokens_per_s]
+
+plan: the model is described with pretrain_gpt.py's own flags (no --data-path needed; give --vocab-size).
+sweep: launcher placeholders are listed by `sweep --help`. report: markdown, CSV, PNG plots, best command line.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.config import ConfigError  # noqa: E402
+
+
+def _plan(argv) -> int:
+    from megatron_lite.arguments import build_parser
+    from megatron_lite.tuning import recipe
+    from megatron_lite.tuning.throughput import Hardware
+
+    parser = argparse.ArgumentParser(prog="tune_parallelism.py plan", allow_abbrev=False,
+                                     description="Candidate layouts for a cluster. Every flag not listed here is a "
+                                                 "pretrain_gpt.py flag describing the model and the batch.")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, GiB")
+    parser.add_argument("--memory-margin", type=float, default=0.1,
+                        help="fraction of GPU memory kept free for the CUDA context, allocator cache and "
+                             "fragmentation (default 0.1)")
+    parser.add_argument("--max-micro-batch", type=int, default=8, help="largest micro batch tried (powers of 2)")
+    parser.add_argument("--order", choices=("shaden", "throughput"), default="shaden",
+                        help="shaden: the recipe's order (gas >= 8 PP, TP = GPUs per node, fewest stages, micro "
+                             "batch 1 first); throughput: predicted tokens/s")
+    parser.add_argument("--micro-batch-probe", action="store_true",
+                        help="Samyam's mode: one node, --probe-layers layers at full hidden size, micro batch 1..64")
+    parser.add_argument("--probe-layers", type=int, default=2)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
+    parser.add_argument("--peak-tflops", type=float, default=312.0, help="16-bit dense peak per GPU (A100 312)")
+    parser.add_argument("--intra-node-gbps", type=float, default=150.0)
+    parser.add_argument("--inter-node-gbps", type=float, default=25.0)
+    parser.add_argument("--output", default=None, help="plan JSON (default: print only)")
+    parser.add_argument("--show", type=int, default=30, help="rows of the table to print")
+    own, model_argv = parser.parse_known_args(argv)
+    for flag, value in (("--nodes", own.nodes), ("--gpus-per-node", own.gpus_per_node),
+                        ("--max-micro-batch", own.max_micro_batch)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not 0 <= own.memory_margin < 1:
+        parser.error(f"--memory-margin must be in [0, 1), got {own.memory_margin}")
+    build_parser().parse_args(model_argv)  # unknown flags: argparse's own message and exit 2
+    hw = Hardware(gpus_per_node=own.gpus_per_node, peak_tflops=own.peak_tflops,
+                  intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps)
+    # The ZeRO-3 parameter-offload candidates name a DeepSpeed JSON written next to the plan.
+    workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else tempfile.mkdtemp(prefix="plan_")
+    start = time.time()
+    p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
+                    own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers)
+    print(recipe.format_plan(p, own.show))
+    if own.output:
+        p.save(own.output)
+    best = p.candidates[0].layout if p.candidates else "none"
+    print(f"plan: {len(p.candidates)} candidates, {len(p.rejected)} rejected, first {best}, "
+          f"{time.time() - start:.1f}s" + (f"; wrote {own.output}" if own.output else ""))
+    return 0 if p.candidates else 1
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"plan": _plan}
+    try:
+        from megatron_lite.tuning import report, sweep
+        commands.update(sweep=sweep.main, report=report.main)
+    except ImportError:
+        pass
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr)
+        print(f"\ntune_parallelism.py: error: give a command: {' | '.join(commands)}", file=sys.stderr)
+        return 2
+    try:
+        return commands[argv[0]](argv[1:])
+    except ConfigError as e:
+        print(f"tune_parallelism.py {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
