@@ -8,6 +8,7 @@ process-group function itself. Layer N's dropouts draw from its own streams
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,12 +49,14 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def resolve_attention_backend(backend: str) -> str:
+def resolve_attention_backend(backend: str, device_type: Optional[str] = None) -> str:
     """`auto` -> the backend measured faster on this kind of device (tools/bench_training.py):
     SDPA on CPU; the fused softmax on CUDA until it is measured there."""
     if backend != "auto":
         return backend
-    return "fused" if torch.cuda.is_available() else "sdpa"
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return "fused" if device_type == "cuda" else "sdpa"
 
 
 class ParallelAttention(nn.Module):

@@ -26,7 +26,14 @@ from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
 from megatron_lite.training.distributed import init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
-from megatron_lite.training.metrics import IntervalStats, TensorBoardWriter, format_line, interval_scalars
+from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.training.metrics import (
+    IntervalStats,
+    TensorBoardWriter,
+    format_line,
+    interval_scalars,
+    peak_memory_bytes,
+)
 from megatron_lite.training.stage_timing import StageTimer
 
 
@@ -79,6 +86,7 @@ class Run:
     tb: TensorBoardWriter
     exit_signal: ExitSignal
     stage_timer: Optional[StageTimer] = None
+    memory_reported: bool = False
     iteration: int = 0
     consumed_samples: int = 0
     last_saved: Optional[int] = None
@@ -163,12 +171,29 @@ def maybe_log(run: Run, stats: StepStats) -> None:
     scalars = interval_scalars(summary, config.model, config.parallel.world_size)
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     run.tb.write("train", scalars, run.iteration)
+    if not run.memory_reported:
+        report_memory_estimate(run)
     if run.stage_timer is not None:
         stages = stage_timing.gather_stages(run.stage_timer.take(interval.seconds))
         if stages:
             print_rank0("time per stage:\n" + stage_timing.format_table(stages, interval.iterations))
             run.tb.write("timing", stage_timing.scalars(stages, interval.iterations), run.iteration)
     run.interval = Interval()
+
+
+def report_memory_estimate(run: Run) -> None:
+    """Once, at the first log line: each stage's estimated peak next to the measured one (as
+    Megatron-LM does), so every run checks the estimator (tuning/memory.py)."""
+    from megatron_lite.tuning.memory import estimate_peak_bytes
+
+    config, stage = run.config, state.get_pipeline_model_parallel_rank()
+    estimated = estimate_peak_bytes(config, stage, deepspeed_config(config))
+    measured, what = peak_memory_bytes()
+    gib = 1024 ** 3
+    for stage, (estimate, peak) in stage_timing.gather_stages((estimated, measured)):
+        print_rank0(f"memory stage {stage}: estimated {estimate / gib:.4f} GiB, measured peak {peak / gib:.4f} GiB "
+                    f"({what})")
+    run.memory_reported = True
 
 
 def maybe_evaluate(run: Run) -> None:

@@ -50,6 +50,14 @@ def memory_stats() -> Dict[str, float]:
     return {"mem_rss_gib": rss / gib, "mem_peak_rss_gib": peak / gib}
 
 
+def peak_memory_bytes():
+    """(peak bytes, what was measured): the GPU allocator's peak, or on CPU the process's peak RSS,
+    which also holds the interpreter and libraries, not only tensors."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated(), "torch.cuda.max_memory_allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
 @dataclass
 class IntervalStats:
     iteration: int

@@ -55,10 +55,10 @@ class StageTimer:
         return sums
 
 
-def gather_stages(sums: Dict[str, float]) -> List[Tuple[int, Dict[str, float]]]:
-    """(stage, sums) of each stage's first rank, on rank 0 ([] elsewhere). A collective: every rank calls it."""
+def gather_stages(value) -> List[Tuple[int, object]]:
+    """(stage, value) of each stage's first rank, on rank 0 ([] elsewhere). A collective: every rank calls it."""
     first_of_stage = state.get_data_parallel_rank() == 0 and state.get_tensor_model_parallel_rank() == 0
-    mine = (state.get_pipeline_model_parallel_rank(), sums) if first_of_stage else None
+    mine = (state.get_pipeline_model_parallel_rank(), value) if first_of_stage else None
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return sorted(entry for entry in everyone if entry is not None) if dist.get_rank() == 0 else []

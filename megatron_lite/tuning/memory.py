@@ -52,6 +52,9 @@ counted once):
   MLP input of GELU and GELU output              2 e bsf / t
   fused softmax keeps its output only            e a s^2 b / t
   attention dropout (p > 0): mask + output       (k + e) a s^2 b / t
+  (--attention-backend sdpa instead: its flash kernels keep the fp32 log-sum-exp,
+  4 a s b / t, and no s^2 term; on CPU, SDPA with dropout takes torch's math path,
+  which keeps what the fused path keeps - both measured on CPU)
   two hidden dropouts (p > 0): masks             2 k bsh
   (k = bytes of a dropout mask: 1 on CUDA, where native_dropout keeps a bool
   mask; e on CPU, where dropout keeps a mask in the input's dtype - measured)
@@ -82,6 +85,7 @@ from typing import Any, Dict, List, Optional
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import spec_costs
 from megatron_lite.model.partition import partition
+from megatron_lite.model.transformer import resolve_attention_backend
 
 GIB = 1024 ** 3
 DEFAULT_BUCKET = int(5e8)
@@ -143,7 +147,8 @@ def stage_bounds(config: Config) -> List[int]:
 @functools.lru_cache(maxsize=256)
 def _bounds(model, pp: int, method: str):
     # The partitioner's exact search is the slow part of a plan; the model config is immutable.
-    return tuple(partition(spec_costs(Config(model=model)), pp, method))
+    # `profile` cuts where timings say, known only once running: the FLOP cost model stands in for it.
+    return tuple(partition(spec_costs(Config(model=model)), pp, "cost" if method == "profile" else method))
 
 
 def _stage_parameters(config: Config, bounds: List[int]) -> List[int]:
@@ -229,9 +234,15 @@ def layer_activation_bytes(config: Config, device: str = "cuda") -> int:
     e = 4 if config.precision.dtype_name == "fp32" else 2
     bsh = b * s * h
     scores = a * s * s * b // t
-    total = 4 * e * bsh + 4 * e * bsh // t + 2 * e * b * s * f // t + e * scores + 16 * b * s
-    if m.attention_dropout > 0:
-        total += (_mask_bytes(config, device) + e) * scores
+    total = 4 * e * bsh + 4 * e * bsh // t + 2 * e * b * s * f // t + 16 * b * s
+    flash = resolve_attention_backend(m.attention_backend, device) == "sdpa" and (
+        device == "cuda" or m.attention_dropout == 0)
+    if flash:
+        total += 4 * scores // s  # SDPA's flash kernels keep the fp32 log-sum-exp per query, not the scores
+    else:
+        total += e * scores
+        if m.attention_dropout > 0:
+            total += (_mask_bytes(config, device) + e) * scores
     if m.hidden_dropout > 0:
         total += 2 * _mask_bytes(config, device) * bsh
     return total

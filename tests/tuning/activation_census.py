@@ -16,7 +16,7 @@ def saved_bytes_per_stage(config):
     from megatron_lite.parallel.random import model_parallel_seed
 
     model = GPTModel(config).train()
-    model_parallel_seed(config.training.seed)
+    model_parallel_seed(config.training.seed, config.model.num_layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s))
