@@ -47,7 +47,7 @@ setup(
     description="A small Megatron-style 3D-parallel GPT pretraining framework on PyTorch and DeepSpeed",
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.9",
-    install_requires=["torch", "deepspeed", "sentencepiece", "numpy", "tensorboard", "pybind11"],
+    install_requires=["torch", "deepspeed", "sentencepiece", "numpy", "tensorboard", "pybind11", "zstandard"],
     extras_require={"test": ["pytest"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
