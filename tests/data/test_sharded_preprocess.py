@@ -8,7 +8,9 @@ import sentencepiece
 from megatron_lite.data.indexed_dataset import IndexedDataset
 from megatron_lite.data.input_files import expand_inputs, shard_pieces
 from tests.data.conftest import REPO_ROOT
-from tests.data.corpus_mix import BAD_LINES, merge_datasets, preprocess, preprocess_shards, write_corpus_mix
+from tests.data.corpus_mix import (
+    BAD_LINES, merge_datasets, preprocess, preprocess_data, preprocess_shards, write_corpus_mix,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +122,32 @@ def test_slurm_array_script_tasks_and_merge_script_give_the_single_run_bytes(mix
                    timeout=120)
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"merged{suffix}").read_bytes() == open(single_run + suffix, "rb").read()
+
+
+def test_inputs_keep_the_order_given_and_progress_counts_bytes_over_all_files(mix, spm_model, tmp_path, capsys):
+    folder = os.path.dirname(mix[0])
+    tail, big = os.path.join(folder, "d_tail.jsonl"), os.path.join(folder, "a_big.jsonl")
+    assert preprocess(tail, tmp_path / "tail", spm_model) == 0
+    assert preprocess(big, tmp_path / "big", spm_model) == 0
+    capsys.readouterr()
+    assert preprocess_data.main(["--input", tail, big, "--output-prefix", str(tmp_path / "both"),
+                                 "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(spm_model),
+                                 "--append-eod", "--log-interval", "1"]) == 0
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("processed")]
+    total = (os.path.getsize(tail) + os.path.getsize(big)) / 1e6
+    percents = [float(line.split("(")[-1].split("%")[0]) for line in progress]
+    assert f"of {total:.1f} MB of input (100.0%)" in progress[-1] and percents == sorted(percents)
+    assert any(0 < p < 100 * os.path.getsize(tail) / 1e6 / total + 1 for p in percents)
+    # The two files in the order given are the two single-file datasets one after the other.
+    assert merge_datasets.main(["--input", str(tmp_path / "tail_text_document"), str(tmp_path / "big_text_document"),
+                                "--output-prefix", str(tmp_path / "joined")]) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"joined{suffix}").read_bytes() == (tmp_path / f"both_text_document{suffix}").read_bytes()
+
+
+def test_a_file_named_twice_is_refused(mix, spm_model, tmp_path, capsys):
+    big = os.path.join(os.path.dirname(mix[0]), "a_big.jsonl")
+    assert preprocess_data.main(["--input", big, mix[0], "--output-prefix", str(tmp_path / "x"), "--tokenizer-type",
+                                 "SentencePieceTokenizer", "--tokenizer-model", str(spm_model)]) == 2
+    assert f"--input {big} is named twice" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
