@@ -82,9 +82,9 @@ def read_chunks(pieces, chunk_documents: int, chunk_bytes: int = 4 << 20):
     """
     done = 0
     for piece in pieces:
-        with PieceReader(piece) as reader:
-            chunk, size, number = [], 0, 0
-            try:
+        chunk, size, number = [], 0, 0
+        try:
+            with PieceReader(piece) as reader:
                 for raw_line in reader:
                     for line in physical_lines(raw_line):
                         number += 1
@@ -93,12 +93,12 @@ def read_chunks(pieces, chunk_documents: int, chunk_bytes: int = 4 << 20):
                     if len(chunk) >= chunk_documents or size >= chunk_bytes:
                         yield chunk, (piece, done + reader.consumed())
                         chunk, size = [], 0
-            except read_errors() as e:
-                raise BadInput(f"{piece.path}: cannot be read after line {number} ({type(e).__name__}: {e}); "
-                               f"nothing written") from None
-            done += piece.size
-            if chunk:
-                yield chunk, (piece, done)
+        except read_errors() as e:
+            raise BadInput(f"{piece.path}: cannot be read after line {number} ({type(e).__name__}: {e}); "
+                           f"nothing written") from None
+        done += piece.size
+        if chunk:
+            yield chunk, (piece, done)
 
 
 def read_errors() -> tuple:
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as e:
         return usage_error(str(e))
     dtype = token_dtype(tokenizer.vocab_size)
+    identity = tokenizer_identity(tokenizer, args.tokenizer_type, args.tokenizer_model, args.append_eod)
     encoder_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.json_keys, args.append_eod, dtype)
     datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
@@ -215,7 +216,6 @@ def main(argv=None) -> int:
         for writer in writers:
             writer.abort()
         raise
-    identity = tokenizer_identity(tokenizer, args.tokenizer_type, args.tokenizer_model, args.append_eod)
     for key, dataset, prefix, writer in zip(args.json_keys, datasets, prefixes, writers):
         if os.path.exists(sidecar_path(prefix)):
             os.remove(sidecar_path(prefix))  # a rerun's new pair must never sit beside the old run's record
