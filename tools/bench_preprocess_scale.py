@@ -129,29 +129,38 @@ def process_tree(pid: int) -> list:
 
 
 def memory_kb(pid: int) -> tuple:
-    """(RSS, PSS) of one process in kB; zeros once it has gone."""
+    """(RSS, PSS, peak RSS so far) of one process in kB; zeros once it has gone."""
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if line[0].isupper() and ":" in line)
-        return int(fields["Rss"].split()[0]), int(fields["Pss"].split()[0])
+            rollup = dict(line.split(":", 1) for line in f if line[0].isupper() and ":" in line)
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return (int(rollup["Rss"].split()[0]), int(rollup["Pss"].split()[0]), int(status["VmHWM"].split()[0]))
     except (OSError, KeyError, ValueError):
-        return 0, 0
+        return 0, 0, 0
 
 
 def run_tool(path: str, model: str, workers: int, out_dir: str, interval: float) -> tuple:
-    """(wall s, CPU s, peak tree RSS MB, peak tree PSS MB) of one preprocess_data.py run in a fresh process."""
+    """(wall s, CPU s, peak tree RSS MB, peak tree PSS MB, sum of per-process peak RSS MB) of one run.
+
+    The sums are sampled; the last is the kernel's high-water mark of each process (parent and
+    workers), an upper bound of the tree's peak that sampling cannot miss.
+    """
     command = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--input", path, "--output-prefix",
                os.path.join(out_dir, "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                model, "--append-eod", "--workers", str(workers), "--log-interval", str(10 ** 12)]
     peak = [0, 0]
+    high_water = {}
     start, cpu = time.perf_counter(), children_cpu()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def sample():
         while proc.poll() is None:
-            sizes = [memory_kb(p) for p in process_tree(proc.pid)]
-            peak[0] = max(peak[0], sum(s[0] for s in sizes))
-            peak[1] = max(peak[1], sum(s[1] for s in sizes))
+            sizes = {p: memory_kb(p) for p in process_tree(proc.pid)}
+            peak[0] = max(peak[0], sum(s[0] for s in sizes.values()))
+            peak[1] = max(peak[1], sum(s[1] for s in sizes.values()))
+            for p, s in sizes.items():
+                high_water[p] = max(high_water.get(p, 0), s[2])
             time.sleep(interval)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -161,7 +170,7 @@ def run_tool(path: str, model: str, workers: int, out_dir: str, interval: float)
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"preprocess_data.py exited {proc.returncode}:\n{stderr}")
-    return wall, children_cpu() - cpu, peak[0] / 1024, peak[1] / 1024
+    return wall, children_cpu() - cpu, peak[0] / 1024, peak[1] / 1024, sum(high_water.values()) / 1024
 
 
 def interpreter_start(model: str) -> float:
@@ -217,29 +226,30 @@ def main(argv=None) -> int:
             bare_wall, bare_cpu = min(t[0] for t in bare), min(t[1] for t in bare)
             for fmt in args.formats:
                 wall, cpu = min(t[0] for t in tool[fmt]), min(t[1] for t in tool[fmt])
-                rss, pss = max(t[2] for t in tool[fmt]), max(t[3] for t in tool[fmt])
-                memory[(fmt, workers, args.size_mb)] = (rss, pss)
+                rss, pss, hwm = (max(t[i] for t in tool[fmt]) for i in (2, 3, 4))
+                memory[(fmt, workers, args.size_mb)] = (rss, pss, hwm)
                 print(f"| {workers} | {mb / bare_wall:.2f} | {fmt} | {mb / wall:.2f} | {bare_wall / wall:.2f}x "
                       f"| {bare_cpu / cpu:.2f}x | {rss:.0f} | {pss:.0f} |", flush=True)
         del texts
         workers = max(args.workers)
         print(f"\npeak memory of the preprocess_data.py process tree, {workers} workers "
               f"(sampled every {args.sample_interval:g} s)\n")
-        print("| format | input MB (text) | on disk MB | peak RSS MB | peak PSS MB |")
-        print("|---|---|---|---|---|")
+        print("| format | input MB (text) | on disk MB | peak RSS MB | peak PSS MB | sum of per-process peak RSS MB |")
+        print("|---|---|---|---|---|---|")
         for fmt in args.formats:
             for size in sizes:
                 if size not in args.memory_sizes_mb:
                     continue
                 if (fmt, workers, size) not in memory:
-                    _, _, rss, pss = run_tool(inputs[size][fmt], model, workers, work, args.sample_interval)
-                    memory[(fmt, workers, size)] = (rss, pss)
-                rss, pss = memory[(fmt, workers, size)]
-                print(f"| {fmt} | {size:g} | {on_disk[size][fmt]:.1f} | {rss:.0f} | {pss:.0f} |", flush=True)
+                    memory[(fmt, workers, size)] = run_tool(inputs[size][fmt], model, workers, work,
+                                                            args.sample_interval)[2:]
+                rss, pss, hwm = memory[(fmt, workers, size)]
+                print(f"| {fmt} | {size:g} | {on_disk[size][fmt]:.1f} | {rss:.0f} | {pss:.0f} | {hwm:.0f} |",
+                      flush=True)
             small, large = min(args.memory_sizes_mb), max(args.memory_sizes_mb)
             if small != large:
-                growth = memory[(fmt, workers, large)][1] / memory[(fmt, workers, small)][1]
-                print(f"| {fmt} | {large:g} / {small:g} | | | PSS x{growth:.2f} |")
+                growth = [memory[(fmt, workers, large)][i] / memory[(fmt, workers, small)][i] for i in range(3)]
+                print(f"| {fmt} | {large:g} / {small:g} | | x{growth[0]:.2f} | x{growth[1]:.2f} | x{growth[2]:.2f} |")
     print(f"\nbenchmark done in {time.perf_counter() - begin:.0f}s")
     return 0
 
