@@ -86,14 +86,34 @@ def test_a_shard_with_no_line_start_writes_an_empty_dataset(mix, spm_model, tmp_
     assert IndexedDataset(str(next((tmp_path / "s").glob("*.idx")))[:-4]).num_documents == 0
 
 
-def test_truncated_zstd_input_is_an_error_naming_the_file_and_writes_nothing(spm_model, tmp_path, capsys, mix):
-    data = open(mix[0][:-1] + "c_part.jsonl.zst", "rb").read()
-    bad = tmp_path / "in" / "cut.jsonl.zst"
+@pytest.mark.parametrize("name", ["b_part.jsonl.gz", "c_part.jsonl.zst"])
+def test_truncated_compressed_input_is_an_error_naming_the_file_and_writes_nothing(spm_model, tmp_path, capsys, mix,
+                                                                                   name):
+    data = open(os.path.join(os.path.dirname(mix[0]), name), "rb").read()
+    bad = tmp_path / "in" / f"cut.{name}"
     bad.parent.mkdir()
     bad.write_bytes(data[:len(data) // 2])
     assert preprocess(bad, tmp_path / "out" / "x", spm_model) == 1
-    assert "cut.jsonl.zst: cannot be read" in capsys.readouterr().err
+    assert f"cut.{name}: cannot be read" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_strict_names_a_bad_line_inside_a_byte_range_by_its_offset(mix, spm_model, tmp_path, capsys):
+    big = os.path.join(os.path.dirname(mix[0]), "a_big.jsonl")
+    data = open(big, "rb").read()
+    bad_at = data.index(b'{"text": "unterminated')
+    files = expand_inputs([mix[0]])
+    # A shard whose piece of a_big.jsonl starts inside the file and holds the bad line.
+    num_shards, index = next((n, i) for n in range(2, 12) for i in range(n) for p in shard_pieces(files, n, i)
+                             if p.path == big and 0 < p.start <= bad_at < p.end)
+    status = preprocess(mix[0], tmp_path / "s", spm_model, "--num-shards", num_shards, "--shard-index", index,
+                        "--strict")
+    err = capsys.readouterr().err
+    assert status == 1 and "a_big.jsonl: line" in err and "invalid JSON" in err
+    # "a_big.jsonl: line N after byte B: invalid JSON": line N counted from byte B is the bad line.
+    where = err.split("a_big.jsonl: line ")[1]
+    number, offset = int(where.split()[0]), int(where.split("after byte ")[1].split(":")[0])
+    assert offset + len(b"".join(data[offset:].splitlines(keepends=True)[:number - 1])) == bad_at
 
 
 def test_bad_shard_flags_and_unmatched_globs_exit_2(spm_model, tmp_path, capsys, mix):
