@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
 """Tokenize a JSONL corpus into Megatron-format .bin/.idx files.
 
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model spm32k.model --append-eod --workers 8
 
 writes data/corpus_text_document.{bin,idx}, byte-identical to Megatron-LM's
 tools/preprocess_data.py for the same input and model, readable by Megatron-LM,
-Megatron-DeepSpeed and GPT-NeoX. Input: one JSON object per line, plain or .gz.
+Megatron-DeepSpeed and GPT-NeoX, and data/corpus_text_document.json, which
+records the tokenizer, dtype and counts. Input: files or globs (a glob's
+matches sorted), one JSON object per line, plain, .gz or .zst, read streaming.
 Workers tokenize chunks of lines in parallel; the parent writes them in input
 order. Bad lines (invalid UTF-8 or JSON, a missing key, a non-string value) are
-skipped and counted, the first few named by line number.
+skipped and counted, the first few named.
+
+With --num-shards N --shard-index i, only the i-th of N contiguous parts of
+the input is read (whole files, or line-aligned byte ranges of a large plain
+file) and the output is PREFIX_text_document.shard-0000i-of-0000N.{bin,idx,json};
+tools/merge_datasets.py joins the shards into what one run would have written.
 
 Exit status: 0 when the files were written (bad lines, if any, skipped);
-1 when --strict met a bad line or no line held a document (nothing written);
-2 for unusable arguments (missing input or tokenizer model).
+1 when --strict met a bad line, a compressed file was corrupt, or no line held
+a document (nothing written; a shard without documents is written empty);
+2 for unusable arguments (missing input or tokenizer model, bad shard flags).
 """
 from __future__ import annotations
 
@@ -23,12 +31,19 @@ import multiprocessing
 import os
 import sys
 import time
+import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.encode import ChunkEncoder, encode_in_worker, init_worker  # noqa: E402
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
-from megatron_lite.data.jsonl import open_input, physical_lines  # noqa: E402
+from megatron_lite.data.input_files import (  # noqa: E402
+    InputError, PieceReader, expand_inputs, input_fingerprint, shard_pieces, whole_files,
+)
+from megatron_lite.data.jsonl import ZSTD_SUFFIXES, physical_lines  # noqa: E402
+from megatron_lite.data.sidecar import (  # noqa: E402
+    describe_outputs, shard_prefix, sidecar_path, tokenizer_identity, write_sidecar,
+)
 from megatron_lite.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer  # noqa: E402
 
 REPORTED_BAD_LINES = 5
@@ -38,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("input")
-    g.add_argument("--input", required=True, help="JSONL file (.jsonl or .jsonl.gz)")
+    g.add_argument("--input", required=True, nargs="+",
+                   help="JSONL files or globs (quote them), plain, .gz or .zst; read in the order given, "
+                        "a glob's matches sorted")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize; one output pair per key")
     g.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
     g = p.add_argument_group("tokenizer")
@@ -47,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     g.add_argument("--append-eod", action="store_true", help="end every non-empty document with the eod id")
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx")
+    g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx/.json")
+    g = p.add_argument_group("sharding (one part of the input per process, node or Slurm array task)")
+    g.add_argument("--num-shards", type=int, default=None, help="split the input into this many parts")
+    g.add_argument("--shard-index", type=int, default=None, help="the part this run processes, from 0")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--chunk-documents", type=int, default=64, help="lines sent to a worker at a time")
@@ -55,40 +75,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_chunks(path: str, chunk_documents: int, chunk_bytes: int = 4 << 20):
-    """Yields lists of (line number, line bytes); line numbers count from 1 as an editor does."""
-    lines, raw = open_input(path)
-    with raw:
+def read_chunks(pieces, chunk_documents: int, chunk_bytes: int = 4 << 20):
+    """Yields (chunk, (piece, input bytes done)); a chunk is a list of (line number, line bytes) of one piece.
+
+    Line numbers count from 1 within the piece, as an editor does for a whole file.
+    """
+    done = 0
+    for piece in pieces:
         chunk, size, number = [], 0, 0
-        for raw_line in lines:
-            for line in physical_lines(raw_line):
-                number += 1
-                chunk.append((number, line))
-                size += len(line)
-            if len(chunk) >= chunk_documents or size >= chunk_bytes:
-                yield chunk, raw.tell()
-                chunk, size = [], 0
+        try:
+            with PieceReader(piece) as reader:
+                for raw_line in reader:
+                    for line in physical_lines(raw_line):
+                        number += 1
+                        chunk.append((number, line))
+                        size += len(line)
+                    if len(chunk) >= chunk_documents or size >= chunk_bytes:
+                        yield chunk, (piece, done + reader.consumed())
+                        chunk, size = [], 0
+        except read_errors() as e:
+            raise BadInput(f"{piece.path}: cannot be read after line {number} ({type(e).__name__}: {e}); "
+                           f"nothing written") from None
+        done += piece.size
         if chunk:
-            yield chunk, raw.tell()
+            yield chunk, (piece, done)
+
+
+def read_errors() -> tuple:
+    """What a damaged input raises: I/O errors, a truncated or corrupt gzip or zstd stream."""
+    try:
+        from zstandard import ZstdError
+    except ImportError:
+        return OSError, EOFError, zlib.error
+    return OSError, EOFError, zlib.error, ZstdError
 
 
 def encoded_chunks(chunks, workers: int, encoder_args):
-    """Encoded chunks in input order; with workers > 1 a bounded number are in flight, so memory stays flat."""
+    """(encoded chunk, its tag) in input order; with workers > 1 a bounded number are in flight, so memory stays flat."""
     if workers == 1:
         encoder = ChunkEncoder(*encoder_args)
-        for chunk, position in chunks:
-            yield encoder(chunk), position
+        for chunk, tag in chunks:
+            yield encoder(chunk), tag
         return
     with multiprocessing.Pool(workers, initializer=init_worker, initargs=encoder_args) as pool:
         pending = collections.deque()
-        for chunk, position in chunks:
-            pending.append((pool.apply_async(encode_in_worker, (chunk,)), position))
+        for chunk, tag in chunks:
+            pending.append((pool.apply_async(encode_in_worker, (chunk,)), tag))
             if len(pending) >= 4 * workers:
-                result, at = pending.popleft()
-                yield result.get(), at
+                result, tag = pending.popleft()
+                yield result.get(), tag
         while pending:
-            result, at = pending.popleft()
-            yield result.get(), at
+            result, tag = pending.popleft()
+            yield result.get(), tag
 
 
 class Progress:
@@ -103,53 +141,72 @@ class Progress:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return f"{self.documents / elapsed:.0f} docs/s, {self.input_bytes / elapsed / 1e6:.2f} MB/s"
 
-    def maybe_log(self, file_position: int) -> None:
+    def maybe_log(self, bytes_done: int) -> None:
+        """bytes_done: input bytes on disk (compressed, for compressed files) read so far, over all files."""
         if self.documents < self.next_log:
             return
         self.next_log = (self.documents // self.log_interval + 1) * self.log_interval
         elapsed = time.perf_counter() - self.start
-        done = file_position / self.total_bytes if self.total_bytes else 1.0
+        done = bytes_done / self.total_bytes if self.total_bytes else 1.0
         eta = elapsed * (1 - done) / done if done > 0 else 0.0
-        print(f"processed {self.documents} documents ({self.rate()}), {100 * done:.1f}% of input, "
+        print(f"processed {self.documents} documents ({self.rate()}), {bytes_done / 1e6:.1f} of "
+              f"{self.total_bytes / 1e6:.1f} MB of input ({100 * done:.1f}%), "
               f"ETA {int(eta) // 60}:{int(eta) % 60:02d}", file=sys.stderr, flush=True)
+
+
+def usage_error(message: str) -> int:
+    print(f"preprocess_data.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not os.path.isfile(args.input):
-        print(f"preprocess_data.py: error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
     if args.workers < 1 or args.chunk_documents < 1 or args.log_interval < 1:
-        print("preprocess_data.py: error: --workers, --chunk-documents and --log-interval must be at least 1",
-              file=sys.stderr)
-        return 2
+        return usage_error("--workers, --chunk-documents and --log-interval must be at least 1")
+    sharded = args.num_shards is not None or args.shard_index is not None
+    if sharded and (args.num_shards is None or args.shard_index is None):
+        return usage_error("--num-shards and --shard-index go together (e.g. --num-shards 8 --shard-index 0)")
+    if sharded and args.num_shards < 1:
+        return usage_error(f"--num-shards {args.num_shards} must be at least 1")
+    try:
+        files = expand_inputs(args.input)
+        pieces = shard_pieces(files, args.num_shards, args.shard_index) if sharded else whole_files(files)
+    except InputError as e:
+        return usage_error(str(e))
+    if any(p.endswith(ZSTD_SUFFIXES) for p in files):
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            return usage_error("reading .zst input needs the zstandard package: pip install zstandard")
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     except (OSError, ValueError) as e:
-        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
-        return 2
+        return usage_error(str(e))
     dtype = token_dtype(tokenizer.vocab_size)
+    identity = tokenizer_identity(tokenizer, args.tokenizer_type, args.tokenizer_model, args.append_eod)
     encoder_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.json_keys, args.append_eod, dtype)
-    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
     writers = [IndexedDatasetWriter(prefix, dtype) for prefix in prefixes]
-    progress = Progress(os.path.getsize(args.input), args.log_interval)
+    progress = Progress(sum(p.size for p in pieces), args.log_interval)
     try:
-        for encoded, position in encoded_chunks(read_chunks(args.input, args.chunk_documents),
-                                                args.workers, encoder_args):
+        for encoded, (piece, bytes_done) in encoded_chunks(read_chunks(pieces, args.chunk_documents),
+                                                           args.workers, encoder_args):
             for number, reason in encoded.bad_lines:
                 if args.strict:
-                    raise BadInput(f"{args.input}:{number}: {reason} (--strict); nothing written")
+                    raise BadInput(f"{piece.label(number)}: {reason} (--strict); nothing written")
                 progress.bad_lines += 1
                 if progress.bad_lines <= REPORTED_BAD_LINES:
-                    print(f"skipping {args.input}:{number}: {reason}", file=sys.stderr)
+                    print(f"skipping {piece.label(number)}: {reason}", file=sys.stderr)
             for writer, token_bytes, lengths in zip(writers, encoded.token_bytes, encoded.document_lengths):
                 writer.add_documents(token_bytes, lengths)
             progress.documents += len(encoded.document_lengths[0])
             progress.tokens += sum(len(b) for b in encoded.token_bytes) // dtype.itemsize
             progress.input_bytes += encoded.input_bytes
-            progress.maybe_log(position)
-        if progress.documents == 0:
-            raise BadInput(f"{args.input}: no line held a document ({progress.bad_lines} bad lines); nothing written")
+            progress.maybe_log(bytes_done)
+        if progress.documents == 0 and not sharded:
+            raise BadInput(f"{', '.join(args.input)}: no line held a document ({progress.bad_lines} bad lines); "
+                           f"nothing written")
     except BadInput as e:
         for writer in writers:
             writer.abort()
@@ -159,17 +216,30 @@ def main(argv=None) -> int:
         for writer in writers:
             writer.abort()
         raise
-    for writer in writers:
+    for key, dataset, prefix, writer in zip(args.json_keys, datasets, prefixes, writers):
+        if os.path.exists(sidecar_path(prefix)):
+            os.remove(sidecar_path(prefix))  # a rerun's new pair must never sit beside the old run's record
         writer.finalize()
+        write_sidecar(prefix, {
+            "dataset": os.path.basename(dataset), "json_key": key, "tokenizer": identity, "dtype": str(dtype),
+            "documents": progress.documents, "sequences": writer.num_sequences, "tokens": writer.num_tokens,
+            "bad_lines": progress.bad_lines,
+            "shard": ({"index": args.shard_index, "count": args.num_shards,
+                       "input_fingerprint": input_fingerprint(files), "input_files": len(files),
+                       "pieces": [[p.path, p.start, p.end] for p in pieces]} if sharded else None),
+            **describe_outputs(prefix),
+        })
     elapsed = time.perf_counter() - progress.start
-    print(f"wrote {progress.documents} documents, {progress.tokens} tokens ({dtype}) to "
-          f"{', '.join(p + '.{bin,idx}' for p in prefixes)}; {progress.bad_lines} bad lines skipped; "
+    part = f"shard {args.shard_index} of {args.num_shards} ({len(pieces)} pieces of {len(files)} files): " \
+        if sharded else ""
+    print(f"{part}wrote {progress.documents} documents, {progress.tokens} tokens ({dtype}) to "
+          f"{', '.join(p + '.{bin,idx,json}' for p in prefixes)}; {progress.bad_lines} bad lines skipped; "
           f"{elapsed:.1f}s, {progress.rate()}")
     return 0
 
 
 class BadInput(Exception):
-    """Stops the run without output: --strict met a bad line, or the input had no documents."""
+    """Stops the run without output: --strict met a bad line, a corrupt file, or the input had no documents."""
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from megatron_lite.data.jsonl import BadLine, open_input, parse_line, physical_l
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--input", required=True, help="JSONL or JSONL.gz, one JSON object per line")
+    p.add_argument("--input", required=True, help="JSONL, JSONL.gz or JSONL.zst, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose strings are training text")
     p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     p.add_argument("--vocab-size", type=int, default=32000)

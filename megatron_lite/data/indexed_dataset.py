@@ -51,8 +51,10 @@ class IndexedDatasetWriter:
 
     Both files are written under temporary names and renamed only when
     complete, so an interrupted run never leaves a half file under the final
-    name. As a context manager it finalizes on success and removes the
-    temporary files on an exception.
+    name. Sequence lengths and document ends go to scratch files as they
+    arrive and are streamed into the .idx at the end, so memory stays flat
+    however many documents a corpus has. As a context manager it finalizes on
+    success and removes the temporary files on an exception.
     """
 
     def __init__(self, prefix: str, dtype) -> None:
@@ -62,11 +64,15 @@ class IndexedDatasetWriter:
             raise ValueError(f"{prefix}: token dtype {self.dtype} has no code in the format; use uint16 or int32")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(_temporary(data_file_path(prefix)), "wb")
-        # Lengths and document ends arrive in chunks; joined once in finalize().
-        self._lengths: list = []
-        self._document_ends: list = [np.zeros(1, dtype=np.int64)]
+        self._lengths = open(self._scratch("lengths"), "w+b")
+        self._document_ends = open(self._scratch("documents"), "w+b")
+        self._document_ends.write(np.zeros(1, dtype="<i8").tobytes())
         self.num_sequences = 0
+        self.num_documents = 0
         self.num_tokens = 0
+
+    def _scratch(self, name: str) -> str:
+        return f"{_temporary(index_file_path(self.prefix))}.{name}"
 
     def add_document(self, tokens: Sequence[int], sequence_lengths: Optional[Sequence[int]] = None) -> None:
         """One document: its tokens, split into sequences of the given lengths (default: one sequence)."""
@@ -91,45 +97,65 @@ class IndexedDatasetWriter:
         ends = self.num_sequences + np.cumsum(nonempty, dtype=np.int64)
         self._append(token_bytes, document_lengths[nonempty].astype(np.int32), ends)
 
-    def add_index(self, prefix: str) -> None:
-        """Append every document of another dataset with the same dtype (merging)."""
+    def add_index(self, prefix: str, block: int = 1 << 22) -> None:
+        """Append every document of another dataset with the same dtype (merging), a block at a time."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"{index_file_path(prefix)}: dtype {other.dtype} differs from "
                                       f"{self.dtype} of {self.prefix}; merge datasets of one tokenizer")
-        ends = self.num_sequences + np.asarray(other.document_indices[1:], dtype=np.int64)
-        self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
-        self._document_ends.append(ends)
+        for start in range(0, len(other), block):
+            lengths = other.sequence_lengths[start:start + block]
+            self._lengths.write(lengths.astype("<i4").tobytes())
+            self.num_tokens += int(lengths.sum(dtype=np.int64))
+        for start in range(1, len(other.document_indices), block):
+            ends = self.num_sequences + other.document_indices[start:start + block].astype(np.int64)
+            self._document_ends.write(ends.astype("<i8").tobytes())
         self.num_sequences += len(other)
-        self.num_tokens += int(other.sequence_lengths.sum(dtype=np.int64))
+        self.num_documents += other.num_documents
         with open(data_file_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._bin, 16 << 20)
 
     def _append(self, token_bytes: bytes, lengths: np.ndarray, document_ends: np.ndarray) -> None:
         self._bin.write(token_bytes)
-        self._lengths.append(lengths)
-        self._document_ends.append(document_ends)
+        self._lengths.write(lengths.astype("<i4").tobytes())
+        self._document_ends.write(document_ends.astype("<i8").tobytes())
         self.num_sequences += len(lengths)
+        self.num_documents += len(document_ends)
         self.num_tokens += int(lengths.sum(dtype=np.int64))
 
-    def finalize(self) -> None:
+    def finalize(self, block: int = 1 << 22) -> None:
         self._bin.close()
-        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
-        document_indices = np.concatenate(self._document_ends)
-        pointers = np.zeros(len(lengths), dtype=np.int64)
-        np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
-        pointers *= self.dtype.itemsize
         index_path = index_file_path(self.prefix)
         with open(_temporary(index_path), "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], len(lengths), len(document_indices)))
-            f.write(lengths.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(document_indices.astype("<i8").tobytes())
+            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], self.num_sequences,
+                                self.num_documents + 1))
+            self._lengths.seek(0)
+            shutil.copyfileobj(self._lengths, f, 16 << 20)
+            # Pointers: the byte offset of each sequence, a running sum of the lengths carried across blocks.
+            self._lengths.seek(0)
+            offset = 0
+            while True:
+                lengths = np.frombuffer(self._lengths.read(4 * block), dtype="<i4").astype(np.int64)
+                if not len(lengths):
+                    break
+                ends = np.cumsum(lengths) + offset
+                f.write(((ends - lengths) * self.dtype.itemsize).astype("<i8").tobytes())
+                offset = int(ends[-1])
+            self._document_ends.seek(0)
+            shutil.copyfileobj(self._document_ends, f, 16 << 20)
+        self._remove_scratch()
         os.replace(_temporary(data_file_path(self.prefix)), data_file_path(self.prefix))
         os.replace(_temporary(index_path), index_path)
 
+    def _remove_scratch(self) -> None:
+        for scratch in (self._lengths, self._document_ends):
+            scratch.close()
+            if os.path.exists(scratch.name):
+                os.remove(scratch.name)
+
     def abort(self) -> None:
         self._bin.close()
+        self._remove_scratch()
         for path in (data_file_path(self.prefix), index_file_path(self.prefix)):
             if os.path.exists(_temporary(path)):
                 os.remove(_temporary(path))

@@ -1,24 +1,91 @@
-"""Reading JSONL corpora: plain or gzip input, one JSON object per line, bad lines named.
+"""Reading JSONL corpora: plain, gzip or zstd input, one JSON object per line, bad lines named.
 
 Shared by tools/preprocess_data.py and tools/train_tokenizer.py. No torch here.
 """
 from __future__ import annotations
 
 import gzip
+import io
 import json
-from typing import BinaryIO, List, Sequence, Tuple, Union
+from typing import BinaryIO, Iterator, List, Sequence, Tuple, Union
+
+GZIP_SUFFIXES = (".gz",)
+ZSTD_SUFFIXES = (".zst", ".zstd")
+# Named so that such a file is refused instead of being read as (bad) JSON lines.
+UNSUPPORTED_SUFFIXES = (".bz2", ".xz", ".lzma", ".lz4", ".zip", ".tar", ".7z", ".br")
 
 
 class BadLine(ValueError):
     """A line that cannot give a document; str() says why."""
 
 
+def is_compressed(path: str) -> bool:
+    return path.endswith(GZIP_SUFFIXES + ZSTD_SUFFIXES)
+
+
 def open_input(path: str) -> Tuple[BinaryIO, BinaryIO]:
-    """(lines, raw): lines yields bytes lines (decompressed for .gz); raw.tell() is the position in the file on disk."""
+    """(lines, raw): lines yields bytes lines (decompressed for .gz / .zst); raw.tell() is the position on disk.
+
+    Streaming: memory does not grow with the file. A compressed file that ends
+    early raises EOFError (gzip's behaviour, and ours for zstd).
+    """
     raw = open(path, "rb")
-    if path.endswith(".gz"):
+    if path.endswith(GZIP_SUFFIXES):
         return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+    if path.endswith(ZSTD_SUFFIXES):
+        return io.BufferedReader(ZstdReader(raw), 1 << 20), raw
     return raw, raw
+
+
+class ZstdReader(io.RawIOBase):
+    """Decompresses a .zst file frame after frame (multi-frame files, as pzstd writes, included).
+
+    zstandard's own stream_reader returns a truncated file's prefix without
+    complaint; here a file that ends inside a frame raises EOFError. Windows up
+    to 2 GiB are accepted (`zstd --long=31`), as corpora are often compressed so.
+    """
+
+    def __init__(self, raw: BinaryIO, read_size: int = 1 << 18) -> None:
+        import zstandard
+
+        self._decompressor = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        self._raw = raw
+        self._read_size = read_size  # bounds one decompressed block to read_size x the compression ratio
+        self._blocks = self._decompressed_blocks()
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def _decompressed_blocks(self) -> Iterator[bytes]:
+        frame = None
+        while True:
+            data = self._raw.read(self._read_size)
+            if not data:
+                if frame is not None:
+                    raise EOFError("the file ends inside a zstd frame (truncated?)")
+                return
+            while data:
+                if frame is None:
+                    frame = self._decompressor.decompressobj()
+                out = frame.decompress(data)
+                if out:
+                    yield out
+                if frame.eof:
+                    data, frame = frame.unused_data, None
+                else:
+                    data = b""
+
+    def readinto(self, buffer) -> int:
+        while not len(self._pending):
+            block = next(self._blocks, None)
+            if block is None:
+                return 0
+            self._pending = memoryview(block)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
 
 
 def physical_lines(raw_line: bytes) -> List[bytes]:

@@ -77,6 +77,27 @@ def test_merge_concatenates_documents_in_order(tmp_path):
     assert merged.document_indices.tolist() == [0, 1, 1, 2, 3, 4, 5, 6]
 
 
+def test_index_streamed_in_small_blocks_equals_the_index_written_in_one_block(tmp_path):
+    # The writer keeps lengths and document ends on disk and streams them into the .idx in blocks;
+    # pointers carry a running sum across blocks. Blocks of 2 and 3 cross every kind of boundary.
+    documents = DOCUMENTS * 3
+    small = IndexedDatasetWriter(str(tmp_path / "small"), np.uint16)
+    for doc in documents:
+        small.add_document(doc)
+    small.finalize(block=2)
+    one_block = write(tmp_path / "one", documents)
+    merged = IndexedDatasetWriter(str(tmp_path / "merged"), np.uint16)
+    for prefix in (write(tmp_path / "a", documents[:7]), write(tmp_path / "b", documents[7:])):
+        merged.add_index(prefix, block=3)
+    merged.finalize(block=3)
+    for suffix in (".bin", ".idx"):
+        expected = open(one_block + suffix, "rb").read()
+        assert (tmp_path / f"small{suffix}").read_bytes() == expected
+        assert (tmp_path / f"merged{suffix}").read_bytes() == expected
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{n}{s}" for n in ("small", "one", "a", "b", "merged")
+                                                  for s in (".bin", ".idx"))
+
+
 def test_merge_refuses_different_dtypes(tmp_path):
     with pytest.raises(IndexedDatasetError, match="dtype"):
         merge_datasets(str(tmp_path / "m"), [write(tmp_path / "u16"), write(tmp_path / "i32", dtype=np.int32)])

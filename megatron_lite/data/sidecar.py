@@ -1,0 +1,82 @@
+"""The JSON file next to each .bin/.idx pair that says how it was made.
+
+`{prefix}.json` records the tokenizer's identity (type, SHA-256 of the model
+file, vocabulary size, eod id, whether eod was appended), the token dtype, the
+counts (documents, sequences, tokens, bad lines skipped), the sizes of the
+.bin and .idx, and for a shard its index, the shard count and a fingerprint of
+the whole input listing. tools/merge_datasets.py checks shards against each
+other with it. It is written last and atomically, so a shard without it is
+incomplete. No torch here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
+
+FORMAT = "megatron_lite.dataset"
+VERSION = 1
+
+
+class SidecarError(ValueError):
+    """A sidecar that is missing or unreadable; the message names the file."""
+
+
+def sidecar_path(prefix: str) -> str:
+    return prefix + ".json"
+
+
+def shard_prefix(dataset_prefix: str, shard_index: int, num_shards: int) -> str:
+    width = max(5, len(str(num_shards)))
+    return f"{dataset_prefix}.shard-{shard_index:0{width}d}-of-{num_shards:0{width}d}"
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_identity(tokenizer, tokenizer_type: str, model_path: Optional[str], append_eod: bool) -> dict:
+    """What must agree for two outputs to be one dataset: the same ids for the same text."""
+    return {
+        "type": tokenizer_type,
+        "model_sha256": file_sha256(model_path) if model_path else None,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eod": int(tokenizer.eod),
+        "append_eod": bool(append_eod),
+    }
+
+
+def describe_outputs(prefix: str) -> dict:
+    """Sizes of the finished pair, so that a later truncation is noticed."""
+    return {"bin_bytes": os.path.getsize(data_file_path(prefix)),
+            "idx_bytes": os.path.getsize(index_file_path(prefix))}
+
+
+def write_sidecar(prefix: str, record: dict) -> None:
+    path = sidecar_path(prefix)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "version": VERSION, **record}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def read_sidecar(prefix: str) -> dict:
+    path = sidecar_path(prefix)
+    if not os.path.isfile(path):
+        raise SidecarError(f"{path}: missing; the output is incomplete (its preprocess_data.py run did not "
+                           f"finish) or was not written by tools/preprocess_data.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SidecarError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("version") != VERSION:
+        raise SidecarError(f"{path}: not a {FORMAT} version {VERSION} sidecar")
+    return record
