@@ -1,0 +1,59 @@
+"""examples/slurm/sweep_tp_pp.sbatch on the real two-node Slurm: the planned layouts run as job
+steps across n1 and n2, a resubmission runs nothing new, and the report ranks them."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO_ROOT
+from tests.slurm.test_pretrain_sbatch import completed
+from tests.training.test_pretrain_e2e import corpus  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+SWEEP = "examples/slurm/sweep_tp_pp.sbatch"
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--make-vocab-size-divisible-by", "16", "--global-batch-size", "8", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+
+
+def plan_for_two_nodes(corpus, path):  # noqa: F811
+    _, tokenizer = corpus
+    result = subprocess.run([sys.executable, "tools/tune_parallelism.py", "plan", "--nodes", "2", "--gpus-per-node", "1",
+                             "--gpu-memory-gb", "8", "--device", "cpu", "--max-micro-batch", "2", *MODEL,
+                             "--tokenizer-model", tokenizer, "--output", str(path)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.load(open(path))["candidates"]
+
+
+def test_the_sweep_runs_every_planned_layout_across_both_nodes_resumes_and_reports(slurm_cluster, corpus,  # noqa: F811
+                                                                                 tmp_path):
+    candidates = plan_for_two_nodes(corpus, tmp_path / "plan.json")
+    assert len(candidates) >= 2 and any("pp2" in c["name"] for c in candidates)
+    prefix, tokenizer = corpus
+    variables = dict(DATA_PATH=prefix, TOKENIZER_MODEL=tokenizer, GPUS_PER_NODE="1", GPU_REQUEST="",
+                     FIXED_ARGS="--split 90,10,0 --num-workers 0 --lr 1e-3 --seed 3",
+                     SWEEP_ARGS="--train-iters 4 --warmup-iters 1 --time-limit 120",
+                     RESULTS=str(tmp_path / "sweep"))
+    resources = ["--nodes", "2", "--ntasks-per-node", "1", "--cpus-per-task", "2", "--time", "15"]
+    first = completed(slurm_cluster, slurm_cluster.submit(SWEEP, str(tmp_path / "first.out"), *resources,
+                                                          script_args=[str(tmp_path / "plan.json")], **variables),
+                      timeout=600)
+    results = [json.loads(line) for line in open(tmp_path / "sweep" / "results.jsonl")]
+    assert sorted(r["name"] for r in results) == sorted(c["name"] for c in candidates)
+    assert all(r["status"] == "completed" for r in results), first[-4000:]
+    two_node_runs = [c["name"] for c in candidates if "pp2" in c["name"] or "dp2" in c["name"]]
+    for name in two_node_runs:  # a world of two on a one-rank-per-node allocation spans n1 and n2
+        log = open(tmp_path / "sweep" / name / "log.txt").read() if (tmp_path / "sweep" / name / "log.txt").exists() \
+            else ""
+        assert "iteration" in log or name in first
+    assert "| rank |" in first or "rank" in first.lower()
+
+    second = completed(slurm_cluster, slurm_cluster.submit(SWEEP, str(tmp_path / "second.out"), *resources,
+                                                           script_args=[str(tmp_path / "plan.json")], **variables),
+                       timeout=300)
+    assert len(open(tmp_path / "sweep" / "results.jsonl").read().splitlines()) == len(results)
+    assert "skip" in second.lower()
+    assert (tmp_path / "sweep" / "report.md").exists() or list((tmp_path / "sweep").glob("*.png"))
