@@ -75,7 +75,7 @@ def test_deepspeed_fp16_at_zero0_does_not_scale_the_loss_which_is_why_validation
 def test_loss_scale_appears_in_the_log_line_and_tensorboard_scalars():
     from megatron_lite.training.metrics import IntervalStats, format_line, interval_scalars
 
-    config = tiny_config(extra=("--fp16",))
+    config = tiny_config(extra=("--fp16", "--zero-stage", "1"))
     stats = IntervalStats(iteration=3, consumed_samples=12, loss=5.0, lr=1e-3, grad_norm=0.5, loss_scale=65536.0,
                           skipped_steps=2, seconds=1.0, iterations=3, samples=12, global_batch_size=4)
     scalars = interval_scalars(stats, config.model, 1)

@@ -41,7 +41,7 @@ def engine_census(tp, pp, dp, extra, ds_json):
     state.initialize(tp, pp)
     engine = Engine(config, with_scheduler=False)
     data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
-    engine.train_batch(data)
+    engine.train_step(data)
     inner = _innermost_optimizer(engine.optimizer)
     taken = {}
     real_step = inner.step
@@ -52,6 +52,6 @@ def engine_census(tp, pp, dp, extra, ds_json):
         return real_step(*args, **kwargs)
 
     inner.step = step
-    engine.train_batch(data)
+    engine.train_step(data)
     stage = state.get_pipeline_model_parallel_rank()
     return {"rank": dist.get_rank(), "stage": stage, "bytes": taken["bytes"], "config": config}
