@@ -34,6 +34,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 
 import make_corpus  # noqa: E402
+from bench_preprocess import _encode, _load  # noqa: E402  (the same bare-SentencePiece baseline)
 import train_tokenizer  # noqa: E402
 
 FORMATS = ("plain", "gz", "zst")
@@ -78,20 +79,6 @@ def make_inputs(base: str, folder: str, size_mb: float, formats) -> dict:
                     if text_bytes >= target:
                         break
     return {f: paths[f] for f in formats}
-
-
-_sp = None
-
-
-def _load(model: str) -> None:
-    global _sp
-    import sentencepiece
-
-    _sp = sentencepiece.SentencePieceProcessor(model_file=model)
-
-
-def _encode(texts) -> int:
-    return sum(len(ids) for ids in _sp.encode(texts, num_threads=1))
 
 
 def children_cpu() -> float:

@@ -107,12 +107,7 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
     ax.set_xlabel("predicted peak, stage 0 (GiB)")
     ax.set_ylabel(f"measured peak, rank 0 (GiB; {mem[0].get('peak_memory_kind') if mem else 'none'})")
     ax.set_title("memory: predicted vs measured")
-    if mem:
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(paths["memory"], dpi=100)
-    plt.close(fig)
-    series[paths["memory"]] = [r["layout"] for r in mem]
+    series[paths["memory"]] = _finish(plt, fig, ax, paths["memory"], mem)
 
     fig, ax = plt.subplots(figsize=(5, 5))
     eff = [r for r in rows if r.get("measured_pipeline_efficiency") is not None]
@@ -122,12 +117,7 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
     ax.set_xlabel("predicted pipeline efficiency (bubble x balance)")
     ax.set_ylabel("measured (tokens/s vs the PP = 1 run)")
     ax.set_title("pipeline efficiency: predicted vs measured")
-    if eff:
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(paths["efficiency"], dpi=100)
-    plt.close(fig)
-    series[paths["efficiency"]] = [r["layout"] for r in eff]
+    series[paths["efficiency"]] = _finish(plt, fig, ax, paths["efficiency"], eff)
     return paths, series
 
 
@@ -179,3 +169,12 @@ def main(argv: Sequence[str]) -> int:
           f"{len(out['plot_paths'])} PNGs in {time.time() - start:.1f}s")
     return 0
 
+
+def _finish(plt, fig, ax, path: str, rows: List[dict]) -> List[str]:
+    """Legend (when there is a point), save, close; the layouts plotted, for the test to check."""
+    if rows:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [r["layout"] for r in rows]
