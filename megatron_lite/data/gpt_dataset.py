@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_lite.config import format_split
 from megatron_lite.data import indices
 from megatron_lite.data.blended import BlendedDataset
 from megatron_lite.data.index_cache import load_or_build
@@ -126,10 +127,6 @@ class GPTDataset:
                 "position_ids": np.arange(self.seq_length, dtype=np.int64)}
 
 
-def _split_text(split: Sequence[float]) -> str:
-    return ",".join(f"{w:g}" for w in split)
-
-
 def check_splits(datasets: Sequence[IndexedDataset], split: Sequence[float],
                  num_samples: Sequence[Optional[int]]) -> List[List[Tuple[int, int]]]:
     """Document ranges [begin, end) of (train, valid, test) per dataset; ValueError naming --split
@@ -139,7 +136,7 @@ def check_splits(datasets: Sequence[IndexedDataset], split: Sequence[float],
     total = sum(split)
     weights = [w / total for w in split]
     ranges = [indices.split_document_ranges(ds.num_documents, weights) for ds in datasets]
-    text = _split_text(split)
+    text = format_split(split)
     for i, name in enumerate(SPLIT_NAMES):
         if num_samples[i] == 0:
             continue

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable, List, Sequence, Tuple
 
 from megatron_lite import batching
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, format_split
 from megatron_lite.model.partition import layers_per_stage_uniform
 
 PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
@@ -230,7 +230,7 @@ def logging_rules(config: Config, notes: List[str]) -> Config:
 
 def split_rules(split: Sequence[float]) -> Tuple[float, float, float]:
     """The --split weights as given -> normalised (train, valid, test)."""
-    text = ",".join(f"{w:g}" for w in split)
+    text = format_split(split)
     if len(split) != 3 or any(w < 0 for w in split) or sum(split) <= 0:
         raise ConfigError(f"--split '{text}' must be up to three non-negative numbers with a positive sum, e.g. 969,30,1")
     total = sum(split)
