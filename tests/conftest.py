@@ -8,9 +8,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _shutdown_worker_pools():
+    """Worker pools live for one test module: idle workers still hold the gloo threads of every
+    engine they built, which wake up often enough to slow down the modules that follow."""
     yield
     from tests.harness import shutdown_pools
 
     shutdown_pools()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test that leaves a process behind fails the run, and the process is killed: a lingering
+    child (a data worker ignoring SIGTERM, once) otherwise keeps pytest, and CI, waiting forever."""
+    import psutil
+
+    from tests.harness import shutdown_pools
+
+    shutdown_pools()
+    left = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    if not left:
+        return
+    names = []
+    for p in left:
+        try:
+            names.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    session.config.get_terminal_writer().line(
+        "\nerror: tests left these processes running (killed now):\n  " + "\n  ".join(names), red=True)
+    session.exitstatus = 1
+
+
+def _is_resource_tracker(process) -> bool:
+    """multiprocessing's own helper, which ends with the interpreter."""
+    try:
+        return "resource_tracker" in " ".join(process.cmdline())
+    except Exception:  # noqa: BLE001 - gone already
+        return True

@@ -29,6 +29,25 @@ class DistributedTestError(AssertionError):
     pass
 
 
+# A worker whose process has gathered more threads than this is replaced after its task. Every
+# DeepSpeed engine leaves process groups behind (gloo threads that keep waking up): dozens of
+# engines in one long-lived worker made the whole suite run several times slower.
+MAX_WORKER_THREADS = 100
+
+
+def _release_process_groups() -> None:
+    """Destroy every group but the default one (the next task builds its own)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not distributed_c10d.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    gc.collect()
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -43,13 +62,15 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            outcome = (True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - any failure is reported to the parent
-            results.put((rank, False, traceback.format_exc()))
+            outcome = (False, traceback.format_exc())
         finally:
             from megatron_lite.parallel import state
 
             state.destroy()
+            _release_process_groups()
+        results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task"))))
     dist.destroy_process_group()
 
 
@@ -59,6 +80,7 @@ class _Pool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.threads = 0  # the most threads any worker has had after a task
         port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
                       for r in range(world_size)]
@@ -79,7 +101,8 @@ class _Pool:
             if remaining <= 0:
                 break
             try:
-                rank, ok, value = self.results.get(timeout=remaining)
+                rank, ok, value, threads = self.results.get(timeout=remaining)
+                self.threads = max(self.threads, threads)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                 if dead and not errors:
@@ -122,11 +145,15 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAU
             pool.close(graceful=False)
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        return pool.run(fn, args, kwargs, timeout)
+        results = pool.run(fn, args, kwargs, timeout)
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(graceful=False)
         raise
+    if pool.threads > MAX_WORKER_THREADS:
+        _POOLS.pop(world_size, None)
+        pool.close()
+    return results
 
 
 def shutdown_pools() -> None:

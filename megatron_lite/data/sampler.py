@@ -66,10 +66,23 @@ def ignore_trainer_signals(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
 
 
-def _shut_down_workers(iterator_ref) -> None:
+def _stop_workers(iterator_ref, workers) -> None:
+    """At exit: the orderly shutdown while the iterator lives, then SIGKILL for any worker left.
+
+    Workers ignore SIGTERM, which is all PyTorch's own shutdown and multiprocessing's exit hook
+    send when a worker does not stop in time; such a worker would live on, and multiprocessing
+    would then wait for it forever at interpreter exit. The workers only read data: killing them
+    loses nothing."""
     iterator = iterator_ref()
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
+    if any(worker.is_alive() for worker in workers):
+        # PyTorch's SIGCHLD handler would raise for each worker killed here; nothing needs it at exit.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout=10)
 
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
@@ -96,7 +109,8 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     # At interpreter exit PyTorch leaves live workers to multiprocessing, which stops them with
-    # SIGTERM, now ignored, and would wait for them forever. Stop them the orderly way first
-    # (atexit runs this before the hooks torch and multiprocessing registered earlier).
-    atexit.register(_shut_down_workers, weakref.ref(iterator))
+    # SIGTERM, now ignored, and would wait for them forever. Stop them first (atexit runs this
+    # before the hooks torch and multiprocessing registered earlier). The worker list is held
+    # strongly: an iterator that is gone may have left a worker behind.
+    atexit.register(_stop_workers, weakref.ref(iterator), list(getattr(iterator, "_workers", ())))
     return iterator

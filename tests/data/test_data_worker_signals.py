@@ -34,6 +34,14 @@ SCRIPT = textwrap.dedent("""
             time.sleep(0.05)
         print("next", int(next(it)[0][0][0, 0]), flush=True)
         sys.exit(0)
+    if sys.argv[1] == "abandoned":
+        # What a CI run hung on: the iterator is gone but PyTorch's shutdown did not stop its
+        # worker (here: marked done, so __del__ does nothing), and SIGTERM, all that is left
+        # to stop it with, is ignored.
+        it._shutdown = True
+        del it
+        print("ready", flush=True)
+        sys.exit(0)
     print("ready", flush=True)
     time.sleep(600)
 """)
@@ -102,3 +110,13 @@ def test_data_workers_stop_when_their_trainer_is_killed():
         assert not alive, f"data workers {[p.pid for p in alive]} outlived their trainer"
     finally:
         _kill_group(proc)
+
+
+def test_a_process_whose_iterator_left_workers_behind_still_exits():
+    proc, workers, lines = _start("abandoned")
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, "".join(lines) + out
+    assert not still_running(workers, timeout=10)
