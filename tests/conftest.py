@@ -21,12 +21,16 @@ def _shutdown_worker_pools():
 def pytest_sessionfinish(session, exitstatus):
     """A test that leaves a process behind fails the run, and the process is killed: a lingering
     child (a data worker ignoring SIGTERM, once) otherwise keeps pytest, and CI, waiting forever."""
+    import gc
+
     import psutil
 
     from tests.harness import shutdown_pools
 
     shutdown_pools()
+    gc.collect()  # an unreachable DataLoader iterator stops its workers when collected
     left = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    left = psutil.wait_procs(left, timeout=10)[1]  # give those a moment to exit on their own
     if not left:
         return
     names = []
