@@ -2,7 +2,8 @@
 
 1. single: TP = PP = DP = 1, our GPT through DeepSpeed's pipeline engine (each
    --attention-backend) vs a plain PyTorch GPT of the same dimensions (nn.Linear,
-   scaled_dot_product_attention, AdamW), at each --seq-lengths.
+   scaled_dot_product_attention, AdamW), at each --seq-lengths, all three in one
+   process, timed in interleaved rounds (the median of per-round ratios).
 2. pipeline: PP = N vs DP = N (N processes, one thread each), same model and global
    batch, for each --pipeline-sizes and --pipeline-vocab-sizes, with the `cost` and
    the `profile` partition: measured PP/DP ratio, the bubble bound gas/(gas+PP-1),
@@ -161,38 +162,72 @@ def run_world(argv, world_size, warmup, iters):
     return max(t for _, t, _ in out), out[0][2]
 
 
-def bench_single(args):
-    from megatron_lite.arguments import parse_args
+def _single_process_world():
+    """A gloo world of one in this process, so that our engine and the plain model share it."""
+    import torch.distributed as dist
 
+    from megatron_lite.parallel import state
+    from megatron_lite.training.distributed import free_port
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        state.initialize(1, 1)
+
+
+def bench_single(args):
+    """Interleaved: each round times every model in turn for --iters steps, and the ratio is taken
+    per round; the median over --rounds is reported. On a shared machine whole runs drift by 10%
+    and more from one minute to the next, which timing the models one after another mistakes for
+    a difference between them."""
+    from statistics import median
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.training.engine import Engine
+
+    torch.set_num_threads(1)
+    _single_process_world()
     print(f"\n## TP = PP = DP = 1 (one process, one thread), {args.num_layers} layers, hidden {args.hidden_size}, "
-          f"micro batch {args.micro_batch_size}, vocabulary {args.vocab_size}")
-    print("| seq | model | ms/step | tokens/s | ratio to plain |\n|---|---|---|---|---|")
+          f"micro batch {args.micro_batch_size}, vocabulary {args.vocab_size}; median of {args.rounds} interleaved "
+          f"rounds of {args.iters} steps")
+    print("| seq | model | ms/step (median) | tokens/s | ratio to plain (median of rounds) | min-max of rounds |\n"
+          "|---|---|---|---|---|---|")
     for seq in args.seq_lengths:
         config = parse_args(model_argv(args, gas=1, seq=seq), world_size=1)[0]
         tokens_per_step = config.batch.global_batch_size * seq
-        ours = {backend: run_world(model_argv(args, gas=1, seq=seq, backend=backend), 1, args.warmup, args.iters)[0]
-                for backend in ("sdpa", "fused")}
-
         torch.manual_seed(0)
         plain = PlainGPT(config.model.padded_vocab_size, args.hidden_size, args.num_attention_heads,
                          config.model.ffn_hidden_size, args.num_layers, seq)
         optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-        data = random_batches(config)
+        plain_data = random_batches(config)
 
         def plain_step():
-            (tokens, _), (labels, _) = next(data)
+            (tokens, _), (labels, _) = next(plain_data)
             loss = plain(tokens, labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
             optimizer.step()
 
-        torch.set_num_threads(1)
-        baseline = time_steps(plain_step, args.warmup, args.iters)
-        print(f"| {seq} | plain PyTorch GPT (SDPA) | {baseline * 1e3:.1f} | {tokens_per_step / baseline:.0f} | 1.00 |")
-        for backend, seconds in ours.items():
-            print(f"| {seq} | megatron_lite, --attention-backend {backend} | {seconds * 1e3:.1f} | "
-                  f"{tokens_per_step / seconds:.0f} | {baseline / seconds:.2f} |", flush=True)
+        steps = {"plain PyTorch GPT (SDPA)": plain_step}
+        for backend in ("sdpa", "fused"):
+            engine = Engine(parse_args(model_argv(args, gas=1, seq=seq, backend=backend), world_size=1)[0],
+                            with_scheduler=False)
+            data = random_batches(config)
+            steps[f"megatron_lite, --attention-backend {backend}"] = (lambda e=engine, d=data: e.train_step(d))
+        times = {name: [] for name in steps}
+        for name, step in steps.items():
+            for _ in range(args.warmup):
+                step()
+        for _ in range(args.rounds):
+            for name, step in steps.items():
+                times[name].append(time_steps(step, 0, args.iters, rounds=1))
+        baseline = times["plain PyTorch GPT (SDPA)"]
+        for name, seconds in times.items():
+            ratios = [b / t for b, t in zip(baseline, seconds)]
+            print(f"| {seq} | {name} | {median(seconds) * 1e3:.1f} | {tokens_per_step / median(seconds):.0f} | "
+                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |", flush=True)
 
 
 def bench_pipeline(args):
@@ -249,6 +284,7 @@ def main():
     parser.add_argument("--pipeline-vocab-sizes", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds for the single-process part")
     args = parser.parse_args()
     if args.part in ("single", "all"):
         bench_single(args)
