@@ -2,9 +2,10 @@
 
 `run_distributed(fn, world_size, *args)` runs a module-level function on every
 rank and returns the per-rank results in rank order. Worker pools are kept per
-world size and reused across tests (starting 8 Python processes that import
-torch and DeepSpeed costs more than most tests), and thrown away after any
-failure or timeout so that a hang fails one test instead of stalling CI.
+world size and reused across the tests of a module (starting 8 Python processes
+that import torch and DeepSpeed costs more than most tests), replaced when their
+workers have gathered too many threads, and thrown away after any failure or
+timeout so that a hang fails one test instead of stalling CI.
 """
 from __future__ import annotations
 

@@ -53,3 +53,29 @@ def test_run_launcher_starts_a_script_under_torch_distributed_run(tmp_path):
     result = run_launcher([str(script)], nproc=2, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "rank 0 of 2 local 0" in result.stdout and "rank 1 of 2 local 1" in result.stdout
+
+
+def _creates_a_group_and_counts_groups():
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dist.new_group([0, 1])
+    return os.getpid(), len(distributed_c10d._world.pg_map)
+
+
+def test_a_task_starts_with_only_the_default_group_left_by_the_one_before():
+    first = run_distributed(_creates_a_group_and_counts_groups, 2)
+    second = run_distributed(_creates_a_group_and_counts_groups, 2)
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same workers
+    assert [groups for _, groups in second] == [2, 2]  # the default group and the task's own
+
+
+def test_a_pool_whose_workers_gathered_too_many_threads_is_replaced(monkeypatch):
+    import tests.harness as harness
+
+    monkeypatch.setattr(harness, "MAX_WORKER_THREADS", 0)
+    first = run_distributed(_creates_a_group_and_counts_groups, 2)
+    second = run_distributed(_creates_a_group_and_counts_groups, 2)
+    assert not {pid for pid, _ in first} & {pid for pid, _ in second}
