@@ -91,7 +91,9 @@ write_slurm_conf() {
         echo "SlurmdPort=$SLURMD_PORT"
         echo "SlurmUser=root"
         echo "AuthType=auth/munge"
-        echo "AuthInfo=socket=$ROOT/munge/munge.socket.2"
+        # cred_expire: a requeued job may start again only after its old credential expires
+        # (default 120 s); the requeue test would otherwise wait two minutes.
+        echo "AuthInfo=socket=$ROOT/munge/munge.socket.2,cred_expire=10"
         echo "CredType=cred/munge"
         echo "ProctrackType=proctrack/linuxproc"
         echo "TaskPlugin=task/none"

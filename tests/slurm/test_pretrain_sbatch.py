@@ -33,8 +33,20 @@ def variables(corpus, checkpoint_dir, train_iters, **extra):  # noqa: F811
 
 def completed(cluster, job, timeout=240):
     info = cluster.wait(job, timeout)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.log()[-4000:]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.log()[-4000:] + daemon_logs(cluster)
     return job.log()
+
+
+def daemon_logs(cluster, lines=30):
+    """The end of slurmctld's and each slurmd's log: `cluster.sh down` removes them with the cluster."""
+    import glob
+    import os
+
+    parts = []
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(cluster.slurm_conf), "log", "*.log"))):
+        with open(path) as f:
+            parts.append(f"\n--- {path}\n" + "".join(f.readlines()[-lines:]))
+    return "".join(parts)
 
 
 def per_rank_sbatch(resources):
@@ -83,8 +95,9 @@ def test_usr1_to_the_job_step_saves_exits_0_and_the_requeued_job_resumes(slurm_c
     assert f"stopped at iteration {saved} of 60 with a checkpoint: requeueing job {job.id}" in log
     assert "training step failed" not in log
 
-    # Slurm holds a requeued job back for a while (Reason=BeginTime); release it now.
-    slurm_cluster.command("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+    # Slurm holds a requeued job back until its old credential has expired (Reason=BeginTime; the
+    # test cluster's cred_expire is 10 s). Released earlier with StartTime=now, the job failed with
+    # "Killing non-startable batch job: Job credential revoked" whenever the nodes were quick.
     log = completed(slurm_cluster, job)
     assert "(restart 1)" in log and f"resumed from {ckpt} at iteration {saved}" in log
     second_run = log[log.index("(restart 1)"):]
