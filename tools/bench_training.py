@@ -133,13 +133,20 @@ def _ours(argv, world_size, warmup, iters):
     return seconds, details
 
 
-def _worker(rank, world_size, port, argv, warmup, iters, results):
+def _join_world(rank, world_size, port):
+    """This process as `rank` of a gloo world on loopback, one thread."""
+    import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _worker(rank, world_size, port, argv, warmup, iters, results):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    _join_world(rank, world_size, port)
     seconds, details = _ours(argv, world_size, warmup, iters)
     results.put((rank, seconds, details))
     dist.destroy_process_group()
@@ -170,9 +177,7 @@ def _single_process_world():
     from megatron_lite.training.distributed import free_port
 
     if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        _join_world(0, 1, free_port())
         state.initialize(1, 1)
 
 
@@ -186,7 +191,6 @@ def bench_single(args):
     from megatron_lite.arguments import parse_args
     from megatron_lite.training.engine import Engine
 
-    torch.set_num_threads(1)
     _single_process_world()
     print(f"\n## TP = PP = DP = 1 (one process, one thread), {args.num_layers} layers, hidden {args.hidden_size}, "
           f"micro batch {args.micro_batch_size}, vocabulary {args.vocab_size}; median of {args.rounds} interleaved "

@@ -1,6 +1,7 @@
 """Submit to and watch the two-node test cluster that tests/slurm/cluster.sh starts."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 import subprocess
@@ -72,6 +73,15 @@ class Cluster:
         self.command("scancel", job.id, check=False)
         raise TimeoutError(f"job {job.id} still {self.job_info(job).get('JobState')} after {timeout:.0f}s:\n"
                            f"{job.log()[-3000:]}")
+
+    def daemon_logs(self, lines: int = 30) -> str:
+        """The end of slurmctld's and each slurmd's log, for a failure message: `cluster.sh down`
+        removes them with the cluster."""
+        parts = []
+        for path in sorted(glob.glob(os.path.join(os.path.dirname(self.slurm_conf), "log", "*.log"))):
+            with open(path) as f:
+                parts.append(f"\n--- {path}\n" + "".join(f.readlines()[-lines:]))
+        return "".join(parts)
 
     def wait_for_output(self, job: Job, pattern: str, timeout: float = 240) -> re.Match:
         deadline = time.monotonic() + timeout

@@ -33,20 +33,8 @@ def variables(corpus, checkpoint_dir, train_iters, **extra):  # noqa: F811
 
 def completed(cluster, job, timeout=240):
     info = cluster.wait(job, timeout)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.log()[-4000:] + daemon_logs(cluster)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), job.log()[-4000:] + cluster.daemon_logs()
     return job.log()
-
-
-def daemon_logs(cluster, lines=30):
-    """The end of slurmctld's and each slurmd's log: `cluster.sh down` removes them with the cluster."""
-    import glob
-    import os
-
-    parts = []
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(cluster.slurm_conf), "log", "*.log"))):
-        with open(path) as f:
-            parts.append(f"\n--- {path}\n" + "".join(f.readlines()[-lines:]))
-    return "".join(parts)
 
 
 def per_rank_sbatch(resources):
