@@ -47,7 +47,7 @@ setup(
     description="A small Megatron-style 3D-parallel GPT pretraining framework on PyTorch and DeepSpeed",
     packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
     python_requires=">=3.9",
-    install_requires=["torch", "deepspeed>=0.19,<0.20", "sentencepiece", "numpy", "tensorboard", "pybind11",
+    install_requires=["torch", "deepspeed>=0.19,<0.20", "sentencepiece>=0.2.0", "numpy", "tensorboard", "pybind11",
                       "zstandard"],
     # Optional: Hugging Face export (tools/convert_checkpoint.py export-hf), the tuning report's plots
     # (tools/tune_parallelism.py report); the tests exercise both. Not needed to train.

@@ -9,7 +9,8 @@ tools/preprocess_data.py for the same input and model, readable by Megatron-LM,
 Megatron-DeepSpeed and GPT-NeoX, and data/corpus_text_document.json, which
 records the tokenizer, dtype and counts. Input: files or globs (a glob's
 matches sorted), one JSON object per line, plain, .gz or .zst, read streaming.
-Workers tokenize chunks of lines in parallel; the parent writes them in input
+The parent reads and cuts the input into blocks of whole lines; workers split,
+parse and tokenize the blocks in parallel; the parent writes them in input
 order. Bad lines (invalid UTF-8 or JSON, a missing key, a non-string value) are
 skipped and counted, the first few named.
 
@@ -40,7 +41,7 @@ from megatron_lite.data.indexed_dataset import IndexedDatasetWriter, token_dtype
 from megatron_lite.data.input_files import (  # noqa: E402
     InputError, PieceReader, expand_inputs, input_fingerprint, shard_pieces, whole_files,
 )
-from megatron_lite.data.jsonl import ZSTD_SUFFIXES, physical_lines  # noqa: E402
+from megatron_lite.data.jsonl import ZSTD_SUFFIXES, line_blocks  # noqa: E402
 from megatron_lite.data.sidecar import (  # noqa: E402
     describe_outputs, shard_prefix, sidecar_path, tokenizer_identity, write_sidecar,
 )
@@ -70,35 +71,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shard-index", type=int, default=None, help="the part this run processes, from 0")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--chunk-documents", type=int, default=64, help="lines sent to a worker at a time")
+    g.add_argument("--chunk-documents", type=int, default=64,
+                   help="lines sent to a worker at a time (fewer when they pass 4 MiB)")
     g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
     return p
 
 
 def read_chunks(pieces, chunk_documents: int, chunk_bytes: int = 4 << 20):
-    """Yields (chunk, (piece, input bytes done)); a chunk is a list of (line number, line bytes) of one piece.
+    """Yields (block, (piece, input bytes done)); a block holds up to chunk_documents whole lines of one piece.
 
-    Line numbers count from 1 within the piece, as an editor does for a whole file.
+    The workers split blocks into lines: handing over one bytes object per block,
+    instead of a list of lines, keeps the reading process's share of the CPU small.
     """
     done = 0
     for piece in pieces:
-        chunk, size, number = [], 0, 0
+        text_bytes = 0
         try:
             with PieceReader(piece) as reader:
-                for raw_line in reader:
-                    for line in physical_lines(raw_line):
-                        number += 1
-                        chunk.append((number, line))
-                        size += len(line)
-                    if len(chunk) >= chunk_documents or size >= chunk_bytes:
-                        yield chunk, (piece, done + reader.consumed())
-                        chunk, size = [], 0
+                for block in line_blocks(reader.blocks(chunk_bytes), chunk_documents, chunk_bytes):
+                    text_bytes += len(block)
+                    yield block, (piece, done + reader.consumed())
         except read_errors() as e:
-            raise BadInput(f"{piece.path}: cannot be read after line {number} ({type(e).__name__}: {e}); "
-                           f"nothing written") from None
+            # A byte offset, not a line number: counting lines here would cost the reader a pass over the text.
+            raise BadInput(f"{piece.path}: cannot be read after the first {text_bytes} bytes of its text "
+                           f"({type(e).__name__}: {e}); nothing written") from None
         done += piece.size
-        if chunk:
-            yield chunk, (piece, done)
 
 
 def read_errors() -> tuple:
@@ -115,7 +112,7 @@ def encoded_chunks(chunks, workers: int, encoder_args):
     if workers == 1:
         encoder = ChunkEncoder(*encoder_args)
         for chunk, tag in chunks:
-            yield encoder(chunk), tag
+            yield encoder.encode_block(chunk), tag
         return
     with multiprocessing.Pool(workers, initializer=init_worker, initargs=encoder_args) as pool:
         pending = collections.deque()
@@ -189,15 +186,19 @@ def main(argv=None) -> int:
     prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
     writers = [IndexedDatasetWriter(prefix, dtype) for prefix in prefixes]
     progress = Progress(sum(p.size for p in pieces), args.log_interval)
+    current, lines_before = None, 0  # line numbers count from 1 within each piece
     try:
         for encoded, (piece, bytes_done) in encoded_chunks(read_chunks(pieces, args.chunk_documents),
                                                            args.workers, encoder_args):
+            if piece is not current:
+                current, lines_before = piece, 0
             for number, reason in encoded.bad_lines:
                 if args.strict:
-                    raise BadInput(f"{piece.label(number)}: {reason} (--strict); nothing written")
+                    raise BadInput(f"{piece.label(lines_before + number)}: {reason} (--strict); nothing written")
                 progress.bad_lines += 1
                 if progress.bad_lines <= REPORTED_BAD_LINES:
-                    print(f"skipping {piece.label(number)}: {reason}", file=sys.stderr)
+                    print(f"skipping {piece.label(lines_before + number)}: {reason}", file=sys.stderr)
+            lines_before += encoded.lines
             for writer, token_bytes, lengths in zip(writers, encoded.token_bytes, encoded.document_lengths):
                 writer.add_documents(token_bytes, lengths)
             progress.documents += len(encoded.document_lengths[0])

@@ -1,20 +1,21 @@
-"""Turning chunks of JSONL lines into packed token arrays (the worker side of preprocess_data.py).
+"""Turning blocks of JSONL lines into packed token arrays (the worker side of preprocess_data.py).
 
-A chunk is a list of (line number, bytes). The result holds, per JSON key, the
-tokens of every good line packed in the output dtype plus one length per
-document, and the bad lines with the reason. Token ids match Megatron-LM's
+A block is bytes holding whole lines, cut by the reading process; the worker
+splits it into lines itself, so the reader hands over one bytes object instead
+of a list of lines. The result holds, per JSON key, the tokens of every good
+line packed in the output dtype plus one length per document, the number of
+lines, and the bad lines (numbered from 1 within the block) with the reason. Token ids match Megatron-LM's
 preprocessing exactly: one `tokenize(text)` per document, then the eod id
 when `append_eod` and the document produced tokens. No torch here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_lite.data.jsonl import BadLine, parse_line
+from megatron_lite.data.jsonl import BadLine, parse_line, split_lines
 from megatron_lite.data.tokenizer import build_tokenizer
 
 
@@ -25,8 +26,10 @@ class EncodedChunk:
     document_lengths: List[np.ndarray]
     """Per JSON key: tokens per good line (0 for a document with no tokens)."""
     bad_lines: List[Tuple[int, str]] = field(default_factory=list)
-    """(line number, reason) of each skipped line."""
+    """(line number within the block, from 1; reason) of each skipped line."""
     input_bytes: int = 0
+    lines: int = 0
+    """Lines in the block (good and bad), so the reader can number the next block's lines."""
 
 
 class ChunkEncoder:
@@ -39,10 +42,15 @@ class ChunkEncoder:
         self.append_eod = append_eod
         self.dtype = np.dtype(dtype)
 
-    def __call__(self, chunk: Sequence[Tuple[int, bytes]]) -> EncodedChunk:
+    def encode_block(self, block: bytes) -> EncodedChunk:
+        encoded = self(split_lines(block))
+        encoded.input_bytes = len(block)
+        return encoded
+
+    def __call__(self, lines: Sequence[bytes]) -> EncodedChunk:
         bad: List[Tuple[int, str]] = []
         good: List[Tuple[int, List[str]]] = []
-        for number, line in chunk:
+        for number, line in enumerate(lines, 1):
             texts = parse_line(line, self.json_keys)
             if isinstance(texts, BadLine):
                 bad.append((number, str(texts)))
@@ -57,19 +65,21 @@ class ChunkEncoder:
             good = [(n, texts) for n, texts in good if not rejected[n]]
             encoded = self._tokenize(good)
         token_bytes, lengths = [], []
+        eod = np.array([self.tokenizer.eod], dtype=self.dtype)
         for documents in encoded:
+            counts = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
             if self.append_eod:
-                for ids in documents:
-                    if ids:
-                        ids.append(self.tokenizer.eod)
-            counts = np.fromiter((len(ids) for ids in documents), dtype=np.int64, count=len(documents))
-            flat = np.fromiter(chain.from_iterable(documents), dtype=self.dtype, count=int(counts.sum()))
+                parts = [part for ids in documents if len(ids) for part in (ids, eod)]
+                counts += counts > 0
+            else:
+                parts = documents
+            # Ids are below the vocabulary size, which token_dtype() chose the dtype to hold.
+            flat = np.concatenate(parts, dtype=self.dtype, casting="unsafe") if len(parts) else eod[:0]
             token_bytes.append(flat.tobytes())
             lengths.append(counts)
-        return EncodedChunk(token_bytes, lengths, bad, sum(len(line) for _, line in chunk))
+        return EncodedChunk(token_bytes, lengths, bad, sum(map(len, lines)), len(lines))
 
-
-    def _tokenize(self, good: List[Tuple[int, List[str]]]) -> List[List[List[int]]]:
+    def _tokenize(self, good: List[Tuple[int, List[str]]]) -> List[List[np.ndarray]]:
         """Per JSON key, the ids of each good line's text."""
         return [self.tokenizer.tokenize_batch([texts[k] for _, texts in good]) for k in range(len(self.json_keys))]
 
@@ -91,5 +101,5 @@ def init_worker(*encoder_args) -> None:
     _worker_encoder = ChunkEncoder(*encoder_args)
 
 
-def encode_in_worker(chunk: Sequence[Tuple[int, bytes]]) -> EncodedChunk:
-    return _worker_encoder(chunk)
+def encode_in_worker(block: bytes) -> EncodedChunk:
+    return _worker_encoder.encode_block(block)

@@ -134,7 +134,7 @@ def next_line_start(path: str, offset: int, size: int, block: int = 1 << 16) -> 
 
 
 class PieceReader:
-    """Raw lines of one piece, and how many of its bytes on disk have been consumed (for progress)."""
+    """The bytes of one piece, and how many of its bytes on disk have been consumed (for progress)."""
 
     def __init__(self, piece: Piece) -> None:
         self.piece = piece
@@ -143,16 +143,17 @@ class PieceReader:
         if piece.start:
             self._raw.seek(piece.start)
 
-    def __iter__(self) -> Iterator[bytes]:
-        if self.piece.start == 0 and self.piece.end == os.fstat(self._raw.fileno()).st_size:
-            yield from self._lines  # the whole file: no per-line bookkeeping
-            return
-        remaining = self.piece.size
-        for line in self._lines:  # a plain file's range, which ends at a line start
-            yield line
-            remaining -= len(line)
-            if remaining <= 0:
+    def blocks(self, size: int) -> Iterator[bytes]:
+        """The piece's bytes (decompressed, for a compressed file) in reads of up to `size` bytes."""
+        remaining = None if self.piece.start == 0 and self.piece.end == os.fstat(self._raw.fileno()).st_size \
+            else self.piece.size  # a plain file's range: it ends at a line start
+        while remaining is None or remaining > 0:
+            data = self._lines.read(size if remaining is None else min(size, remaining))
+            if not data:
                 return
+            if remaining is not None:
+                remaining -= len(data)
+            yield data
 
     def consumed(self) -> int:
         return min(self._raw.tell() - self.piece.start, self.piece.size)

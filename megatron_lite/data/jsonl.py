@@ -7,7 +7,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
-from typing import BinaryIO, Iterator, List, Sequence, Tuple, Union
+from typing import BinaryIO, Iterable, Iterator, List, Sequence, Tuple, Union
 
 GZIP_SUFFIXES = (".gz",)
 ZSTD_SUFFIXES = (".zst", ".zstd")
@@ -96,6 +96,51 @@ def physical_lines(raw_line: bytes) -> List[bytes]:
     if not parts[-1]:
         parts.pop()
     return parts
+
+
+def split_lines(block: bytes) -> List[bytes]:
+    """The lines of a block of whole lines (as line_blocks cuts them), ended the way Python's text mode ends them.
+
+    Text mode (which Megatron-LM reads with) ends a line at \\n, \\r\\n or a bare \\r.
+    A block ends just after a \\n (or at the end of the input), so a \\r\\n pair is never cut.
+    """
+    if not block:
+        return []
+    if b"\r" in block:
+        block = block.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    if block.endswith(b"\n"):
+        block = block[:-1]
+    return block.split(b"\n")
+
+
+def line_blocks(data: Iterable[bytes], max_lines: int, max_bytes: int) -> Iterator[bytes]:
+    """Re-cuts a stream of bytes into blocks of whole lines: each ends just after a \\n (the last may end the input
+    instead) and holds at most max_lines lines; a block also ends at the first line end at or past max_bytes."""
+    pending = b""   # the stream after the last cut
+    waiting = []    # data read since, while it held no newline (a long line: joined once, not copied per read)
+    for piece in data:
+        if b"\n" not in piece:
+            waiting.append(piece)
+            continue
+        buffer = b"".join([pending, *waiting, piece])
+        waiting = []
+        position = 0
+        while True:
+            end = position
+            lines = 0
+            while lines < max_lines and end - position < max_bytes:
+                newline = buffer.find(b"\n", end)
+                if newline < 0:
+                    break
+                end, lines = newline + 1, lines + 1
+            if lines < max_lines and end - position < max_bytes:
+                break  # the rest holds too few whole lines: wait for more data
+            yield buffer[position:end]
+            position = end
+        pending = buffer[position:]
+    rest = b"".join([pending, *waiting])
+    if rest:
+        yield rest
 
 
 def parse_line(raw_line: bytes, json_keys: Sequence[str]) -> Union[List[str], BadLine]:

@@ -91,6 +91,34 @@ def test_one_and_two_workers_and_gzip_input_write_identical_files(corpus, spm_mo
         assert (tmp_path / f"gz_text_document{suffix}").read_bytes() == one
 
 
+def test_bad_lines_keep_their_numbers_when_the_input_is_cut_into_many_blocks(mixed_input, spm_model, tmp_path):
+    path, good, bad_numbers = mixed_input
+    whole = preprocess(path, tmp_path / "whole", spm_model)
+    # Blocks of 2 lines, tokenized by 2 workers: the reader numbers each block's lines after the ones before it.
+    cut = preprocess(path, tmp_path / "cut", spm_model, "--workers", 2, "--chunk-documents", 2)
+    assert [line for line in cut.stderr.splitlines() if line.startswith("skipping")] == \
+        [line for line in whole.stderr.splitlines() if line.startswith("skipping")]
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"cut_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"whole_text_document{suffix}").read_bytes()
+
+
+def test_lines_end_at_cr_lf_and_bare_cr_as_in_the_text_mode_megatron_lm_reads_with(corpus, spm_model, tmp_path):
+    texts = corpus_texts(corpus, 7)
+    endings = [b"\r\n", b"\r", b"\n", b"\r\n", b"\r", b"\n", b""]  # the last line has no ending
+    path = tmp_path / "mixed_endings.jsonl"
+    path.write_bytes(b"".join(json.dumps({"text": t}).encode() + end for t, end in zip(texts, endings)))
+    with open(path, encoding="utf-8") as f:  # universal newlines, as Megatron-LM's tools/preprocess_data.py
+        expected_texts = [json.loads(line)["text"] for line in f]
+    assert expected_texts == texts
+    sp = sentencepiece.SentencePieceProcessor(model_file=spm_model)
+    for workers, chunk in ((1, 64), (2, 2)):
+        proc = preprocess(path, tmp_path / f"w{workers}", spm_model, "--workers", workers, "--chunk-documents", chunk)
+        assert "0 bad lines skipped" in proc.stdout
+        ds = IndexedDataset(str(tmp_path / f"w{workers}_text_document"))
+        assert [ds[i].tolist() for i in range(len(ds))] == [sp.encode(t) + [sp.eos_id()] for t in texts]
+
+
 def test_strict_stops_at_the_first_bad_line_with_status_1_and_writes_nothing(mixed_input, spm_model, tmp_path):
     path, _, bad_numbers = mixed_input
     proc = preprocess(path, tmp_path / "out", spm_model, "--strict", check=False)
