@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -195,8 +196,10 @@ def bench_single(args):
     print(f"\n## TP = PP = DP = 1 (one process, one thread), {args.num_layers} layers, hidden {args.hidden_size}, "
           f"micro batch {args.micro_batch_size}, vocabulary {args.vocab_size}; median of {args.rounds} interleaved "
           f"rounds of {args.iters} steps")
-    print("| seq | model | ms/step (median) | tokens/s | ratio to plain (median of rounds) | min-max of rounds |\n"
-          "|---|---|---|---|---|---|")
+    # Page faults and system time are counters, steadier than the times: fresh pages the allocator
+    # maps for large tensors (logits-sized at long sequences) cost a fault each 4 KiB.
+    print("| seq | model | ms/step (median) | tokens/s | ratio to plain (median of rounds) | min-max of rounds "
+          "| minor page faults/step | system s/step |\n|---|---|---|---|---|---|---|---|")
     for seq in args.seq_lengths:
         config = parse_args(model_argv(args, gas=1, seq=seq), world_size=1)[0]
         tokens_per_step = config.batch.global_batch_size * seq
@@ -221,17 +224,24 @@ def bench_single(args):
             data = random_batches(config)
             steps[f"megatron_lite, --attention-backend {backend}"] = (lambda e=engine, d=data: e.train_step(d))
         times = {name: [] for name in steps}
+        faults = {name: [0, 0.0] for name in steps}
         for name, step in steps.items():
             for _ in range(args.warmup):
                 step()
         for _ in range(args.rounds):
             for name, step in steps.items():
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 times[name].append(time_steps(step, 0, args.iters, rounds=1))
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                faults[name][0] += after.ru_minflt - before.ru_minflt
+                faults[name][1] += after.ru_stime - before.ru_stime
         baseline = times["plain PyTorch GPT (SDPA)"]
         for name, seconds in times.items():
             ratios = [b / t for b, t in zip(baseline, seconds)]
+            n = args.rounds * args.iters
             print(f"| {seq} | {name} | {median(seconds) * 1e3:.1f} | {tokens_per_step / median(seconds):.0f} | "
-                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |", flush=True)
+                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {faults[name][0] / n:.0f} "
+                  f"| {faults[name][1] / n:.3f} |", flush=True)
 
 
 def bench_pipeline(args):

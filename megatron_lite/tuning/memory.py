@@ -66,9 +66,10 @@ counted once):
 First stage adds the embedding: token and position ids (8 bs each), the
 out-of-range mask at t > 1 (bs), the dropout mask (k bsh). Last stage adds the
 final LayerNorm input (e bsh + 8 bs), the head input (e bsh) and the vocab-parallel
-cross entropy's saved fp32 softmax (4 bsV/t) with its targets (9 bs); its
-transient peak is the logits plus their fp32 shift (and the fp32 copy of 16-bit
-logits): (e + 4 + 4 [e < 4]) bsV/t. A non-last stage also keeps its output
+cross entropy's saved fp32 softmax (4 bsV/t) with its targets (9 bs). The cross
+entropy works in place on fp32 logits, so the softmax is the logits' own buffer;
+16-bit logits add their fp32 copy's source, and the 16-bit gradient made from the
+fp32 one in backward: a transient of e bsV/t when e < 4, none at fp32. A non-last stage also keeps its output
 (e bsh) per micro-batch in flight for the send.
 
 Micro-batches in flight under DeepSpeed's 1F1B (pipe/schedule.py
@@ -265,7 +266,7 @@ def _head_activation_bytes(config: Config) -> int:
 def _head_transient_bytes(config: Config) -> int:
     m, t, b = config.model, config.parallel.tensor_model_parallel_size, config.batch.micro_batch_size
     e = 4 if config.precision.dtype_name == "fp32" else 2
-    return (e + 4 + (4 if e < 4 else 0)) * b * m.seq_length * m.padded_vocab_size // t
+    return (e if e < 4 else 0) * b * m.seq_length * m.padded_vocab_size // t
 
 
 def pipeline_buffer_count(stage: int, pp: int, gas: int) -> int:

@@ -75,6 +75,30 @@ def test_vocab_parallel_cross_entropy_of_bf16_logits_is_fp32_and_leaves_logits_u
     assert_matches(loss, F.cross_entropy(logits.detach().float(), target, reduction="none"), "bf16 loss")
 
 
+def test_in_training_fp32_logits_become_the_gradient_buffer_and_without_autograd_they_are_left_untouched():
+    from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, PADDED_VOCAB, generator=g)
+    target = torch.randint(0, PADDED_VOCAB, (5,), generator=g)
+    dense = F.cross_entropy(logits, target, reduction="none")
+    # Evaluation (DeepSpeed's eval_batch runs without autograd and may return the logits).
+    evaluated = logits.clone()
+    with torch.no_grad():
+        assert_matches(vocab_parallel_cross_entropy(evaluated, target), dense, "no-grad loss")
+    assert torch.equal(evaluated, logits)
+    # Training: the logits produced by a matmul are consumed; loss and gradient are still exact.
+    weight = torch.eye(PADDED_VOCAB, requires_grad=True)
+    produced = logits @ weight
+    loss = vocab_parallel_cross_entropy(produced, target)
+    loss.sum().backward()
+    assert not torch.equal(produced.detach(), logits), "training must reuse the logits buffer"
+    dense_weight = torch.eye(PADDED_VOCAB, requires_grad=True)
+    F.cross_entropy(logits @ dense_weight, target, reduction="sum").backward()
+    assert_matches(loss, dense, "training loss")
+    assert_matches(weight.grad, dense_weight.grad, "gradient through the consumed logits")
+
+
 def test_masked_mean_of_a_fully_masked_batch_is_zero_not_nan():
     from megatron_lite.parallel.cross_entropy import masked_mean
 
