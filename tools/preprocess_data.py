@@ -112,7 +112,7 @@ def encoded_chunks(chunks, workers: int, encoder_args):
     if workers == 1:
         encoder = ChunkEncoder(*encoder_args)
         for chunk, tag in chunks:
-            yield encoder.encode_block(chunk), tag
+            yield encoder(chunk), tag
         return
     with multiprocessing.Pool(workers, initializer=init_worker, initargs=encoder_args) as pool:
         pending = collections.deque()

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.data.jsonl import BadLine, open_input, parse_line, physical_lines  # noqa: E402
+from megatron_lite.data.jsonl import BadLine, open_input, parse_line, split_lines  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +72,7 @@ class SentenceStream:
         lines, raw = open_input(self.path)
         with raw:
             for raw_line in lines:
-                for line in physical_lines(raw_line):
+                for line in split_lines(raw_line):
                     texts = parse_line(line, self.json_keys)
                     if isinstance(texts, BadLine):
                         self.bad_lines += 1

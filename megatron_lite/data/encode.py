@@ -4,9 +4,10 @@ A block is bytes holding whole lines, cut by the reading process; the worker
 splits it into lines itself, so the reader hands over one bytes object instead
 of a list of lines. The result holds, per JSON key, the tokens of every good
 line packed in the output dtype plus one length per document, the number of
-lines, and the bad lines (numbered from 1 within the block) with the reason. Token ids match Megatron-LM's
-preprocessing exactly: one `tokenize(text)` per document, then the eod id
-when `append_eod` and the document produced tokens. No torch here.
+lines, and the bad lines (numbered from 1 within the block) with the reason.
+Token ids match Megatron-LM's preprocessing exactly: one `tokenize(text)` per
+document, then the eod id when `append_eod` and the document produced tokens.
+No torch here.
 """
 from __future__ import annotations
 
@@ -42,12 +43,8 @@ class ChunkEncoder:
         self.append_eod = append_eod
         self.dtype = np.dtype(dtype)
 
-    def encode_block(self, block: bytes) -> EncodedChunk:
-        encoded = self(split_lines(block))
-        encoded.input_bytes = len(block)
-        return encoded
-
-    def __call__(self, lines: Sequence[bytes]) -> EncodedChunk:
+    def __call__(self, block: bytes) -> EncodedChunk:
+        lines = split_lines(block)
         bad: List[Tuple[int, str]] = []
         good: List[Tuple[int, List[str]]] = []
         for number, line in enumerate(lines, 1):
@@ -77,7 +74,7 @@ class ChunkEncoder:
             flat = np.concatenate(parts, dtype=self.dtype, casting="unsafe") if len(parts) else eod[:0]
             token_bytes.append(flat.tobytes())
             lengths.append(counts)
-        return EncodedChunk(token_bytes, lengths, bad, sum(map(len, lines)), len(lines))
+        return EncodedChunk(token_bytes, lengths, bad, len(block), len(lines))
 
     def _tokenize(self, good: List[Tuple[int, List[str]]]) -> List[List[np.ndarray]]:
         """Per JSON key, the ids of each good line's text."""
@@ -102,4 +99,4 @@ def init_worker(*encoder_args) -> None:
 
 
 def encode_in_worker(block: bytes) -> EncodedChunk:
-    return _worker_encoder.encode_block(block)
+    return _worker_encoder(block)

@@ -88,18 +88,9 @@ class ZstdReader(io.RawIOBase):
         return n
 
 
-def physical_lines(raw_line: bytes) -> List[bytes]:
-    """Python's text mode (which Megatron-LM reads with) also ends lines at a bare \\r; split the same way."""
-    if b"\r" not in raw_line:
-        return [raw_line]
-    parts = raw_line.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-    if not parts[-1]:
-        parts.pop()
-    return parts
-
-
 def split_lines(block: bytes) -> List[bytes]:
-    """The lines of a block of whole lines (as line_blocks cuts them), ended the way Python's text mode ends them.
+    """The lines of a block of whole lines (as line_blocks cuts them, or one line as readline returns it), without
+    their endings, ended the way Python's text mode ends them.
 
     Text mode (which Megatron-LM reads with) ends a line at \\n, \\r\\n or a bare \\r.
     A block ends just after a \\n (or at the end of the input), so a \\r\\n pair is never cut.

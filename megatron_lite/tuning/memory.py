@@ -67,10 +67,11 @@ First stage adds the embedding: token and position ids (8 bs each), the
 out-of-range mask at t > 1 (bs), the dropout mask (k bsh). Last stage adds the
 final LayerNorm input (e bsh + 8 bs), the head input (e bsh) and the vocab-parallel
 cross entropy's saved fp32 softmax (4 bsV/t) with its targets (9 bs). The cross
-entropy works in place on fp32 logits, so the softmax is the logits' own buffer;
-16-bit logits add their fp32 copy's source, and the 16-bit gradient made from the
-fp32 one in backward: a transient of e bsV/t when e < 4, none at fp32. A non-last stage also keeps its output
-(e bsh) per micro-batch in flight for the send.
+entropy works in place on fp32 logits, so the softmax is the logits' own buffer.
+16-bit logits live on while their fp32 copy is made, and backward turns the fp32
+gradient into a 16-bit one: a transient of e bsV/t when e < 4, none at fp32.
+A non-last stage also keeps its output (e bsh) per micro-batch in flight for
+the send.
 
 Micro-batches in flight under DeepSpeed's 1F1B (pipe/schedule.py
 TrainSchedule.num_pipe_buffers): stage i holds min(gas, PP - i); the ZeRO 2/3
