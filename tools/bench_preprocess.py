@@ -64,6 +64,11 @@ def _encode(texts) -> int:
     return sum(len(ids) for ids in _sp.encode(texts, num_threads=1))
 
 
+def _encode_arrays(texts) -> int:
+    """The same with SentencePiece's array output, which preprocess_data.py's workers use."""
+    return sum(len(ids) for ids in _sp.encode_as_numpy(texts, num_threads=1))
+
+
 def bare_sentencepiece(texts, model: str, workers: int, chunk: int) -> None:
     """Encode every text with `workers` processes; model loading and pool start included, as in the tool."""
     chunks = [texts[i:i + chunk] for i in range(0, len(texts), chunk)]

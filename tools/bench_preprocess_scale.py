@@ -33,9 +33,9 @@ import time
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 
-import bench_preprocess  # noqa: E402
 import make_corpus  # noqa: E402
-from bench_preprocess import _encode, _load  # noqa: E402  (the same bare-SentencePiece baseline)
+# The same bare-SentencePiece baselines as bench_preprocess.py.
+from bench_preprocess import _encode, _encode_arrays, _load  # noqa: E402
 import train_tokenizer  # noqa: E402
 
 FORMATS = ("plain", "gz", "zst")
@@ -86,11 +86,6 @@ def children_cpu() -> float:
     """CPU seconds of every finished descendant this process has waited for (a tool run includes its workers)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def _encode_arrays(texts) -> int:
-    """The baseline with SentencePiece's array output, which the tool's workers use."""
-    return sum(len(ids) for ids in bench_preprocess._sp.encode_as_numpy(texts, num_threads=1))
 
 
 def bare_sentencepiece(texts, model: str, workers: int, chunk: int = 64, arrays: bool = False) -> tuple:
