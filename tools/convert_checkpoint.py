@@ -15,7 +15,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_lite.atomic import WriteError  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +64,6 @@ def main(argv=None) -> int:
         if args.command == "merge":
             from megatron_lite.checkpoint.merge import merge
 
-            if os.path.isdir(args.output):
-                raise CheckpointError(f"--output {args.output} is a folder; give a file name such as model.pt")
             r = merge(args.load, args.output, args.iteration, args.strip_vocab_padding)
             print(f"merged {args.load}/{r['tag']} (TP={r['tp']}, PP={r['pp']}) into {args.output}: {r['tensors']} "
                   f"tensors, {r['parameters']:,} parameters, vocabulary rows {r['padded_vocab_size']}, fp32, "
@@ -92,6 +91,9 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"convert_checkpoint.py {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except WriteError as e:
+        print(f"convert_checkpoint.py {args.command}: error: {e}; nothing was written", file=sys.stderr)
+        return 1
     return 0
 
 

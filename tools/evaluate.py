@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from megatron_lite.training.distributed import is_rank_zero_from_environment
     from megatron_lite.config import ConfigError
     from megatron_lite.inference.evaluation import evaluate_checkpoint
-    from megatron_lite.training.checkpointing import CheckpointError
+    from megatron_lite.checkpoint.format import CheckpointError
 
     start = time.time()
     try:

@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +57,10 @@ def main(argv=None) -> int:
                                   f"give --tokenizer-model PATH.model")
         tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", tokenizer_model,
                                     config.model.vocab_size)
+        if tokenizer.vocab_size != config.model.vocab_size:
+            raise CheckpointError(f"--tokenizer-model {tokenizer_model} has {tokenizer.vocab_size} pieces, but the "
+                                  f"model in {args.load} was trained with a vocabulary of {config.model.vocab_size}; "
+                                  f"give the tokenizer model the run used")
         prompt = tokenizer.tokenize(args.prompt)
         options = SamplingOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, use_kv_cache=not args.no_kv_cache,

@@ -19,6 +19,10 @@ import sys
 import sysconfig
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.atomic import WriteError, atomic_file, describe  # noqa: E402
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -47,10 +51,23 @@ def main(argv=None) -> int:
         print(f"make_corpus.py: error: --root {args.root} is not a folder", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        docs, total = write_corpus(args)
+    except WriteError as e:
+        print(f"make_corpus.py: error: {e}; nothing was written", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"make_corpus.py: error: {WriteError(args.output, describe(e))}", file=sys.stderr)
+        return 1
+    print(f"wrote {docs} documents ({total / 1e6:.2f} MB of text) from {args.root} to {args.output} "
+          f"in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def write_corpus(args):
     docs = total = 0
-    tmp = args.output + ".tmp"
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as out:
+    with atomic_file(args.output, "w", encoding="utf-8") as out:
         for rel in source_files(args.root):
             if docs >= args.max_docs:
                 break
@@ -69,10 +86,7 @@ def main(argv=None) -> int:
             total += nbytes
             if docs % 500 == 0:
                 print(f"  {docs} documents, {total / 1e6:.1f} MB", file=sys.stderr, flush=True)
-    os.replace(tmp, args.output)
-    print(f"wrote {docs} documents ({total / 1e6:.2f} MB of text) from {args.root} to {args.output} "
-          f"in {time.perf_counter() - start:.1f}s")
-    return 0
+    return docs, total
 
 
 if __name__ == "__main__":

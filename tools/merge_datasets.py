@@ -26,11 +26,12 @@ from typing import List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.data.indexed_dataset import (  # noqa: E402
     IndexedDataset, IndexedDatasetError, data_file_path, index_file_path, merge_datasets,
 )
 from megatron_lite.data.sidecar import (  # noqa: E402
-    SidecarError, describe_outputs, read_sidecar, shard_prefix, sidecar_path, write_sidecar,
+    SidecarError, describe_outputs, read_sidecar, remove_outputs, shard_prefix, sidecar_path, write_sidecar,
 )
 
 SHARD_NAME = re.compile(r"^(?P<dataset>.+)\.shard-(?P<index>\d+)-of-(?P<count>\d+)\.(?:bin|idx|json)$")
@@ -162,19 +163,19 @@ def main(argv=None) -> int:
     del datasets  # each input is reopened while it is copied; no memory map stays open meanwhile
     if os.path.exists(sidecar_path(args.output_prefix)):
         os.remove(sidecar_path(args.output_prefix))  # the new pair must never sit beside an old record
-    merged = merge_datasets(args.output_prefix, ordered)
     first = records[0][1]
     bad_lines = sum(int(r.get("bad_lines", 0)) for _, r in records)
-    write_sidecar(args.output_prefix, {
-        "dataset": os.path.basename(args.output_prefix),
-        "json_key": first.get("json_key") if all(r.get("json_key") == first.get("json_key") for _, r in records)
-        else None,
-        "tokenizer": first["tokenizer"], "dtype": first["dtype"],
-        "documents": merged.num_documents, "sequences": len(merged),
-        "tokens": int(merged.sequence_lengths.sum(dtype="int64")), "bad_lines": bad_lines,
-        "shard": None, "merged_from": [os.path.basename(p) for p in ordered],
-        **describe_outputs(args.output_prefix),
-    })
+    try:
+        merged = merge_datasets(args.output_prefix, ordered)
+    except WriteError as e:
+        print(f"merge_datasets.py: error: {e}; nothing was written", file=sys.stderr)
+        return 1
+    try:
+        write_merged_sidecar(args.output_prefix, merged, records, ordered, bad_lines)
+    except WriteError as e:
+        remove_outputs(args.output_prefix)  # the pair this run published, now without its record
+        print(f"merge_datasets.py: error: {e}; nothing was written", file=sys.stderr)
+        return 1
     per_input = ", ".join(f"{os.path.basename(p)}: {r['bad_lines']}" for p, r in records if r.get("bad_lines"))
     kind = "shards" if first.get("shard") else "datasets"
     print(f"merged {len(ordered)} {kind} into {args.output_prefix}.{{bin,idx,json}}: {merged.num_documents} documents, "
@@ -182,6 +183,20 @@ def main(argv=None) -> int:
           f"{bad_lines} bad lines were skipped in preprocessing{f' ({per_input})' if per_input else ''}; "
           f"{time.perf_counter() - start:.1f}s")
     return 0
+
+
+def write_merged_sidecar(output_prefix: str, merged, records, ordered, bad_lines: int) -> None:
+    first = records[0][1]
+    write_sidecar(output_prefix, {
+        "dataset": os.path.basename(output_prefix),
+        "json_key": first.get("json_key") if all(r.get("json_key") == first.get("json_key") for _, r in records)
+        else None,
+        "tokenizer": first["tokenizer"], "dtype": first["dtype"],
+        "documents": merged.num_documents, "sequences": len(merged),
+        "tokens": int(merged.sequence_lengths.sum(dtype="int64")), "bad_lines": bad_lines,
+        "shard": None, "merged_from": [os.path.basename(p) for p in ordered],
+        **describe_outputs(output_prefix),
+    })
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.atomic import WriteError, describe  # noqa: E402
 from megatron_lite.data.encode import ChunkEncoder, encode_in_worker, init_worker  # noqa: E402
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter, token_dtype  # noqa: E402
 from megatron_lite.data.input_files import (  # noqa: E402
@@ -43,7 +44,7 @@ from megatron_lite.data.input_files import (  # noqa: E402
 )
 from megatron_lite.data.jsonl import ZSTD_SUFFIXES, line_blocks  # noqa: E402
 from megatron_lite.data.sidecar import (  # noqa: E402
-    describe_outputs, shard_prefix, sidecar_path, tokenizer_identity, write_sidecar,
+    describe_outputs, remove_outputs, shard_prefix, sidecar_path, tokenizer_identity, write_sidecar,
 )
 from megatron_lite.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer  # noqa: E402
 
@@ -156,6 +157,41 @@ def usage_error(message: str) -> int:
     return 2
 
 
+def write_error(error: WriteError) -> int:
+    print(f"preprocess_data.py: error: {error}; nothing was written", file=sys.stderr)
+    return 1
+
+
+def publish(args, datasets, prefixes, writers, identity, dtype, progress, files, pieces, sharded) -> None:
+    """Each output's .bin/.idx, then its sidecar, which marks it complete. A failure leaves no output of
+    this run under a final name."""
+    published = []
+    try:
+        for prefix in prefixes:
+            if os.path.exists(sidecar_path(prefix)):
+                os.remove(sidecar_path(prefix))  # a rerun's new pair must never sit beside the old run's record
+        for key, dataset, prefix, writer in zip(args.json_keys, datasets, prefixes, writers):
+            writer.finalize()
+            published.append(prefix)
+            write_sidecar(prefix, {
+                "dataset": os.path.basename(dataset), "json_key": key, "tokenizer": identity, "dtype": str(dtype),
+                "documents": progress.documents, "sequences": writer.num_sequences, "tokens": writer.num_tokens,
+                "bad_lines": progress.bad_lines,
+                "shard": ({"index": args.shard_index, "count": args.num_shards,
+                           "input_fingerprint": input_fingerprint(files), "input_files": len(files),
+                           "pieces": [[p.path, p.start, p.end] for p in pieces]} if sharded else None),
+                **describe_outputs(prefix),
+            })
+    except (WriteError, OSError) as e:
+        for writer in writers[len(published):]:
+            writer.abort()
+        for prefix in published:
+            remove_outputs(prefix)
+        if isinstance(e, WriteError):
+            raise
+        raise WriteError(sidecar_path(prefixes[0]), describe(e)) from None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.chunk_documents < 1 or args.log_interval < 1:
@@ -184,7 +220,14 @@ def main(argv=None) -> int:
     encoder_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.json_keys, args.append_eod, dtype)
     datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
-    writers = [IndexedDatasetWriter(prefix, dtype) for prefix in prefixes]
+    writers = []
+    try:
+        for prefix in prefixes:
+            writers.append(IndexedDatasetWriter(prefix, dtype))
+    except WriteError as e:
+        for writer in writers:
+            writer.abort()
+        return write_error(e)
     progress = Progress(sum(p.size for p in pieces), args.log_interval)
     current, lines_before = None, 0  # line numbers count from 1 within each piece
     try:
@@ -213,23 +256,18 @@ def main(argv=None) -> int:
             writer.abort()
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
+    except WriteError as e:
+        for writer in writers:
+            writer.abort()
+        return write_error(e)
     except BaseException:
         for writer in writers:
             writer.abort()
         raise
-    for key, dataset, prefix, writer in zip(args.json_keys, datasets, prefixes, writers):
-        if os.path.exists(sidecar_path(prefix)):
-            os.remove(sidecar_path(prefix))  # a rerun's new pair must never sit beside the old run's record
-        writer.finalize()
-        write_sidecar(prefix, {
-            "dataset": os.path.basename(dataset), "json_key": key, "tokenizer": identity, "dtype": str(dtype),
-            "documents": progress.documents, "sequences": writer.num_sequences, "tokens": writer.num_tokens,
-            "bad_lines": progress.bad_lines,
-            "shard": ({"index": args.shard_index, "count": args.num_shards,
-                       "input_fingerprint": input_fingerprint(files), "input_files": len(files),
-                       "pieces": [[p.path, p.start, p.end] for p in pieces]} if sharded else None),
-            **describe_outputs(prefix),
-        })
+    try:
+        publish(args, datasets, prefixes, writers, identity, dtype, progress, files, pieces, sharded)
+    except WriteError as e:
+        return write_error(e)
     elapsed = time.perf_counter() - progress.start
     part = f"shard {args.shard_index} of {args.num_shards} ({len(pieces)} pieces of {len(files)} files): " \
         if sharded else ""

@@ -34,7 +34,8 @@ import torch
 from megatron_lite.checkpoint.merge import dense_state_dict
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.config import Config
-from megatron_lite.training.checkpointing import CheckpointError
+from megatron_lite.atomic import WriteError, atomic_folder, describe
+from megatron_lite.checkpoint.format import CheckpointError
 
 
 def check_representable(config: Config) -> None:
@@ -109,11 +110,15 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None,
     _, dense = dense_state_dict(reader)
     tensors = gpt2_state_dict(config, dense, vocab)
     parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.tmp{os.getpid()}")
-    os.makedirs(tmp)
     try:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise WriteError(output, describe(e)) from None
+    with atomic_folder(output) as tmp:
+        try:
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as its own error type
+            raise WriteError(os.path.join(output, "model.safetensors"), describe(e)) from None
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(gpt2_config(config, vocab, eos_id, bos_id), f, indent=1)
         files = ["config.json", "model.safetensors"]
@@ -121,10 +126,6 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None,
             shutil.copy2(tokenizer_model, os.path.join(tmp, "tokenizer.model"))
             files.append("tokenizer.model")
         if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above
-        os.rename(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            os.rmdir(output)  # empty, checked above; atomic_folder renames into its place next
     return {"tag": reader.tag, "architecture": "GPT2LMHeadModel", "vocab_size": vocab, "files": files,
             "parameters": sum(t.numel() for k, t in tensors.items())}

@@ -1,10 +1,10 @@
 """Where every parameter of the GPT lives in a checkpoint of a given TP x PP layout.
 
-DeepSpeed's pipeline engine writes one file per layer spec and TP rank,
-`layer_{spec:02d}-model_{tp:02d}-model_states.pt`, named by the spec's index in
-the whole model (so these files do not depend on the stage split), and one
-`mp_rank_{stage * TP + tp:02d}_model_states.pt` per stage and TP rank holding
-that rank's optimizer (ZeRO 0), LR schedule and step counters. The tied head
+DeepSpeed's pipeline engine writes one file per layer spec and TP rank, named
+by the spec's index in the whole model (so these files do not depend on the
+stage split), and one model-states file per stage and TP rank holding that
+rank's optimizer (ZeRO 0), LR schedule and step counters (file names:
+checkpoint/format.py). The tied head
 has no layer file (its weight is the embedding's, saved once as layer 00); the
 last stage keeps a copy of the whole embedding module, with its own optimizer
 state.
@@ -46,14 +46,6 @@ class ParamInfo:
     @property
     def decays(self) -> bool:
         return len(self.shape) > 1
-
-
-def layer_file(spec: int, tp_rank: int) -> str:
-    return f"layer_{spec:02d}-model_{tp_rank:02d}-model_states.pt"
-
-
-def mp_rank_file(stage: int, tp_rank: int, tp: int) -> str:
-    return f"mp_rank_{stage * tp + tp_rank:02d}_model_states.pt"
 
 
 class ModelLayout:

@@ -15,10 +15,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_lite.checkpoint.reader import CheckpointReader, load_file
+from megatron_lite.atomic import save_torch
+from megatron_lite.checkpoint.format import CheckpointError, load_file
+from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.config import Config
-from megatron_lite.training.checkpointing import CheckpointError
 
 FORMAT = "megatron_lite.dense_gpt.v1"
 
@@ -41,15 +42,13 @@ def dense_state_dict(reader: CheckpointReader, strip_vocab_padding: bool = False
 
 def save_merged(path: str, config: Config, state: Dict[str, torch.Tensor], iteration: int,
                 consumed_samples: int) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save({"format": FORMAT, "model": state, "config_json": json.dumps(dataclasses.asdict(config)),
-                "iteration": iteration, "consumed_samples": consumed_samples}, tmp)
-    os.replace(tmp, path)
+    save_torch({"format": FORMAT, "model": state, "config_json": json.dumps(dataclasses.asdict(config)),
+                "iteration": iteration, "consumed_samples": consumed_samples}, path)
 
 
 def load_merged(path: str) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
     """(config, state dict, {"iteration", "consumed_samples"}) of a file written by `merge`."""
-    saved = load_file(path, weights_only=True)
+    saved = load_file(path)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a merged checkpoint written by tools/convert_checkpoint.py merge")
     config = Config.from_dict(json.loads(saved["config_json"]))
@@ -57,6 +56,11 @@ def load_merged(path: str) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
 
 
 def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_vocab_padding: bool = False) -> dict:
+    if os.path.isdir(output):
+        raise CheckpointError(f"--output {output} is a folder; give a file name such as model.pt")
+    if os.path.exists(output):
+        raise CheckpointError(f"--output {output} already exists; give a new file name (an existing file is never "
+                              f"written over)")
     reader = CheckpointReader(load_dir, iteration)
     config, state = dense_state_dict(reader, strip_vocab_padding)
     save_merged(output, config, state, reader.iteration, reader.consumed_samples)

@@ -15,8 +15,17 @@ import torch
 
 from megatron_lite.config import Config
 from megatron_lite.checkpoint import slicing
-from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo, layer_file, mp_rank_file
-from megatron_lite.training.checkpointing import LATEST, METADATA, CheckpointError, read_metadata, tag_for
+from megatron_lite.checkpoint.format import (
+    LATEST,
+    METADATA,
+    CheckpointError,
+    layer_file,
+    load_file,
+    model_states_file,
+    read_metadata,
+    tag_for,
+)
+from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo
 
 Key = Tuple[int, str]  # (spec index, parameter name)
 
@@ -26,13 +35,39 @@ def _list_some(names: List[str], limit: int = 4) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_file(path: str, weights_only: bool = True):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
-    except Exception as e:  # noqa: BLE001 - any failure to read means the same thing to the user
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{path}: cannot be read, the file is truncated or not a checkpoint file ({reason})") \
-            from None
+def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
+    """A parameter's shape on one of `tp` TP ranks."""
+    shape = list(info.shape)
+    if info.partition_dim >= 0:
+        shape[info.partition_dim] //= tp
+    return tuple(shape)
+
+
+def check_layer_state(path: str, state, params: List[ParamInfo], tp: int) -> None:
+    """A layer file holds exactly the spec's tensors with their shapes at TP = tp."""
+    expected = {p.name: p for p in params}
+    if not isinstance(state, dict) or set(state) != set(expected) or \
+            not all(torch.is_tensor(v) for v in state.values()):
+        got = sorted(state) if isinstance(state, dict) else [type(state).__name__]
+        raise CheckpointError(f"{path} holds {_list_some(got)}, but the config in {METADATA} expects "
+                              f"{_list_some(sorted(expected))}: the file belongs to another model")
+    for name, info in expected.items():
+        want = slice_shape(info, tp)
+        if tuple(state[name].shape) != want:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(state[name].shape)}, the config in "
+                                  f"{METADATA} gives {want} at TP={tp}: the file belongs to another model")
+
+
+def check_model_states(path: str, state) -> None:
+    """DeepSpeed's per-rank engine state (step counters, LR schedule, ZeRO-0 optimizer)."""
+    if not isinstance(state, dict) or "global_steps" not in state:
+        raise CheckpointError(f"{path}: not a DeepSpeed model-states file (no 'global_steps')")
+
+
+def check_zero_state(path: str, state) -> None:
+    """A ZeRO / bf16-optimizer partition file."""
+    if not isinstance(state, dict) or not isinstance(state.get("optimizer_state_dict"), dict):
+        raise CheckpointError(f"{path}: not a DeepSpeed optimizer partition file (no 'optimizer_state_dict')")
 
 
 def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
@@ -84,7 +119,7 @@ class CheckpointReader:
                                   f"(DeepSpeed's non-pipeline engine: one module file plus ZeRO shards, no per-layer "
                                   f"files); these tools read ZeRO 0 and 1 checkpoints only")
         needed = [layer_file(spec, t) for spec in self.layout.layer_specs_with_files() for t in range(self.tp)]
-        needed += [mp_rank_file(s, t, self.tp) for s in range(self.pp) for t in range(self.tp)]
+        needed += [model_states_file(s, t, self.tp) for s in range(self.pp) for t in range(self.tp)]
         missing = [n for n in needed if not os.path.isfile(os.path.join(self.path, n))]
         if missing:
             raise CheckpointError(
@@ -96,24 +131,9 @@ class CheckpointReader:
         for t in range(self.tp):
             path = os.path.join(self.path, layer_file(spec, t))
             sd = load_file(path)
-            expected = {p.name: p for p in self.layout.params[spec]}
-            if not isinstance(sd, dict) or set(sd) != set(expected):
-                got = sorted(sd) if isinstance(sd, dict) else [type(sd).__name__]
-                raise CheckpointError(f"{path} holds {_list_some(got)}, but the config in {METADATA} expects "
-                                      f"{_list_some(sorted(expected))}: the file belongs to another model")
-            for name, info in expected.items():
-                want = self.slice_shape(info)
-                if tuple(sd[name].shape) != want:
-                    raise CheckpointError(f"{path}: {name} has shape {tuple(sd[name].shape)}, the config in "
-                                          f"{METADATA} gives {want} at TP={self.tp}: the file belongs to another model")
+            check_layer_state(path, sd, self.layout.params[spec], self.tp)
             shards.append(sd)
         return shards
-
-    def slice_shape(self, info: ParamInfo) -> Tuple[int, ...]:
-        shape = list(info.shape)
-        if info.partition_dim >= 0:
-            shape[info.partition_dim] //= self.tp
-        return tuple(shape)
 
     def full_weights(self) -> Dict[Key, torch.Tensor]:
         """Every parameter as its full fp32 tensor."""
@@ -129,10 +149,9 @@ class CheckpointReader:
 
     def rank_state(self, stage: int, tp_rank: int) -> dict:
         """DeepSpeed's per-rank state (optimizer at ZeRO 0, LR schedule, step counters)."""
-        path = os.path.join(self.path, mp_rank_file(stage, tp_rank, self.tp))
-        state = load_file(path, weights_only=False)
-        if not isinstance(state, dict) or "global_steps" not in state:
-            raise CheckpointError(f"{path}: not a DeepSpeed model-states file (no 'global_steps')")
+        path = os.path.join(self.path, model_states_file(stage, tp_rank, self.tp))
+        state = load_file(path)
+        check_model_states(path, state)
         return state
 
     def optimizer_states(self) -> Tuple[Dict[Tuple[int, str, bool], Dict[str, torch.Tensor]], List[dict]]:
@@ -146,7 +165,7 @@ class CheckpointReader:
             per_rank = []
             params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
             for t in range(self.tp):
-                path = os.path.join(self.path, mp_rank_file(stage, t, self.tp))
+                path = os.path.join(self.path, model_states_file(stage, t, self.tp))
                 opt = self.rank_state(stage, t).get("optimizer")
                 if not (isinstance(opt, dict) and "state" in opt and "param_groups" in opt):
                     zero = sorted(f for f in os.listdir(self.path) if "optim_states" in f)

@@ -15,23 +15,26 @@ at the end; an existing --save folder is never written into.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 from typing import Dict, List, Optional
 
 import torch
 
 from megatron_lite.checkpoint import slicing
-from megatron_lite.checkpoint.layout import ModelLayout, layer_file, mp_rank_file
+from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
+from megatron_lite.checkpoint.format import CheckpointError, layer_file, load_file, write_latest, write_metadata
+from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
+from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
-from megatron_lite.training.checkpointing import LATEST, METADATA, CheckpointError
 
 
 def target_config(source: Config, tp: int, pp: int, partition_method: Optional[str]) -> Config:
     m, p = source.model, source.parallel
+    if tp < 1:
+        raise CheckpointError(f"--target-tensor-model-parallel-size {tp} must be at least 1 and divide the model's "
+                              f"{m.num_attention_heads} attention heads")
     if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not divide the model's "
                               f"{m.num_attention_heads} attention heads and --ffn-hidden-size {m.ffn_hidden_size}; "
@@ -96,11 +99,13 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
         groups = _default_groups(config)
 
     parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_root = os.path.join(parent, f".{os.path.basename(os.path.abspath(save_dir))}.tmp{os.getpid()}")
-    tmp = os.path.join(tmp_root, reader.tag)
-    os.makedirs(tmp)
     try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise WriteError(save_dir, describe(e)) from None
+    with atomic_folder(save_dir) as tmp_root:
+        tmp = os.path.join(tmp_root, reader.tag)
+        os.makedirs(tmp)
         for spec in layout.layer_specs_with_files():
             per_rank = [{} for _ in range(tp)]
             for info in layout.params[spec]:
@@ -111,7 +116,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 for r, piece in enumerate(slicing.split(full, tp, info.partition_dim, info.partition_stride)):
                     per_rank[r][info.name] = piece.contiguous()
             for r in range(tp):
-                torch.save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
+                torch_save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
             log(f"  layer {spec:02d}: {len(per_rank[0])} tensors x {tp} TP ranks")
 
         for stage in range(pp):
@@ -135,27 +140,21 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 state.update(module=None, optimizer={"state": opt_state[r], "param_groups": param_groups},
                              mp_world_size=tp * pp,
                              checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": tp})
-                torch.save(state, os.path.join(tmp, mp_rank_file(stage, r, tp)))
+                torch_save(state, os.path.join(tmp, mp_rank_file(stage, r, tp)))
 
         copied_rng = reader.tp == tp and reader.pp == pp
-        if copied_rng:
+        if copied_rng:  # read and written again, never copied unread: a file is validated before it travels
             for name in sorted(os.listdir(reader.path)):
                 if name.startswith("rng_rank_"):
-                    shutil.copy2(os.path.join(reader.path, name), os.path.join(tmp, name))
+                    torch_save(load_file(os.path.join(reader.path, name)), os.path.join(tmp, name))
         metadata = dict(reader.metadata)
         metadata.update(layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                 "data_parallel_size": config.parallel.data_parallel_size},
                         config=dataclasses.asdict(config), optimizer_states=not no_optimizer,
                         resharded_from={"path": os.path.abspath(reader.path), "tensor_model_parallel_size": reader.tp,
                                         "pipeline_model_parallel_size": reader.pp})
-        with open(os.path.join(tmp, METADATA), "w") as f:
-            json.dump(metadata, f, indent=1)
-        with open(os.path.join(tmp_root, LATEST), "w") as f:
-            f.write(reader.tag)
-        os.rename(tmp_root, save_dir)
-    except BaseException:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-        raise
+        write_metadata(tmp, metadata)
+        write_latest(tmp_root, reader.tag)
     return {"tag": reader.tag, "source": (reader.tp, reader.pp), "target": (tp, pp),
             "optimizer": not no_optimizer, "rng": copied_rng, "padded_vocab": (reader.config.model.padded_vocab_size, rows),
             "partition_method": config.parallel.pipeline_partition_method}

@@ -15,6 +15,8 @@ from typing import Callable, Dict, Sequence, Tuple
 import numpy as np
 import torch.distributed as dist
 
+from megatron_lite.atomic import WriteError, atomic_file, describe, write_text
+
 
 def cache_key(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
@@ -26,10 +28,8 @@ def _paths(cache_dir: str, stem: str, names: Sequence[str]) -> Tuple[Dict[str, s
 
 
 def _save(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def load_or_build(cache_dir: str, stem: str, description: dict, names: Sequence[str],
@@ -43,19 +43,27 @@ def load_or_build(cache_dir: str, stem: str, description: dict, names: Sequence[
     paths, description_path = _paths(cache_dir, stem, names)
     distributed = dist.is_available() and dist.is_initialized()
     built = False
+    failure = None
     if not distributed or dist.get_rank() == 0:
         if not os.path.isfile(description_path) or not all(os.path.isfile(p) for p in paths.values()):
-            os.makedirs(cache_dir, exist_ok=True)
             arrays = build()
-            for name, path in paths.items():
-                _save(path, arrays[name])
-            tmp = f"{description_path}.tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(description, f, indent=2, sort_keys=True)
-            os.replace(tmp, description_path)
+            try:
+                try:
+                    os.makedirs(cache_dir, exist_ok=True)
+                except OSError as e:
+                    raise WriteError(cache_dir, describe(e)) from None
+                for name, path in paths.items():
+                    _save(path, arrays[name])
+                write_text(description_path, json.dumps(description, indent=2, sort_keys=True))
+            except WriteError as e:
+                failure = (e.path, e.reason)
             built = True
-    if distributed:
-        dist.barrier()
+    if distributed:  # the other ranks wait here for rank 0's files, and learn if it could not write them
+        message = [failure]
+        dist.broadcast_object_list(message, src=0)
+        failure = message[0]
+    if failure is not None:
+        raise WriteError(*failure)
     if not os.path.isfile(description_path):
         raise FileNotFoundError(f"{description_path}: rank 0 built the indices but this rank cannot see them; "
                                 f"--data-cache-path must be on a filesystem every node shares")

@@ -6,12 +6,15 @@ here: tools/preprocess_data.py imports this module and must start fast.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
+
+from megatron_lite.atomic import AtomicFile, WriteError, describe, temporary_name
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -42,19 +45,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def _temporary(path: str) -> str:
-    return path + ".tmp"
-
-
 class IndexedDatasetWriter:
     """Appends documents to `{prefix}.bin` and writes `{prefix}.idx` on `finalize()`.
 
     Both files are written under temporary names and renamed only when
-    complete, so an interrupted run never leaves a half file under the final
-    name. Sequence lengths and document ends go to scratch files as they
-    arrive and are streamed into the .idx at the end, so memory stays flat
-    however many documents a corpus has. As a context manager it finalizes on
-    success and removes the temporary files on an exception.
+    complete (megatron_lite/atomic.py), so an interrupted run never leaves a
+    half file under the final name. Sequence lengths and document ends go to
+    scratch files as they arrive and are streamed into the .idx at the end, so
+    memory stays flat however many documents a corpus has. A failed write (a
+    full disk) removes every temporary and raises WriteError naming the file.
+    As a context manager it finalizes on success and removes the temporary
+    files on an exception.
     """
 
     def __init__(self, prefix: str, dtype) -> None:
@@ -62,17 +63,28 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
             raise ValueError(f"{prefix}: token dtype {self.dtype} has no code in the format; use uint16 or int32")
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(_temporary(data_file_path(prefix)), "wb")
-        self._lengths = open(self._scratch("lengths"), "w+b")
-        self._document_ends = open(self._scratch("documents"), "w+b")
-        self._document_ends.write(np.zeros(1, dtype="<i8").tobytes())
         self.num_sequences = 0
         self.num_documents = 0
         self.num_tokens = 0
+        self._bin = self._lengths = self._document_ends = None
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+            self._bin = AtomicFile(data_file_path(prefix))
+            self._lengths = open(temporary_name(index_file_path(prefix) + ".lengths"), "w+b")
+            self._document_ends = open(temporary_name(index_file_path(prefix) + ".documents"), "w+b")
+            self._document_ends.write(np.zeros(1, dtype="<i8").tobytes())
+        except (OSError, WriteError) as e:
+            self.abort()
+            raise WriteError(data_file_path(prefix), getattr(e, "reason", None) or describe(e)) from None
 
-    def _scratch(self, name: str) -> str:
-        return f"{_temporary(index_file_path(self.prefix))}.{name}"
+    @contextlib.contextmanager
+    def _writing(self, path: str):
+        """Any failure to write is the whole dataset's: remove every temporary, name `path`."""
+        try:
+            yield
+        except OSError as e:
+            self.abort()
+            raise WriteError(path, describe(e)) from None
 
     def add_document(self, tokens: Sequence[int], sequence_lengths: Optional[Sequence[int]] = None) -> None:
         """One document: its tokens, split into sequences of the given lengths (default: one sequence)."""
@@ -103,62 +115,81 @@ class IndexedDatasetWriter:
         if other.dtype != self.dtype:
             raise IndexedDatasetError(f"{index_file_path(prefix)}: dtype {other.dtype} differs from "
                                       f"{self.dtype} of {self.prefix}; merge datasets of one tokenizer")
-        for start in range(0, len(other), block):
-            lengths = other.sequence_lengths[start:start + block]
-            self._lengths.write(lengths.astype("<i4").tobytes())
-            self.num_tokens += int(lengths.sum(dtype=np.int64))
-        for start in range(1, len(other.document_indices), block):
-            ends = self.num_sequences + other.document_indices[start:start + block].astype(np.int64)
-            self._document_ends.write(ends.astype("<i8").tobytes())
-        self.num_sequences += len(other)
-        self.num_documents += other.num_documents
-        with open(data_file_path(prefix), "rb") as f:
-            shutil.copyfileobj(f, self._bin, 16 << 20)
+        with self._writing(data_file_path(self.prefix)):
+            for start in range(0, len(other), block):
+                lengths = other.sequence_lengths[start:start + block]
+                self._lengths.write(lengths.astype("<i4").tobytes())
+                self.num_tokens += int(lengths.sum(dtype=np.int64))
+            for start in range(1, len(other.document_indices), block):
+                ends = self.num_sequences + other.document_indices[start:start + block].astype(np.int64)
+                self._document_ends.write(ends.astype("<i8").tobytes())
+            self.num_sequences += len(other)
+            self.num_documents += other.num_documents
+            with open(data_file_path(prefix), "rb") as f:
+                shutil.copyfileobj(f, self._bin.file, 16 << 20)
 
     def _append(self, token_bytes: bytes, lengths: np.ndarray, document_ends: np.ndarray) -> None:
-        self._bin.write(token_bytes)
-        self._lengths.write(lengths.astype("<i4").tobytes())
-        self._document_ends.write(document_ends.astype("<i8").tobytes())
+        with self._writing(data_file_path(self.prefix)):
+            self._bin.file.write(token_bytes)
+            self._lengths.write(lengths.astype("<i4").tobytes())
+            self._document_ends.write(document_ends.astype("<i8").tobytes())
         self.num_sequences += len(lengths)
         self.num_documents += len(document_ends)
         self.num_tokens += int(lengths.sum(dtype=np.int64))
 
     def finalize(self, block: int = 1 << 22) -> None:
-        self._bin.close()
         index_path = index_file_path(self.prefix)
-        with open(_temporary(index_path), "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], self.num_sequences,
-                                self.num_documents + 1))
-            self._lengths.seek(0)
-            shutil.copyfileobj(self._lengths, f, 16 << 20)
-            # Pointers: the byte offset of each sequence, a running sum of the lengths carried across blocks.
-            self._lengths.seek(0)
-            offset = 0
-            while True:
-                lengths = np.frombuffer(self._lengths.read(4 * block), dtype="<i4").astype(np.int64)
-                if not len(lengths):
-                    break
-                ends = np.cumsum(lengths) + offset
-                f.write(((ends - lengths) * self.dtype.itemsize).astype("<i8").tobytes())
-                offset = int(ends[-1])
-            self._document_ends.seek(0)
-            shutil.copyfileobj(self._document_ends, f, 16 << 20)
+        index = None
+        try:
+            index = AtomicFile(index_path)
+            self._write_index(index.file, block)
+        except (OSError, WriteError) as e:
+            if index is not None:
+                index.discard()
+            self.abort()
+            raise WriteError(index_path, getattr(e, "reason", None) or describe(e)) from None
         self._remove_scratch()
-        os.replace(_temporary(data_file_path(self.prefix)), data_file_path(self.prefix))
-        os.replace(_temporary(index_path), index_path)
+        try:
+            self._bin.commit()
+        except WriteError:
+            index.discard()
+            raise
+        try:
+            index.commit()
+        except WriteError:  # the pair appears whole or not at all
+            os.remove(data_file_path(self.prefix))
+            raise
+
+    def _write_index(self, f, block: int) -> None:
+        f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], self.num_sequences,
+                            self.num_documents + 1))
+        self._lengths.seek(0)
+        shutil.copyfileobj(self._lengths, f, 16 << 20)
+        # Pointers: the byte offset of each sequence, a running sum of the lengths carried across blocks.
+        self._lengths.seek(0)
+        offset = 0
+        while True:
+            lengths = np.frombuffer(self._lengths.read(4 * block), dtype="<i4").astype(np.int64)
+            if not len(lengths):
+                break
+            ends = np.cumsum(lengths) + offset
+            f.write(((ends - lengths) * self.dtype.itemsize).astype("<i8").tobytes())
+            offset = int(ends[-1])
+        self._document_ends.seek(0)
+        shutil.copyfileobj(self._document_ends, f, 16 << 20)
 
     def _remove_scratch(self) -> None:
         for scratch in (self._lengths, self._document_ends):
+            if scratch is None:
+                continue
             scratch.close()
             if os.path.exists(scratch.name):
                 os.remove(scratch.name)
 
     def abort(self) -> None:
-        self._bin.close()
+        if self._bin is not None:
+            self._bin.discard()
         self._remove_scratch()
-        for path in (data_file_path(self.prefix), index_file_path(self.prefix)):
-            if os.path.exists(_temporary(path)):
-                os.remove(_temporary(path))
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self

@@ -15,6 +15,7 @@ import json
 import os
 from typing import Optional
 
+from megatron_lite.atomic import write_text
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 
 FORMAT = "megatron_lite.dataset"
@@ -60,11 +61,15 @@ def describe_outputs(prefix: str) -> dict:
 
 
 def write_sidecar(prefix: str, record: dict) -> None:
-    path = sidecar_path(prefix)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "version": VERSION, **record}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    write_text(sidecar_path(prefix), json.dumps({"format": FORMAT, "version": VERSION, **record}, indent=1,
+                                                sort_keys=True) + "\n")
+
+
+def remove_outputs(prefix: str) -> None:
+    """Remove a dataset's .bin, .idx and sidecar, where present (an output that could not be finished)."""
+    for path in (data_file_path(prefix), index_file_path(prefix), sidecar_path(prefix)):
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def read_sidecar(prefix: str) -> dict:

@@ -23,7 +23,7 @@ from megatron_lite.config import Config, ConfigError, format_split
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.parallel import state
-from megatron_lite.training.checkpointing import CheckpointError
+from megatron_lite.training.checkpointing import load_weights
 from megatron_lite.training.distributed import init_distributed
 from megatron_lite.training.engine import Engine
 from megatron_lite.training.loop import evaluate
@@ -88,9 +88,7 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp)
         engine = Engine(config, with_scheduler=False)
-        path = engine.load_weights(directory, tag)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
+        load_weights(engine, config, directory, tag)
         tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", config.data.tokenizer_model,
                                     config.model.vocab_size)
         gbs, t = config.batch.global_batch_size, config.training

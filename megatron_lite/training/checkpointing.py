@@ -1,175 +1,293 @@
-"""Atomic checkpoints: DeepSpeed's engine state plus ours, so `--load` continues exactly.
+"""Save and resume (--save / --load) on top of checkpoint/format.py.
 
-Layout under --save:
+A save writes DeepSpeed's files and ours (metadata, every rank's random generators) into
+`tmp-iter_XXXXXXX-RUNID/`, a name no other run uses. Once every rank has written without error, rank 0
+renames it to `iter_XXXXXXX` and then replaces `latest`; a process killed in between leaves the previous
+checkpoint and `latest` untouched. A write that fails on any rank (a full disk) removes the temporary
+folder and stops the run with one line naming the file and the reason.
 
-    latest                      the newest complete tag (written last, atomically)
-    iter_0000200/               DeepSpeed's files (layer_XX-model_YY-model_states.pt, optimizer shards)
-        megatron_lite.json      config, layout, iteration, consumed samples (rank 0)
-        rng_rank_00003.pt       every random generator of rank 3 (each rank its own)
-
-A save writes into `tmp-iter_0000200/`; only after every rank has finished
-does rank 0 rename it and then replace `latest`. A process killed in between
-leaves the previous checkpoint and `latest` untouched.
+A resume validates before it loads: every rank reads the files it needs through the checkpoint reader
+(weights_only, the expected tensors and shapes), the ranks agree that all of them are good, and only then
+does DeepSpeed load them, from memory. A bad file is one line naming it, on every rank, with no hang.
+The saved config has already been compared with this run's (validation/resume.py).
 """
 from __future__ import annotations
 
-import json
+import glob
 import os
 import random
+import secrets
 import shutil
+import time
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_lite.atomic import WriteError, describe, torch_save
+from megatron_lite.checkpoint.format import (
+    LATEST,
+    TMP_PREFIX,
+    CheckpointError,
+    layer_file,
+    layout_of,
+    load_file,
+    model_states_file,
+    probe_load_dir,
+    read_latest,
+    read_metadata,
+    rng_file,
+    saved_tags,
+    tag_for,
+    write_latest,
+    write_metadata,
+    zero3_model_states_file,
+)
+from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.lock import SaveFolderLock
+from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
+from megatron_lite.data.sidecar import file_sha256
+from megatron_lite.parallel import state
 from megatron_lite.parallel.random import get_rng_tracker
+from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
 
-LATEST = "latest"
-METADATA = "megatron_lite.json"
-TMP_PREFIX = "tmp-"
+__all__ = ["CheckpointError", "WriteError", "SaveFolder", "open_save_folder", "save", "load", "latest_tag",
+           "with_saved_stages", "tag_for"]
 
-
-class CheckpointError(RuntimeError):
-    pass
+latest_tag = read_latest
 
 
-def tag_for(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
+@dataclass
+class SaveFolder:
+    """What one run holds on its --save folder: the lock (rank 0) and the run id that names its temporary
+    folders."""
+    lock: Optional[SaveFolderLock]
+    run_id: str
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def lock_before_init(config: Config) -> Tuple[Optional[SaveFolderLock], Optional[str], Optional[str]]:
+    """Rank 0 takes the --save folder's lock before any process group exists: (lock, problem, note)."""
+    if not config.training.save or not is_rank_zero_from_environment():
+        return None, None, None
+    lock = SaveFolderLock(config.training.save)
+    try:
+        return lock, None, lock.acquire().note
+    except CheckpointError as e:
+        return None, str(e), None
 
 
-def latest_tag(directory: str) -> Optional[str]:
-    path = os.path.join(directory, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(directory, tag)):
-        raise CheckpointError(f"{path} names '{tag}', but {os.path.join(directory, tag)} does not exist")
-    return tag
+def open_save_folder(config: Config, lock: Optional[SaveFolderLock], problem: Optional[str]) -> SaveFolder:
+    """Collective, right after the process group exists: every rank learns whether rank 0 got the lock
+    (and stops with its message if not), and the run's id. Rank 0 then removes unfinished saves that
+    earlier runs left behind: with the lock held, no other run is writing here."""
+    problems = gather_problems(problem)
+    if problems:
+        raise CheckpointError(problems[0])
+    run_id = [f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"]
+    dist.broadcast_object_list(run_id, src=0)
+    if lock is not None:
+        for stale in glob.glob(os.path.join(config.training.save, TMP_PREFIX + "*")):
+            shutil.rmtree(stale, ignore_errors=True)
+    return SaveFolder(lock=lock, run_id=run_id[0])
 
+
+# Random generators. Tensors and plain values only, so the file loads with weights_only=True.
 
 def _rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": get_rng_tracker().get_states(),
     }
 
 
+def _check_rng(path: str, saved) -> None:
+    if not isinstance(saved, dict) or not {"python", "numpy", "torch", "tracker"} <= set(saved):
+        raise CheckpointError(f"{path}: not a megatron_lite random-generator file")
+
+
 def _set_rng_state(saved: dict) -> None:
     random.setstate(saved["python"])
-    np.random.set_state(saved["numpy"])
+    numpy_state = saved["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    else:  # checkpoints before the tensor-only format kept numpy's own tuple
+        np.random.set_state(numpy_state)
     torch.set_rng_state(saved["torch"])
     if saved["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(saved["cuda"])
     get_rng_tracker().set_states(saved["tracker"])
 
 
-def _layout(config: Config) -> dict:
+def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> dict:
     p = config.parallel
-    return {"tensor_model_parallel_size": p.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
-            "data_parallel_size": p.data_parallel_size}
+    tokenizer = config.data.tokenizer_model
+    return {"iteration": iteration, "consumed_samples": consumed_samples,
+            "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
+            "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
+            "tokenizer_sha256": file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None,
+            "config": config.to_dict()}
 
 
-def save(engine, config: Config, iteration: int, consumed_samples: int) -> str:
-    """Save on every rank (collective); `engine` is a training.engine.Engine. Returns the tag."""
+def save(engine, config: Config, iteration: int, consumed_samples: int, folder: SaveFolder) -> str:
+    """Save on every rank (collective); `engine` is a training.engine.Engine. Returns the tag.
+    Raises WriteError on every rank when any rank could not write, leaving no temporary folder."""
     directory = config.training.save
     tag = tag_for(iteration)
-    tmp_tag = TMP_PREFIX + tag
-    rank = dist.get_rank()
-    if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        # left over from a run killed while saving
-        shutil.rmtree(os.path.join(directory, tmp_tag), ignore_errors=True)
-    dist.barrier()
-    engine.save(directory, tmp_tag)
+    tmp_tag = f"{TMP_PREFIX}{tag}-{folder.run_id}"
     tmp_dir = os.path.join(directory, tmp_tag)
-    os.makedirs(tmp_dir, exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp_dir, f"rng_rank_{rank:05d}.pt"))
-    if rank == 0:
-        metadata = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": _layout(config),
-                    "layers_per_stage": getattr(engine.module, "layers_per_stage", None), "config": config.to_dict()}
-        _write_atomically(os.path.join(tmp_dir, METADATA), json.dumps(metadata, indent=1))
-    dist.barrier()
-    if rank == 0:
-        final = os.path.join(directory, tag)
-        if os.path.exists(final):  # saving the same iteration again (e.g. right after a resume)
-            shutil.rmtree(final)
-        os.rename(tmp_dir, final)
-        _write_atomically(os.path.join(directory, LATEST), tag)
-        if config.training.keep_last:
-            _prune(directory, config.training.keep_last)
-    dist.barrier()
+    rank = dist.get_rank()
+    io = engine.io
+    io.start_save()
+    engine.save(directory, tmp_tag)  # every rank returns from it, even after a failed write (engine_io.py)
+    failure = io.failure
+    if failure is None:
+        try:
+            torch_save(_rng_state(), os.path.join(tmp_dir, rng_file(rank)))
+            if rank == 0:
+                write_metadata(tmp_dir, _metadata(engine, config, iteration, consumed_samples))
+        except WriteError as e:
+            failure = e
+    failures = gather_problems((failure.path, failure.reason) if failure else None)
+    if failures:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise WriteError(*failures[0])
+    failure = _publish(directory, tmp_dir, tag) if rank == 0 else None
+    if failure is None and rank == 0 and config.training.keep_last:
+        _prune(directory, config.training.keep_last)
+    failures = gather_problems(failure)
+    if failures:
+        raise WriteError(*failures[0])
     return tag
 
 
-def _prune(directory: str, keep_last: int) -> None:
-    tags = sorted(d for d in os.listdir(directory) if d.startswith("iter_") and os.path.isdir(os.path.join(directory, d)))
-    for old in tags[:-keep_last]:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-
-
-def read_metadata(directory: str, tag: str) -> dict:
-    path = os.path.join(directory, tag, METADATA)
+def _publish(directory: str, tmp_dir: str, tag: str) -> Optional[Tuple[str, str]]:
+    """Rename the finished save into place, then point `latest` at it. On failure nothing new stays in
+    place: (path, reason)."""
+    final = os.path.join(directory, tag)
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e})") from None
+        if os.path.exists(final):  # saving the same iteration again (e.g. right after a resume)
+            shutil.rmtree(final)
+        os.rename(tmp_dir, final)
+    except OSError as e:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        return final, describe(e)
+    try:
+        write_latest(directory, tag)
+    except WriteError as e:
+        shutil.rmtree(final, ignore_errors=True)
+        return os.path.join(directory, LATEST), e.reason
+    return None
 
 
-def check_layout(config: Config, metadata: dict, where: str) -> None:
-    saved = metadata["layout"]
-    ours = _layout(config)
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    if any(saved[k] != ours[k] for k in keys):
-        raise CheckpointError(
-            f"--load {where} was saved with TP={saved['tensor_model_parallel_size']}, "
-            f"PP={saved['pipeline_model_parallel_size']}, but this run uses TP={ours['tensor_model_parallel_size']}, "
-            f"PP={ours['pipeline_model_parallel_size']}; resume with --tensor-model-parallel-size "
-            f"{saved['tensor_model_parallel_size']} --pipeline-model-parallel-size "
-            f"{saved['pipeline_model_parallel_size']} (or reshard the checkpoint first)"
-        )
+def _prune(directory: str, keep_last: int) -> None:
+    for old in saved_tags(directory)[:-keep_last]:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
 
 
 def with_saved_stages(config: Config) -> Config:
     """A resumed `profile`-partitioned run cuts its stages where the checkpoint's run did: timings
     differ from run to run, and each stage's optimizer state belongs to the layers it held."""
     directory = config.training.load
-    if config.parallel.pipeline_partition_method != "profile" or not directory or not os.path.isdir(directory):
+    if config.parallel.pipeline_partition_method != "profile" or not directory:
         return config
-    tag = latest_tag(directory)
+    tag = probe_load_dir(directory)
     counts = read_metadata(directory, tag).get("layers_per_stage") if tag else None
     if not counts or len(counts) != config.parallel.pipeline_model_parallel_size:
         return config
     return config.replace(parallel__pipeline_partition_method=",".join(map(str, counts)))
 
 
+def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: bool):
+    """(path, check) for every file DeepSpeed reads on this rank when resuming at the same layout."""
+    if not engine.pipelined:  # ZeRO 2/3 at PP = 1: one model-states file (one per DP rank at ZeRO 3), partitions
+        name = model_states_file(0, 0, 1)
+        if config.parallel.zero_stage == 3:
+            name = zero3_model_states_file(state.get_data_parallel_rank())
+        files = [(os.path.join(folder, name), check_model_states)]
+        if load_optimizer:
+            files += [(path, check_zero_state) for path in
+                      sorted(glob.glob(os.path.join(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))]
+        return files
+    p = config.parallel
+    tp, stage, tp_rank = p.tensor_model_parallel_size, state.get_pipeline_model_parallel_rank(), \
+        state.get_tensor_model_parallel_rank()
+    bounds = engine.module.stage_bounds
+    layout = ModelLayout(config)
+    files = []
+    for spec in layout.layer_specs_with_files():
+        if bounds[stage] <= spec < bounds[stage + 1]:
+            params = layout.params[spec]
+            files.append((os.path.join(folder, layer_file(spec, tp_rank)),
+                          lambda path, value, params=params: check_layer_state(path, value, params, tp)))
+    files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))
+    if load_optimizer:
+        mp_rank = stage * tp + tp_rank
+        for path in sorted(glob.glob(os.path.join(folder, f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"))):
+            files.append((path, check_zero_state))
+    return files
+
+
+def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optional[dict]:
+    """Read and check this rank's files into the engine's IO, then agree with every rank; the random
+    generators' state is returned. Raises the first problem any rank found, on every rank."""
+    problem, rng = None, None
+    try:
+        for path, check in _files_of_this_rank(folder, config, engine, load_optimizer):
+            value = load_file(path)
+            check(path, value)
+            engine.io.preload(path, value)
+        rng_path = os.path.join(folder, rng_file(dist.get_rank()))
+        if os.path.isfile(rng_path):
+            rng = load_file(rng_path)
+            _check_rng(rng_path, rng)
+    except CheckpointError as e:
+        problem = str(e)
+    problems = gather_problems(problem)
+    if problems:
+        engine.io.clear()
+        raise CheckpointError(problems[0])
+    return rng
+
+
 def load(engine, config: Config) -> Tuple[int, int]:
-    """Resume from --load's latest tag. Returns (iteration, consumed samples); (0, 0) when there is none."""
+    """Resume from --load's latest tag. Returns (iteration, consumed samples); (0, 0) when --load holds
+    no checkpoint yet (validation has said so)."""
     directory = config.training.load
-    tag = latest_tag(directory) if directory and os.path.isdir(directory) else None
+    tag = probe_load_dir(directory)
     if tag is None:
         return 0, 0
     metadata = read_metadata(directory, tag)
-    check_layout(config, metadata, os.path.join(directory, tag))
+    folder = os.path.join(directory, tag)
     # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.
-    path = engine.load(directory, tag, load_optimizer_states=metadata.get("optimizer_states", True))
+    load_optimizer = metadata.get("optimizer_states", True)
+    rng = _preload(engine, folder, config, load_optimizer)
+    path = engine.load(directory, tag, load_optimizer_states=load_optimizer)
+    engine.io.clear()
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load {folder}")
+    if rng is not None:
+        _set_rng_state(rng)
+    return metadata["iteration"], metadata["consumed_samples"]
+
+
+def load_weights(engine, config: Config, directory: str, tag: str) -> None:
+    """The model's weights only (evaluation), validated first like a resume."""
+    _preload(engine, os.path.join(directory, tag), config, load_optimizer=False)
+    path = engine.load_weights(directory, tag)
+    engine.io.clear()
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {os.path.join(directory, tag)}")
-    rng_path = os.path.join(directory, tag, f"rng_rank_{dist.get_rank():05d}.pt")
-    if os.path.isfile(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=False))
-    return metadata["iteration"], metadata["consumed_samples"]

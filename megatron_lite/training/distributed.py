@@ -78,3 +78,14 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def gather_problems(problem):
+    """Collective: every rank's problem (any picklable value, or None for none), in rank order, with the
+    Nones left out. Ranks that must stop together call this where the others would otherwise go on into
+    a collective that a failed rank never reaches."""
+    import torch.distributed as dist
+
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return [p for p in problems if p is not None]

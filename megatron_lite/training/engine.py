@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
+from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPTModel, build
 from megatron_lite.parallel import state
@@ -63,6 +64,9 @@ class Engine:
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
             config=deepspeed_config(config),
         )
+        # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
+        self.io = EngineIO()
+        self.io.install(self.engine)
 
     @property
     def device(self) -> torch.device:

@@ -85,6 +85,7 @@ class Run:
     valid_dataset: object
     tb: TensorBoardWriter
     exit_signal: ExitSignal
+    save_folder: Optional[checkpointing.SaveFolder] = None
     stage_timer: Optional[StageTimer] = None
     memory_reported: bool = False
     iteration: int = 0
@@ -115,12 +116,19 @@ def pretrain(config: Config) -> int:
         finish(run)
     run.tb.close()
     dist.barrier()
+    if run.save_folder is not None:
+        run.save_folder.release()
     return exit_code
 
 
 def setup(config: Config) -> Run:
     """Process groups, engine (resumed from --load), data iterators, TensorBoard, signal handler."""
+    # Rank 0 locks --save before any process group exists; the others learn the outcome right after.
+    lock, lock_problem, lock_note = checkpointing.lock_before_init(config)
     init_distributed(config.parallel.distributed_backend)
+    save_folder = checkpointing.open_save_folder(config, lock, lock_problem) if config.training.save else None
+    if lock_note:
+        print_rank0(lock_note)
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
     config = checkpointing.with_saved_stages(config)
@@ -130,6 +138,8 @@ def setup(config: Config) -> Run:
         iteration, consumed = checkpointing.load(engine, config)
         if iteration:
             print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples")
+        else:
+            print_rank0(f"--load {config.training.load} holds no checkpoint yet: starting from iteration 0")
     gbs, t = config.batch.global_batch_size, config.training
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         config.data.data_path, config.data.split, config.model.seq_length,
@@ -139,7 +149,7 @@ def setup(config: Config) -> Run:
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,
                                      num_workers=config.data.num_workers)
-    return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds,
+    return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds, save_folder=save_folder,
                tb=TensorBoardWriter(config.logging.tensorboard_dir if dist.get_rank() == 0 else None),
                exit_signal=ExitSignal(t.exit_signal_handler),
                stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
@@ -226,7 +236,7 @@ def finish(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    checkpointing.save(run.engine, run.config, run.iteration, run.consumed_samples)
+    checkpointing.save(run.engine, run.config, run.iteration, run.consumed_samples, run.save_folder)
     run.last_saved = run.iteration
     print_rank0(f"saved checkpoint {checkpointing.tag_for(run.iteration)} in {run.config.training.save}")
 
@@ -279,7 +289,8 @@ def check_training_inputs(config: Config) -> None:
 
 def main(config: Config) -> None:
     """Entry point: missing inputs, a checkpoint that cannot be resumed, or data that does not fit the
-    vocabulary are a clear error (exit 2)."""
+    vocabulary are a clear error (exit 2); a save that could not be written (a full disk) exits 1. The
+    ranks raise these together, so rank 0 speaks for all."""
     try:
         check_training_inputs(config)
         code = pretrain(config)
@@ -287,4 +298,8 @@ def main(config: Config) -> None:
         if is_rank_zero_from_environment() or isinstance(e, TokenOutOfVocabularyError):
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except checkpointing.WriteError as e:
+        if is_rank_zero_from_environment():
+            print(f"pretrain_gpt.py: error: {e}; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        sys.exit(1)
     sys.exit(code)

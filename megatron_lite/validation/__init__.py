@@ -11,6 +11,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_rules
+from megatron_lite.validation.resume import checkpoint_rules
 from megatron_lite.validation.rules import (
     batch_rules,
     logging_rules,
@@ -35,6 +36,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("tokenizer", tokenizer_rules, ("parallel", "model")),
     ("data", data_rules, ("batch", "training")),
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
+    ("checkpoint", checkpoint_rules, ("parallel", "model", "tokenizer")),
 )
 
 

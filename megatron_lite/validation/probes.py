@@ -38,6 +38,7 @@ def data_rules(config: Config, notes: List[str]) -> Config:
     for _, prefix in d.data_path:
         for suffix in (".bin", ".idx"):
             check_readable_file(prefix + suffix, "--data-path", DATA_HINT)
+    tokenizer_matches_data(config, notes)
     from megatron_lite.data.gpt_dataset import check_splits
     from megatron_lite.data.indexed_dataset import IndexedDataset
 
@@ -48,6 +49,31 @@ def data_rules(config: Config, notes: List[str]) -> Config:
     except ValueError as e:  # the data modules name the file and what is wrong with it
         raise ConfigError(f"--data-path: {e}" if not str(e).startswith("--") else str(e)) from None
     return config
+
+
+def tokenizer_matches_data(config: Config, notes: List[str]) -> None:
+    """Data tokenized with one SentencePiece model must not train with another: preprocess_data.py's
+    sidecar records the model's SHA-256. Data without a sidecar (made by Megatron-LM) passes with a note."""
+    from megatron_lite.data.sidecar import SidecarError, file_sha256, read_sidecar, sidecar_path
+
+    model = config.data.tokenizer_model
+    ours = None
+    for _, prefix in config.data.data_path:
+        if not os.path.isfile(sidecar_path(prefix)):
+            notes.append(f"--data-path {prefix}: no {os.path.basename(sidecar_path(prefix))} sidecar (not made by "
+                         f"tools/preprocess_data.py), so its tokenizer cannot be checked against --tokenizer-model")
+            continue
+        try:
+            recorded = (read_sidecar(prefix).get("tokenizer") or {}).get("model_sha256")
+        except SidecarError as e:
+            raise ConfigError(f"--data-path: {e}") from None
+        if not recorded or not model:
+            continue
+        ours = ours or file_sha256(model)
+        if recorded != ours:
+            raise ConfigError(f"--data-path {prefix} was tokenized with a SentencePiece model of SHA-256 "
+                              f"{recorded[:12]}..., but --tokenizer-model {model} is {ours[:12]}...: the token ids "
+                              f"would mean other pieces; give the tokenizer model the data was made with")
 
 
 def tokenizer_rules(config: Config, notes: List[str]) -> Config:

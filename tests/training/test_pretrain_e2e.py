@@ -211,7 +211,8 @@ def test_loading_under_another_layout_is_refused_with_both_layouts(corpus, tmp_p
     assert pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2", "--save", str(ckpt)]).returncode == 0
     result = pretrain(corpus, 2, layout(2, 1) + ["--train-iters", "4", "--load", str(ckpt)])
     assert result.returncode != 0
-    assert "was saved with TP=1, PP=2, but this run uses TP=2, PP=1" in result.stderr
+    assert "was saved under another layout: --tensor-model-parallel-size: checkpoint 1, this run 2; " \
+           "--pipeline-model-parallel-size: checkpoint 2, this run 1" in result.stderr
     # torchrun reports the failed workers with its own traceback; ours must not add one
     assert "megatron_lite/training" not in result.stderr
 

@@ -1,0 +1,55 @@
+"""Everything DeepSpeed's engine reads from or writes to a checkpoint goes through `EngineIO`.
+
+Reads are served from files the ranks validated beforehand (`preload`), so a bad file is found before any
+rank enters a collective that the others would wait in; anything else is still loaded without executing
+code. Writes never raise inside DeepSpeed's save (other ranks would wait in its closing barrier for a rank
+that left): the first failure is kept, later writes of the save are skipped, and the caller asks every
+rank for its failure once DeepSpeed's save has returned everywhere.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.atomic import WriteError, describe, torch_save
+from megatron_lite.checkpoint.format import load_file
+
+
+class EngineIO:
+    def __init__(self):
+        self._preloaded: Dict[str, Any] = {}
+        self.failure: Optional[WriteError] = None
+
+    def install(self, engine) -> None:
+        deepspeed_compat.install_checkpoint_io(engine, self)
+
+    def preload(self, path: str, value: Any) -> None:
+        """A validated file's content, handed to DeepSpeed when it asks for `path`."""
+        self._preloaded[os.path.abspath(path)] = value
+
+    def clear(self) -> None:
+        self._preloaded.clear()
+
+    def load(self, path: str) -> Any:
+        value = self._preloaded.pop(os.path.abspath(path), None)
+        return load_file(path) if value is None else value
+
+    def start_save(self) -> None:
+        self.failure = None
+
+    def save(self, obj: Any, path: str) -> None:
+        if self.failure is not None:
+            return
+        try:
+            torch_save(obj, path)
+        except WriteError as e:
+            self.failure = e
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if self.failure is not None:
+            return
+        try:
+            os.makedirs(path, exist_ok=exist_ok)
+        except OSError as e:
+            self.failure = WriteError(path, describe(e))

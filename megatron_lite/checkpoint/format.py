@@ -1,0 +1,171 @@
+"""The checkpoint format's one home: file names, tags, metadata, the layout check, and safe loading.
+
+Layout of a --save folder:
+
+    latest                          the newest complete tag (written last, atomically)
+    .megatron_lite.lock             held by the run writing here (checkpoint/lock.py)
+    iter_0000200/                   one complete checkpoint
+        megatron_lite.json          config, layout, iteration, consumed samples, tokenizer SHA-256 (rank 0)
+        rng_rank_00003.pt           every random generator of global rank 3
+        layer_XX-model_YY-model_states.pt, mp_rank_XX_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_XX_
+        optim_states.pt             DeepSpeed's files (names from deepspeed_compat)
+    tmp-iter_0000200-RUNID/         a save in progress, renamed to iter_0000200 when every rank is done
+
+Every file is loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers, plus
+the few plain DeepSpeed classes its optimizers save (deepspeed_compat.checkpoint_safe_globals) and numpy's
+array reconstruction (random-generator states of older checkpoints). A file that needs anything else is
+refused by name: nothing in a checkpoint executes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.atomic import write_text
+
+LATEST = "latest"
+METADATA = "megatron_lite.json"
+TMP_PREFIX = "tmp-"
+LOCK_FILE = ".megatron_lite.lock"
+TAG_PREFIX = "iter_"
+UNIVERSAL_FORMAT = "megatron_lite.universal.v1"
+
+layer_file = deepspeed_compat.layer_file_name
+model_states_file = deepspeed_compat.model_states_file_name
+zero_optimizer_file = deepspeed_compat.zero_optimizer_file_name
+zero3_model_states_file = deepspeed_compat.zero3_model_states_file_name
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the file or flag and what to do."""
+
+
+def tag_for(iteration: int) -> str:
+    return f"{TAG_PREFIX}{iteration:07d}"
+
+
+def rng_file(global_rank: int) -> str:
+    return f"rng_rank_{global_rank:05d}.pt"
+
+
+def layout_of(tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
+              data_parallel_size: Optional[int]) -> Dict[str, Optional[int]]:
+    return {"tensor_model_parallel_size": tensor_model_parallel_size,
+            "pipeline_model_parallel_size": pipeline_model_parallel_size,
+            "data_parallel_size": data_parallel_size}
+
+
+def read_latest(directory: str) -> Optional[str]:
+    """The tag `latest` names, or None when there is no `latest`; a tag without its folder is an error."""
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            tag = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    if not tag or os.sep in tag or not os.path.isdir(os.path.join(directory, tag)):
+        raise CheckpointError(f"{path} names '{tag}', but {os.path.join(directory, tag)} does not exist; write the "
+                              f"name of a complete iter_XXXXXXX folder into it")
+    return tag
+
+
+def write_latest(directory: str, tag: str) -> None:
+    write_text(os.path.join(directory, LATEST), tag)
+
+
+def read_metadata(directory: str, tag: str) -> Dict[str, Any]:
+    path = os.path.join(directory, tag, METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file; this folder was not written by megatron_lite's "
+                              f"pretrain_gpt.py, or its save did not finish")
+    try:
+        with open(path) as f:
+            metadata = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e})") from None
+    if not isinstance(metadata, dict) or not all(k in metadata for k in ("iteration", "layout", "config")):
+        raise CheckpointError(f"{path}: not megatron_lite checkpoint metadata (needs iteration, layout, config)")
+    return metadata
+
+
+def write_metadata(folder: str, metadata: Dict[str, Any]) -> None:
+    write_text(os.path.join(folder, METADATA), json.dumps(metadata, indent=1))
+
+
+def is_temporary(name: str) -> bool:
+    """A save in progress (or left by a killed run): never a checkpoint to load."""
+    return name.startswith(TMP_PREFIX)
+
+
+def saved_tags(directory: str) -> List[str]:
+    return sorted(d for d in os.listdir(directory)
+                  if d.startswith(TAG_PREFIX) and os.path.isdir(os.path.join(directory, d)))
+
+
+def probe_load_dir(path: str) -> Optional[str]:
+    """What --load PATH holds: the tag to resume from, or None for 'nothing yet' (a missing or empty
+    folder, or one with only our lock and unfinished saves: how a Slurm job whose --load equals its --save
+    starts the first time). Anything else that is not one of our checkpoints is a CheckpointError."""
+    if not os.path.exists(path):
+        return None
+    hint = "give the --save folder of a pretrain_gpt.py run (or a new folder to start from iteration 0)"
+    if not os.path.isdir(path):
+        kind = "a merged checkpoint file (tools/convert_checkpoint.py merge)" if path.endswith((".pt", ".pth")) \
+            else "a file"
+        raise CheckpointError(f"--load {path} is {kind}, not a checkpoint folder; {hint}")
+    tag = read_latest(path)
+    if tag is not None:
+        read_metadata(path, tag)
+        return tag
+    entries = sorted(e for e in os.listdir(path) if e != LOCK_FILE and not is_temporary(e))
+    if not entries:
+        return None
+    if "config.json" in entries and any(e.endswith((".safetensors", ".bin")) for e in entries):
+        raise CheckpointError(f"--load {path} is a Hugging Face model folder (config.json and weights), not a "
+                              f"megatron_lite checkpoint; {hint}")
+    tags = [e for e in entries if e.startswith(TAG_PREFIX)]
+    if tags:
+        raise CheckpointError(f"--load {path} has {', '.join(tags[:3])}{' ...' if len(tags) > 3 else ''} but no "
+                              f"'{LATEST}' file naming the complete one; write a tag into {os.path.join(path, LATEST)} "
+                              f"(e.g. echo {tags[-1]} > {os.path.join(path, LATEST)}) or give another folder")
+    shown = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
+    raise CheckpointError(f"--load {path} holds files ({shown}) but no '{LATEST}' file: it is not a megatron_lite "
+                          f"checkpoint folder; {hint}")
+
+
+def _load_error(path: str, error: Exception) -> CheckpointError:
+    text = str(error)
+    if "weights_only" in text or "Unsupported global" in text or "safe_globals" in text:
+        name = text.split("GLOBAL ", 1)[1].split(" ", 1)[0] if "GLOBAL " in text else "an object"
+        return CheckpointError(f"{path}: refused, it needs {name}, which is not a tensor or a plain value that "
+                               f"a checkpoint may hold (loading it could run code)")
+    reason = text.strip().splitlines()[0].split(". ")[0] if text.strip() else type(error).__name__
+    return CheckpointError(f"{path}: cannot be read, the file is truncated or not a checkpoint file ({reason})")
+
+
+def load_file(path: str) -> Any:
+    """torch.load without executing anything; CheckpointError naming the file when it cannot be read
+    or needs a class outside the allow-list."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to read means the same thing to the user
+        raise _load_error(path, e) from None
+
+
+def _safe_globals() -> list:
+    import numpy as np
+
+    # numpy's own array reconstruction (random states of checkpoints before the tensor-only format).
+    arrays = [np.ndarray, np.dtype, np.dtypes.UInt32DType]
+    core = getattr(np, "_core", None) or getattr(np, "core")
+    arrays.append(core.multiarray._reconstruct)
+    return deepspeed_compat.checkpoint_safe_globals() + arrays

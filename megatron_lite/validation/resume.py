@@ -1,0 +1,89 @@
+"""What --load holds and whether this run may continue it, checked before any process group exists.
+
+A folder with no checkpoint yet (missing, empty, or only our lock and unfinished saves) starts from
+iteration 0: that is how a Slurm job whose --load equals its --save starts the first time. Anything else
+that is not one of our checkpoints is refused (checkpoint/format.py `probe_load_dir`).
+
+A checkpoint is continued only by a run that builds the same model: every field below must match, and
+the tokenizer model must be the same file (SHA-256). The rest may change on a resume: iterations, the
+learning-rate schedule, intervals, data, batch sizes, dropout, logging; the parallel layout where the
+loader supports the change. As Megatron-LM's check_checkpoint_args, but listing every difference at once.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from megatron_lite.config import Config, ConfigError
+
+# (section, field) of the model's shape and meaning; a resume must keep every one.
+MODEL_FIELDS = (
+    ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
+    ("model", "ffn_hidden_size"), ("model", "position_embedding_type"), ("model", "max_position_embeddings"),
+    ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
+)
+# What the files' slicing depends on; the loader reads its own layout only.
+LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipeline_model_parallel_size"),
+                 ("model", "padded_vocab_size"))
+
+FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
+              "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)"}
+
+
+def flag_name(field: str) -> str:
+    return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+
+
+def _applies(field: str, saved: Config) -> bool:
+    position = saved.model.position_embedding_type
+    if field == "max_position_embeddings":
+        return position == "learned_absolute"  # rotary positions have no table
+    if field == "rotary_base":
+        return position == "rope"
+    return True
+
+
+def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optional[str] = None,
+                       new_tokenizer_sha256: Optional[str] = None, fields=MODEL_FIELDS) -> List[str]:
+    """Every one of `fields` (and the tokenizer) this run changes, as 'FLAG: checkpoint X, this run Y'."""
+    problems = []
+    for section, name in fields:
+        if not _applies(name, saved) and not _applies(name, new):
+            continue
+        before, after = getattr(getattr(saved, section), name), getattr(getattr(new, section), name)
+        if before != after:
+            problems.append(f"{flag_name(name)}: checkpoint {before}, this run {after}")
+    if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:
+        problems.append(f"--tokenizer-model: checkpoint trained with a model of SHA-256 {saved_tokenizer_sha256[:12]}..., "
+                        f"this run's {new.data.tokenizer_model} is {new_tokenizer_sha256[:12]}...")
+    return problems
+
+
+def checkpoint_rules(config: Config, notes: List[str]) -> Config:
+    load = config.training.load
+    if not load:
+        return config
+    from megatron_lite.checkpoint.format import CheckpointError, probe_load_dir, read_metadata
+    from megatron_lite.data.sidecar import file_sha256
+
+    try:
+        tag = probe_load_dir(load)
+        if tag is None:
+            return config
+        metadata = read_metadata(load, tag)
+        saved = Config.from_dict(metadata["config"])
+    except (CheckpointError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    tokenizer = config.data.tokenizer_model
+    new_sha = file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None
+    where = os.path.join(load, tag)
+    problems = resume_differences(saved, config, metadata.get("tokenizer_sha256"), new_sha)
+    if problems:
+        raise ConfigError(f"--load {where} was trained with another model; resume with the checkpoint's values "
+                          f"(or start a new run with another --save): " + "; ".join(problems))
+    problems = resume_differences(saved, config, fields=LAYOUT_FIELDS)
+    if problems:
+        raise ConfigError(f"--load {where} was saved under another layout: " + "; ".join(problems) +
+                          "; resume with the checkpoint's --tensor-model-parallel-size, --pipeline-model-parallel-"
+                          "size and --make-vocab-size-divisible-by, or reshard it first (tools/convert_checkpoint.py)")
+    return config
