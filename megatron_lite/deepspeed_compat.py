@@ -8,7 +8,7 @@ setup.py pins DeepSpeed to the range these were checked against.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -20,6 +20,8 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.module.PipelineModule._synchronize_tied_weights", "self"),
     ("deepspeed.runtime.pipe.module.PipelineModule.stage_id", "attribute"),
     ("deepspeed.runtime.pipe.module.PipelineModule.parts", "attribute"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.forward_funcs", "attribute"),
+    ("deepspeed.runtime.pipe.module.PipelineModule._local_start", "attribute"),
     ("deepspeed.runtime.pipe.module.PipelineModule.ds_pipe_replicated", "attribute"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.skipped_steps", "attribute"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.was_step_applied", "self"),
@@ -70,6 +72,15 @@ class OwnPartitionPipelineModule(PipelineModule):
         # the broadcast in the graph and makes every backward warn about it.
         with torch.no_grad():
             super()._synchronize_tied_weights()
+
+
+def layer_file_modules(module: PipelineModule) -> Dict[int, torch.nn.Module]:
+    """Spec index -> the module whose state dict is that spec's layer file on this rank.
+
+    Why: a resume checks each file against what this rank will load it into. DeepSpeed's save_state_dict
+    and load_state_dir pair `forward_funcs[i]` with layer `_local_start + i`, and skip entries without a
+    state dict (a tied head is a function of the embedding module, which has the file)."""
+    return {module._local_start + i: f for i, f in enumerate(module.forward_funcs) if hasattr(f, "state_dict")}
 
 
 def is_pipe_replicated_copy(param: torch.Tensor) -> bool:
@@ -141,6 +152,11 @@ def zero_optimizer_file_name(dp_rank: int, stage: int, tp_rank: int, tp: int, bf
     """One ZeRO (or bf16-optimizer) partition file per DP rank and model-parallel rank
     (DeepSpeedEngine._get_rank_zero_ckpt_name)."""
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{stage * tp + tp_rank:02d}_optim_states.pt"
+
+
+def zero_optimizer_file_pattern(stage: int, tp_rank: int, tp: int) -> str:
+    """A glob for every DP rank's ZeRO (or bf16-optimizer) partition file of one model-parallel rank."""
+    return f"*zero_pp_rank_*_mp_rank_{stage * tp + tp_rank:02d}_optim_states.pt"
 
 
 def zero3_model_states_file_name(dp_rank: int) -> str:

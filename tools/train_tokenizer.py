@@ -12,13 +12,14 @@ document), pad 3, as Megatron-LM's SentencePiece tokenizers expect.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.atomic import WriteError, describe, fsync_folder, temporary_name  # noqa: E402
+from megatron_lite.atomic import WriteError, describe, write_bytes, write_text  # noqa: E402
 from megatron_lite.data.jsonl import BadLine, open_input, parse_line, split_lines  # noqa: E402
 
 
@@ -91,35 +92,23 @@ class SentenceStream:
                           f"{self.bytes / 1e6:.1f} MB", file=sys.stderr, flush=True)
 
 
-def remove_files(tmp_prefix: str) -> None:
-    for suffix in (".model", ".vocab"):
-        if os.path.exists(tmp_prefix + suffix):
-            os.remove(tmp_prefix + suffix)
-
-
-def publish(tmp_prefix: str, model_prefix: str, vocab_size: int) -> None:
-    """Check what SentencePiece wrote (the model loads with its vocabulary, the .vocab has a line per
-    piece), then rename both into place, .vocab first: the .model appearing last means both are there."""
+def vocab_text(model_proto: bytes) -> str:
+    """The .vocab file SentencePiece would write: a line per piece, 'piece<TAB>score' (C++'s default float
+    format, which %g reproduces)."""
     import sentencepiece
 
-    model, vocab = model_prefix + ".model", model_prefix + ".vocab"
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    return "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
+
+
+def publish(model_proto: bytes, model_prefix: str) -> None:
+    """PREFIX.vocab, then PREFIX.model, each written atomically: the .model appearing last means both are there."""
+    write_text(model_prefix + ".vocab", vocab_text(model_proto))
     try:
-        pieces = sentencepiece.SentencePieceProcessor(model_file=tmp_prefix + ".model").vocab_size()
-        with open(tmp_prefix + ".vocab", "rb") as f:
-            lines = f.read().count(b"\n")
-        if pieces != vocab_size or lines < pieces:
-            raise OSError(0, f"SentencePiece wrote an incomplete model ({pieces} pieces, {lines} .vocab lines; "
-                             f"the disk may be full)")
-    except (OSError, RuntimeError) as e:
-        remove_files(tmp_prefix)
-        raise WriteError(model, describe(e)) from None
-    try:
-        for suffix in (".vocab", ".model"):
-            os.replace(tmp_prefix + suffix, model_prefix + suffix)
-        fsync_folder(os.path.dirname(os.path.abspath(model)))
-    except OSError as e:
-        remove_files(tmp_prefix)
-        raise WriteError(vocab, describe(e)) from None
+        write_bytes(model_prefix + ".model", model_proto)
+    except WriteError:
+        os.remove(model_prefix + ".vocab")
+        raise
 
 
 def main(argv=None) -> int:
@@ -136,13 +125,12 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"train_tokenizer.py: error: {WriteError(args.model_prefix + '.model', describe(e))}", file=sys.stderr)
         return 1
-    # SentencePiece writes PREFIX.model and PREFIX.vocab itself and says nothing when a write fails (a full
-    # disk leaves a truncated .model behind an exit code of 0): it writes under a temporary prefix, and the
-    # files are checked before they are published under the real names.
-    tmp_prefix = temporary_name(args.model_prefix)
+    # SentencePiece writing PREFIX.model itself says nothing when a write fails (a full disk left a truncated
+    # .model behind an exit code of 0): it hands the model over in memory, and we write both files.
+    model = io.BytesIO()
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(stream), model_prefix=tmp_prefix, vocab_size=args.vocab_size,
+            sentence_iterator=iter(stream), model_writer=model, vocab_size=args.vocab_size,
             model_type=args.model_type, character_coverage=args.character_coverage,
             byte_fallback=args.byte_fallback, input_sentence_size=args.input_sentence_size,
             shuffle_input_sentence=True, max_sentence_length=args.max_sentence_length,
@@ -153,15 +141,13 @@ def main(argv=None) -> int:
             minloglevel=2,  # pieces holding "\n" make it warn that the human-readable .vocab is ambiguous
         )
     except RuntimeError as e:
-        remove_files(tmp_prefix)
         print(f"train_tokenizer.py: error: SentencePiece could not train on {args.input}: {e}", file=sys.stderr)
         return 1
     if stream.documents == 0:
-        remove_files(tmp_prefix)
         print(f"train_tokenizer.py: error: {args.input} has no usable documents", file=sys.stderr)
         return 1
     try:
-        publish(tmp_prefix, args.model_prefix, args.vocab_size)
+        publish(model.getvalue(), args.model_prefix)
     except WriteError as e:
         print(f"train_tokenizer.py: error: {e}; nothing was written", file=sys.stderr)
         return 1

@@ -46,8 +46,23 @@ def tag_for(iteration: int) -> str:
     return f"{TAG_PREFIX}{iteration:07d}"
 
 
+RNG_PREFIX = "rng_rank_"
+
+
 def rng_file(global_rank: int) -> str:
-    return f"rng_rank_{global_rank:05d}.pt"
+    return f"{RNG_PREFIX}{global_rank:05d}.pt"
+
+
+def rng_files(folder: str) -> List[str]:
+    """Every rank's random-generator file in a tag folder, by name."""
+    return sorted(name for name in os.listdir(folder) if name.startswith(RNG_PREFIX))
+
+
+def zero_optimizer_files(folder: str, stage: int, tp_rank: int, tp: int) -> List[str]:
+    """Paths of every DP rank's optimizer partition of one stage and TP rank (none at plain ZeRO 0 fp32)."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(folder, deepspeed_compat.zero_optimizer_file_pattern(stage, tp_rank, tp))))
 
 
 def layout_of(tensor_model_parallel_size: int, pipeline_model_parallel_size: int,

@@ -23,6 +23,7 @@ from megatron_lite.checkpoint.format import (
     load_file,
     model_states_file,
     read_metadata,
+    saved_tags,
     tag_for,
 )
 from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo
@@ -43,19 +44,17 @@ def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
     return tuple(shape)
 
 
-def check_layer_state(path: str, state, params: List[ParamInfo], tp: int) -> None:
-    """A layer file holds exactly the spec's tensors with their shapes at TP = tp."""
-    expected = {p.name: p for p in params}
+def check_layer_state(path: str, state, expected: Dict[str, Tuple[int, ...]], tp: int) -> None:
+    """A layer file holds exactly the tensors `expected` names, with those shapes (one TP rank's, at TP = tp)."""
     if not isinstance(state, dict) or set(state) != set(expected) or \
             not all(torch.is_tensor(v) for v in state.values()):
         got = sorted(state) if isinstance(state, dict) else [type(state).__name__]
         raise CheckpointError(f"{path} holds {_list_some(got)}, but the config in {METADATA} expects "
                               f"{_list_some(sorted(expected))}: the file belongs to another model")
-    for name, info in expected.items():
-        want = slice_shape(info, tp)
-        if tuple(state[name].shape) != want:
+    for name, want in expected.items():
+        if tuple(state[name].shape) != tuple(want):
             raise CheckpointError(f"{path}: {name} has shape {tuple(state[name].shape)}, the config in "
-                                  f"{METADATA} gives {want} at TP={tp}: the file belongs to another model")
+                                  f"{METADATA} gives {tuple(want)} at TP={tp}: the file belongs to another model")
 
 
 def check_model_states(path: str, state) -> None:
@@ -76,7 +75,7 @@ def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
     if iteration is not None:
         tag = tag_for(iteration)
         if not os.path.isdir(os.path.join(load_dir, tag)):
-            have = sorted(d for d in os.listdir(load_dir) if d.startswith("iter_"))
+            have = saved_tags(load_dir)
             raise CheckpointError(f"--iteration {iteration}: {os.path.join(load_dir, tag)} does not exist; "
                                   f"saved iterations: {', '.join(have) or 'none'}")
         return tag
@@ -131,7 +130,7 @@ class CheckpointReader:
         for t in range(self.tp):
             path = os.path.join(self.path, layer_file(spec, t))
             sd = load_file(path)
-            check_layer_state(path, sd, self.layout.params[spec], self.tp)
+            check_layer_state(path, sd, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]}, self.tp)
             shards.append(sd)
         return shards
 

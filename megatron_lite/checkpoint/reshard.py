@@ -22,7 +22,14 @@ import torch
 
 from megatron_lite.checkpoint import slicing
 from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
-from megatron_lite.checkpoint.format import CheckpointError, layer_file, load_file, write_latest, write_metadata
+from megatron_lite.checkpoint.format import (
+    CheckpointError,
+    layer_file,
+    load_file,
+    rng_files,
+    write_latest,
+    write_metadata,
+)
 from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.reader import CheckpointReader
@@ -144,9 +151,8 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
 
         copied_rng = reader.tp == tp and reader.pp == pp
         if copied_rng:  # read and written again, never copied unread: a file is validated before it travels
-            for name in sorted(os.listdir(reader.path)):
-                if name.startswith("rng_rank_"):
-                    torch_save(load_file(os.path.join(reader.path, name)), os.path.join(tmp, name))
+            for name in rng_files(reader.path):
+                torch_save(load_file(os.path.join(reader.path, name)), os.path.join(tmp, name))
         metadata = dict(reader.metadata)
         metadata.update(layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                                 "data_parallel_size": config.parallel.data_parallel_size},

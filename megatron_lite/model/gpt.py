@@ -167,7 +167,6 @@ class GPTPipe(OwnPartitionPipelineModule):
         if method == "profile":
             costs = measured_spec_costs(config, costs, self._layer_specs)
         bounds = partition(costs, num_stages, method)
-        self.stage_bounds = bounds  # spec index where each stage starts, and the end
         self.layers_per_stage = [sum(c.is_transformer for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         if self.global_rank == 0:
             table = stage_table(costs, bounds, config.batch.gradient_accumulation_steps)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import WriteError, describe, torch_save
 from megatron_lite.checkpoint.format import (
     LATEST,
@@ -44,8 +45,8 @@ from megatron_lite.checkpoint.format import (
     write_latest,
     write_metadata,
     zero3_model_states_file,
+    zero_optimizer_files,
 )
-from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.lock import SaveFolderLock
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
@@ -219,25 +220,20 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
             name = zero3_model_states_file(state.get_data_parallel_rank())
         files = [(os.path.join(folder, name), check_model_states)]
         if load_optimizer:
-            files += [(path, check_zero_state) for path in
-                      sorted(glob.glob(os.path.join(folder, "*zero_pp_rank_*_mp_rank_00_optim_states.pt")))]
+            files += [(path, check_zero_state) for path in zero_optimizer_files(folder, 0, 0, 1)]
         return files
     p = config.parallel
     tp, stage, tp_rank = p.tensor_model_parallel_size, state.get_pipeline_model_parallel_rank(), \
         state.get_tensor_model_parallel_rank()
-    bounds = engine.module.stage_bounds
-    layout = ModelLayout(config)
     files = []
-    for spec in layout.layer_specs_with_files():
-        if bounds[stage] <= spec < bounds[stage + 1]:
-            params = layout.params[spec]
-            files.append((os.path.join(folder, layer_file(spec, tp_rank)),
-                          lambda path, value, params=params: check_layer_state(path, value, params, tp)))
+    for spec, module in sorted(deepspeed_compat.layer_file_modules(engine.module).items()):
+        # the file must fit the module it loads into: names and this rank's shapes
+        expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        files.append((os.path.join(folder, layer_file(spec, tp_rank)),
+                      lambda path, value, expected=expected: check_layer_state(path, value, expected, tp)))
     files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))
     if load_optimizer:
-        mp_rank = stage * tp + tp_rank
-        for path in sorted(glob.glob(os.path.join(folder, f"*zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt"))):
-            files.append((path, check_zero_state))
+        files += [(path, check_zero_state) for path in zero_optimizer_files(folder, stage, tp_rank, tp)]
     return files
 
 

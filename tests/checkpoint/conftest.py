@@ -88,3 +88,27 @@ def rope_run(corpus, tmp_path_factory):
 def copy_checkpoint(src, dst):
     shutil.copytree(src, dst)
     return str(dst)
+
+
+@pytest.fixture(scope="session")
+def zero1_run(corpus, tmp_path_factory):
+    """One process, ZeRO 1 (so the checkpoint has a ZeRO partition file besides the layer, model-states and
+    random-generator files), 2 steps, saved at 2."""
+    root = tmp_path_factory.mktemp("zero1")
+    pretrain(corpus, 1, layout(1, 1) + ["--zero-stage", "1", "--train-iters", "2", "--eval-iters", "1",
+                                        "--save", str(root / "ckpt")])
+    return str(root / "ckpt")
+
+
+def pretrain_in_one_process(corpus, args, timeout=300):
+    """pretrain_gpt.py under plain python: a world of one, no launcher (faster for one-process checks)."""
+    return run_tool("pretrain_gpt.py", *MODEL, *data_args(corpus), *args, check=False, timeout=timeout)
+
+
+def error_line(result, code=2):
+    """The one error line a refused command prints (and no traceback)."""
+    assert result.returncode == code, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]

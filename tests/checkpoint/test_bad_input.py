@@ -76,3 +76,50 @@ def test_reshard_never_writes_over_an_existing_folder(run22, tmp_path):
                            "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
                            check=False))
     assert "already exists" in line and list(target.iterdir()) == []
+
+
+def test_merge_never_writes_over_an_existing_file(zero1_run, tmp_path):
+    existing = tmp_path / "model.pt"
+    existing.write_bytes(b"precious")
+    line = _error(run_tool("tools/convert_checkpoint.py", "merge", "--load", zero1_run, "--output", str(existing),
+                           check=False))
+    assert "already exists" in line and existing.read_bytes() == b"precious"
+
+
+def test_reshard_to_tensor_parallel_size_0_is_a_clear_error(zero1_run, tmp_path):
+    line = _error(run_tool("tools/convert_checkpoint.py", "reshard", "--load", zero1_run, "--save",
+                           str(tmp_path / "out"), "--target-tensor-model-parallel-size", "0",
+                           "--target-pipeline-model-parallel-size", "1", "--no-optimizer", check=False))
+    assert "--target-tensor-model-parallel-size 0 must be at least 1" in line and not (tmp_path / "out").exists()
+
+
+def test_generate_with_a_tokenizer_of_another_vocabulary_is_refused(zero1_run, tmp_path):
+    import sentencepiece
+
+    jsonl = tmp_path / "text.jsonl"
+    run_tool("tools/make_corpus.py", "--output", str(jsonl), "--max-docs", "40")
+    run_tool("tools/train_tokenizer.py", "--input", str(jsonl), "--vocab-size", "600", "--model-prefix",
+             str(tmp_path / "big"))
+    assert sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "big.model")).vocab_size() == 600
+    line = _error(run_tool("tools/generate.py", "--load", zero1_run, "--tokenizer-model", str(tmp_path / "big.model"),
+                           "--prompt", "def", check=False))
+    assert "has 600 pieces, but the model" in line and "vocabulary of 400" in line
+
+
+def test_a_killed_reshards_temporary_folder_is_removed_by_the_next_reshard(zero1_run, tmp_path):
+    import subprocess
+    import sys
+
+    from megatron_lite.atomic import temporary_name
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    target = tmp_path / "out"
+    leftover = temporary_name(str(target)).replace(f"-{os.getpid()}-", f"-{dead}-")
+    os.makedirs(os.path.join(leftover, "iter_0000002"))
+    with open(os.path.join(leftover, "iter_0000002", "layer_00-model_00-model_states.pt"), "wb") as f:
+        f.write(b"\0" * 100_000)
+    run_tool("tools/convert_checkpoint.py", "reshard", "--load", zero1_run, "--save", str(target),
+             "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+             "--no-optimizer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -1,8 +1,10 @@
 import json
+import os
 
+import pytest
 import sentencepiece
 
-from tests.data.conftest import run_tool
+from tests.data.conftest import REPO_ROOT, run_tool
 
 
 def test_make_corpus_is_deterministic_and_respects_both_caps(tmp_path):
@@ -29,3 +31,21 @@ def test_train_tokenizer_honours_model_type_vocab_size_and_byte_fallback(corpus,
     bpe = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "bpe.model"))
     assert bpe.encode("\u4e2d")[-1] == bpe.piece_to_id("<0xAD>")  # an unseen character becomes UTF-8 bytes
     assert (bpe.unk_id(), bpe.bos_id(), bpe.eos_id(), bpe.pad_id()) == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_the_vocab_file_the_tool_writes_is_byte_for_byte_what_sentencepiece_writes(corpus, tmp_path, model_type):
+    """The tool takes the model from SentencePiece in memory and writes both files itself (so that a full disk
+    is an error, not a truncated model); its .vocab must be what SentencePiece writes for the same model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_tokenizer", os.path.join(REPO_ROOT, "tools",
+                                                                                  "train_tokenizer.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_prefix=str(tmp_path / "ref"),
+                                             vocab_size=600, model_type=model_type, byte_fallback=True,
+                                             num_threads=1, minloglevel=2)
+    model = (tmp_path / "ref.model").read_bytes()
+    assert tool.vocab_text(model).encode("utf-8") == (tmp_path / "ref.vocab").read_bytes()
