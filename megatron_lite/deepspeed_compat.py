@@ -8,6 +8,7 @@ setup.py pins DeepSpeed to the range these were checked against.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,6 +38,16 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
      "self, checkpoints_path, tag, mp_rank, dp_rank, bf16_mode"),
     ("deepspeed.runtime.pipe.module.PipelineModule.ckpt_layer_path", "self, ckpt_dir, local_layer_idx"),
     ("deepspeed.runtime.engine.DeepSpeedEngine._get_ckpt_name", "self, checkpoints_path, tag"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.tied_modules", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.global_steps", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.global_samples", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.bit16_groups", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.single_partition_of_fp32_groups", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.loss_scaler", "attribute"),
+    ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.bf16_groups", "attribute"),
+    ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.fp32_groups_flat_partition", "attribute"),
+    ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
+     "self, flat_hp_partition, optim_fragment"),
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -154,11 +165,6 @@ def zero_optimizer_file_name(dp_rank: int, stage: int, tp_rank: int, tp: int, bf
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_{stage * tp + tp_rank:02d}_optim_states.pt"
 
 
-def zero_optimizer_file_pattern(stage: int, tp_rank: int, tp: int) -> str:
-    """A glob for every DP rank's ZeRO (or bf16-optimizer) partition file of one model-parallel rank."""
-    return f"*zero_pp_rank_*_mp_rank_{stage * tp + tp_rank:02d}_optim_states.pt"
-
-
 def zero3_model_states_file_name(dp_rank: int) -> str:
     """At ZeRO 3 each DP rank has its own model-states file (DeepSpeedEngine._get_ckpt_name)."""
     return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
@@ -194,6 +200,127 @@ def install_checkpoint_io(engine, io) -> None:
             io.makedirs(path, exist_ok=exist_ok)
 
     engine.checkpoint_engine = OurCheckpointIO()
+
+
+# Optimizer state by parameter: read out of DeepSpeed's partition files and written into a live engine, so a
+# checkpoint moves to any TP / PP / DP, ZeRO 0 or 1 and precision (checkpoint/layout_free.py).
+
+TIED_PREFIX = "tied_modules."
+
+
+def pipeline_parameter_owner(name: str) -> Tuple[object, str]:
+    """A PipelineModule parameter name -> (layer spec index, or the tied key for a tied module; the name
+    inside that layer). Why: DeepSpeed names the stage's layers by their spec index (add_module(str(idx)))
+    and tied modules `tied_modules.<key>`; ZeRO's `param_slice_mappings` use these names."""
+    if name.startswith(TIED_PREFIX):
+        key, rest = name[len(TIED_PREFIX):].split(".", 1)
+        return key, rest
+    index, rest = name.split(".", 1)
+    return int(index), rest
+
+
+@dataclass
+class PartitionFragments:
+    """One DP rank's optimizer partition file, by parameter: flat fragments of the fp32 master and the Adam
+    moments (a parameter split over DP ranks has a fragment in each, in DP-rank order), the step of each
+    parameter's group, and the loss scaler's state (plain values)."""
+    fragments: Dict[str, Dict[str, Optional[torch.Tensor]]]
+    steps: Dict[str, Optional[float]]
+    loss_scaler: Optional[Dict[str, object]]
+
+
+def partition_fragments(state: dict) -> PartitionFragments:
+    """Why: ZeRO 1/2 (zero/stage_1_and_2.py) and the bf16 optimizer (bf16_optimizer.py) save flat,
+    DP-partitioned fp32 buffers: `single_partition_of_fp32_groups[g]` (the master), `base_optimizer_state`
+    (the torch optimizer's state of those flat buffers, one per group: exp_avg, exp_avg_sq, step) and
+    `param_slice_mappings[g]` (parameter name -> fragment_address(numel, start) in this rank's partition)."""
+    saved = state["optimizer_state_dict"]
+    masters = saved["single_partition_of_fp32_groups"]
+    base = saved["base_optimizer_state"]
+    per_group = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+    fragments, steps = {}, {}
+    for group, mapping in enumerate(saved["param_slice_mappings"]):
+        moments = per_group.get(group, {})
+        step = moments.get("step")
+        for name, address in mapping.items():
+            def piece(flat):
+                return None if flat is None else flat.narrow(0, address.start, address.numel)
+            fragments[name] = {"fp32": piece(masters[group]), "exp_avg": piece(moments.get("exp_avg")),
+                               "exp_avg_sq": piece(moments.get("exp_avg_sq"))}
+            steps[name] = None if step is None else float(step)
+    scaler = saved.get("loss_scaler")
+    return PartitionFragments(fragments, steps, None if scaler is None else dict(vars(scaler)))
+
+
+def engine_parameters(module: PipelineModule) -> Dict[Tuple[object, str], torch.nn.Parameter]:
+    """Every parameter of this rank's stage by (spec index or tied key, name inside the layer)."""
+    return {pipeline_parameter_owner(name): p for name, p in module.named_parameters()}
+
+
+def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optional[torch.Tensor]]],
+                        step: float) -> None:
+    """Give every parameter of the engine its fp32 master weight and Adam moments (this rank's TP slice,
+    whole: DeepSpeed's own mapping cuts the ZeRO partition), and the optimizer its step count.
+
+    Why: DeepSpeed loads optimizer state only from its own files at the same DP size and ZeRO stage. ZeRO
+    1/2 and the bf16 optimizer link each low-precision parameter to its fragment of the flat fp32 partition
+    (`param._hp_mapping`: hp_fragment, lp/hp fragment addresses); the plain torch optimizer (fp32, ZeRO 0)
+    holds the parameters themselves."""
+    optimizer = engine.optimizer
+    lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+    step_tensor = torch.tensor(float(step), dtype=torch.float32)
+    with torch.no_grad():
+        for param, value in values.items():
+            param.data.copy_(value["fp32"].to(param.dtype))
+        if lp_groups is None:  # a torch optimizer over the parameters themselves
+            inner = optimizer
+            for param, value in values.items():
+                if value["exp_avg"] is not None:
+                    inner.state[param] = {"step": step_tensor.clone(), "exp_avg": value["exp_avg"].clone(),
+                                          "exp_avg_sq": value["exp_avg_sq"].clone()}
+            return
+        inner = optimizer.optimizer
+        for group, lps in zip(inner.param_groups, lp_groups):
+            flat = group["params"][0]
+            moments = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            for lp in lps:
+                mapping = lp._hp_mapping
+                if mapping is None:  # no fragment of this parameter in this DP rank's partition
+                    continue
+                value = values[lp]
+                src = mapping.lp_fragment_address
+                dst = mapping.hp_fragment_address
+                mapping.hp_fragment.data.copy_(value["fp32"].flatten().narrow(0, src.start, src.numel))
+                for key, buffer in moments.items():
+                    if value[key] is not None:
+                        buffer.narrow(0, dst.start, dst.numel).copy_(
+                            value[key].flatten().narrow(0, src.start, src.numel))
+            inner.state[flat] = {"step": step_tensor.clone(), **moments}
+            for lp in lps:
+                if lp._hp_mapping is not None:
+                    lp._hp_mapping.set_optim_state_fragment(flat, inner.state[flat])
+
+
+def loss_scaler_state(optimizer) -> Optional[Dict[str, object]]:
+    """The fp16 loss scaler's state (current scale, iterations since an overflow, hysteresis), or None."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return None if scaler is None else dict(vars(scaler))
+
+
+def set_loss_scaler_state(optimizer, saved: Optional[Dict[str, object]]) -> None:
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is None or not saved:
+        return
+    for key, value in saved.items():
+        if key in vars(scaler) and key != "dtype":
+            setattr(scaler, key, value)
+
+
+def set_step_counters(engine, global_steps: int, global_samples: int, skipped_steps: int) -> None:
+    """The engine's step counters, as its own load_checkpoint sets them."""
+    engine.global_steps = global_steps
+    engine.global_samples = global_samples
+    engine.skipped_steps = skipped_steps
 
 
 def resolve(path: str):

@@ -4,6 +4,7 @@
     convert_checkpoint.py merge     --load ckpt [--iteration N] --output model.pt [--strip-vocab-padding]
     convert_checkpoint.py reshard   --load ckpt --save ckpt_tp1pp4 --target-tensor-model-parallel-size 1 \\
                                     --target-pipeline-model-parallel-size 4 [--no-optimizer]
+    convert_checkpoint.py universal --load ckpt --save ckpt_universal
     convert_checkpoint.py export-hf --load ckpt --output hf_model/
 
 A bad checkpoint or flag is one line on stderr and exit 2; nothing is left at the target.
@@ -45,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the --pipeline-partition-method the resumed run will use (default: the source's; cost if "
                         "the source gave explicit layer counts)")
     p.add_argument("--no-optimizer", action="store_true",
-                   help="leave out the Adam moments (the resumed run starts them fresh); needed for ZeRO 1 and "
-                        "bf16/fp16 optimizer states, which are not resharded")
+                   help="leave out the Adam moments (the resumed run starts them fresh)")
+
+    p = sub.add_parser("universal", help="the layout-free form (per parameter: fp32 weight, Adam moments, step; "
+                                         "the run state), which pretrain_gpt.py --load takes under any layout")
+    source(p)
+    p.add_argument("--save", required=True, help="new folder to write (must not exist)")
 
     p = sub.add_parser("export-hf", help="Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, "
                                          "tokenizer.model)")
@@ -82,6 +87,15 @@ def main(argv=None) -> int:
             print(f"resharded {args.load}/{r['tag']} TP={r['source'][0]}, PP={r['source'][1]} -> {args.save} "
                   f"TP={r['target'][0]}, PP={r['target'][1]} (--pipeline-partition-method {r['partition_method']}): "
                   f"weights, LR schedule, iteration, {', '.join(notes)}, {time.time() - start:.1f}s")
+        elif args.command == "universal":
+            from megatron_lite.checkpoint.reshard import universal
+
+            r = universal(args.load, args.save, args.iteration)
+            tp, pp, dp = r["source"]
+            zero, precision = r["storage"]
+            print(f"wrote the layout-free form of {args.load}/{r['tag']} (TP={tp}, PP={pp}, DP={dp}, ZeRO {zero}, "
+                  f"{precision}) to {args.save}: {r['parameters']:,} parameters with fp32 weights, Adam moments and "
+                  f"step; --load it under any layout; {time.time() - start:.1f}s")
         else:
             from megatron_lite.checkpoint.hf_export import export_hf
 

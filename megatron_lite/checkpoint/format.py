@@ -58,11 +58,16 @@ def rng_files(folder: str) -> List[str]:
     return sorted(name for name in os.listdir(folder) if name.startswith(RNG_PREFIX))
 
 
-def zero_optimizer_files(folder: str, stage: int, tp_rank: int, tp: int) -> List[str]:
-    """Paths of every DP rank's optimizer partition of one stage and TP rank (none at plain ZeRO 0 fp32)."""
-    import glob
-
-    return sorted(glob.glob(os.path.join(folder, deepspeed_compat.zero_optimizer_file_pattern(stage, tp_rank, tp))))
+def zero_optimizer_files(folder: str, stage: int, tp_rank: int, tp: int, dp: int, bf16: bool) -> List[str]:
+    """Paths of every DP rank's optimizer partition of one stage and TP rank, in DP-rank order; none for a
+    plain torch optimizer (fp32, ZeRO 0). Some but not all of them is an incomplete checkpoint."""
+    paths = [os.path.join(folder, zero_optimizer_file(d, stage, tp_rank, tp, bf16)) for d in range(dp)]
+    present = [p for p in paths if os.path.isfile(p)]
+    if present and len(present) != len(paths):
+        missing = next(p for p in paths if p not in present)
+        raise CheckpointError(f"{folder} is incomplete: {os.path.basename(missing)} is missing (the checkpoint "
+                              f"was saved at data-parallel size {dp})")
+    return present
 
 
 def layout_of(tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
@@ -122,9 +127,10 @@ def saved_tags(directory: str) -> List[str]:
 
 
 def probe_load_dir(path: str) -> Optional[str]:
-    """What --load PATH holds: the tag to resume from, or None for 'nothing yet' (a missing or empty
-    folder, or one with only our lock and unfinished saves: how a Slurm job whose --load equals its --save
-    starts the first time). Anything else that is not one of our checkpoints is a CheckpointError."""
+    """What --load PATH holds: the tag to resume from, or None for 'nothing yet': a missing or empty folder,
+    or one with only our lock, unfinished saves and other folders (a data cache or TensorBoard folder kept
+    beside the checkpoints): how a Slurm job whose --load equals its --save starts the first time. Anything
+    else that is not one of our checkpoints (files, or iter_* folders, without `latest`) is a CheckpointError."""
     if not os.path.exists(path):
         return None
     hint = "give the --save folder of a pretrain_gpt.py run (or a new folder to start from iteration 0)"
@@ -136,7 +142,8 @@ def probe_load_dir(path: str) -> Optional[str]:
     if tag is not None:
         read_metadata(path, tag)
         return tag
-    entries = sorted(e for e in os.listdir(path) if e != LOCK_FILE and not is_temporary(e))
+    entries = sorted(e for e in os.listdir(path) if e != LOCK_FILE and not is_temporary(e)
+                     and (e.startswith(TAG_PREFIX) or not os.path.isdir(os.path.join(path, e))))
     if not entries:
         return None
     if "config.json" in entries and any(e.endswith((".safetensors", ".bin")) for e in entries):

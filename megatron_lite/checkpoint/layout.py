@@ -26,6 +26,7 @@ from deepspeed.pipe import TiedLayerSpec
 from megatron_lite.config import Config
 from megatron_lite.model.gpt import layer_specs, spec_costs
 from megatron_lite.model.partition import partition
+from megatron_lite.parallel.tp import as_single_rank
 
 VOCAB_PARAMETERS = ("word_embeddings.weight", "output.weight")
 
@@ -57,21 +58,26 @@ class ModelLayout:
         self.params: Dict[int, List[ParamInfo]] = {}
         self.tied_spec: Dict[str, int] = {}  # tied key -> index of the spec whose file holds it
         self.tied_users: Dict[int, str] = {}  # spec index -> tied key, for every tied spec
+        described: Dict[str, List[Tuple[str, Tuple[int, ...], int, int]]] = {}
         for index, spec in enumerate(self.specs):
             if isinstance(spec, TiedLayerSpec):
                 self.tied_users[index] = spec.key
                 if spec.key in self.tied_spec:
                     continue
                 self.tied_spec[spec.key] = index
-            self.params[index] = self._describe(index, spec)
+            # Every layer of one kind has the same parameters: build one of each kind.
+            kind = spec.typename.__name__
+            if kind not in described:
+                described[kind] = self._describe(spec)
+            self.params[index] = [ParamInfo(index, *entry) for entry in described[kind]]
 
-    def _describe(self, index: int, spec) -> List[ParamInfo]:
-        # Built dense (no TP state: TP = 1) only to read names, shapes and split attributes.
-        with torch.random.fork_rng(devices=[]):
+    @staticmethod
+    def _describe(spec) -> List[Tuple[str, Tuple[int, ...], int, int]]:
+        # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes.
+        with torch.random.fork_rng(devices=[]), as_single_rank():
             module = spec.build()
-        return [ParamInfo(index, name, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False)
-                          else -1, getattr(p, "partition_stride", 1))
-                for name, p in module.named_parameters()]
+        return [(name, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1,
+                 getattr(p, "partition_stride", 1)) for name, p in module.named_parameters()]
 
     def layer_specs_with_files(self) -> List[int]:
         """Spec indices that have a layer file (every spec but the tied head)."""
@@ -79,6 +85,19 @@ class ModelLayout:
 
     def stage_bounds(self, pp: int, method: str) -> List[int]:
         return partition(spec_costs(self.config), pp, method)
+
+    def layers_per_stage(self, bounds: List[int]) -> List[int]:
+        costs = spec_costs(self.config)
+        return [sum(c.is_transformer for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def saved_stage_bounds(self, metadata: dict) -> List[int]:
+        """Where a saved checkpoint's stages were cut: its recorded layers per stage (a `profile` split is
+        known only from them), else its partition method."""
+        pp = int(metadata["layout"]["pipeline_model_parallel_size"])
+        counts = metadata.get("layers_per_stage")
+        if counts and len(counts) == pp:
+            return self.stage_bounds(pp, ",".join(map(str, counts)))
+        return self.stage_bounds(pp, self.config.parallel.pipeline_partition_method)
 
     def stage_parameters(self, start: int, stop: int) -> List[Tuple[ParamInfo, bool]]:
         """(parameter, is a tied copy) of a stage in optimizer order: decay group, then no-decay group."""

@@ -109,7 +109,7 @@ class CheckpointReader:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{os.path.join(self.path, METADATA)}: missing or malformed entry ({e})") from None
         self.layout = ModelLayout(self.config)
-        self.bounds = self.layout.stage_bounds(self.pp, self.config.parallel.pipeline_partition_method)
+        self.bounds = self.layout.saved_stage_bounds(self.metadata)
         self._check_files_exist()
 
     def _check_files_exist(self) -> None:

@@ -1,38 +1,43 @@
-"""A checkpoint rewritten for another TP x PP layout, so `pretrain_gpt.py --load` continues under it.
+"""A checkpoint rewritten for another TP x PP layout, or into its layout-free form.
 
-Carried over: every weight (cut for the new TP), the AdamW moments of ZeRO 0
-checkpoints cut exactly like their parameters (`--no-optimizer` leaves them
-out: the run then starts with fresh moments), iteration, consumed samples,
-the LR schedule and DeepSpeed's step counters. Random generator states are
-copied only when TP and PP stay the same: they belong to a rank's place in
-the layout (a stage draws dropout masks for its own layers), so under a new
-layout the run reseeds from --seed as a fresh run does. When the new TP pads
-the vocabulary differently, padded rows are dropped or zero rows added.
+`reshard` reads any checkpoint the trainer saves (ZeRO 0 or 1; fp32, bf16 or fp16; any TP/PP/DP) through
+its layout-free form (layout_free.py) and writes the target layout in the simplest form DeepSpeed reads:
+fp32 layer files and, per stage and TP rank, a plain AdamW state with every parameter's moments and step
+(what an fp32 ZeRO 0 run saves), with iteration, consumed samples, the LR schedule and DeepSpeed's step
+counters. The metadata records that storage, so `pretrain_gpt.py --load` under any ZeRO stage and precision
+takes it (bf16 and ZeRO 1 runs through the layout-free path, with the fp32 masters). `--no-optimizer` leaves
+the moments out (the run then starts them fresh). Random generator states are carried over only when TP and
+PP stay the same: they belong to a rank's place in the layout; otherwise the run reseeds from --seed. When
+the new TP pads the vocabulary differently, padded rows are dropped or zero rows added, weights and moments
+alike. `universal` writes the layout-free form itself, which --load reads under any layout.
 
-The target is written into a temporary sibling folder and renamed into place
-at the end; an existing --save folder is never written into.
+Targets are written into a temporary sibling folder and renamed into place at the end; an existing folder
+is never written into.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from megatron_lite.checkpoint import slicing
 from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
+from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     layer_file,
     load_file,
+    read_metadata,
     rng_files,
     write_latest,
     write_metadata,
 )
 from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout
-from megatron_lite.checkpoint.reader import CheckpointReader
+from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
+from megatron_lite.checkpoint.reader import resolve_tag
 from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
 
@@ -66,76 +71,89 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
     return config
 
 
-def _default_groups(config: Config) -> List[dict]:
-    """AdamW group settings as training/optimizer.py builds them, for a source without a plain AdamW state."""
+def _groups(config: Config, lr_scheduler: Optional[dict]) -> List[dict]:
+    """AdamW group settings as training/optimizer.py builds them, at the learning rate the schedule last
+    gave (DeepSpeed restores the optimizer's rate from these groups)."""
     o = config.optimizer
-    common = dict(lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, amsgrad=False, maximize=False,
+    last = (lr_scheduler or {}).get("_last_lr") or [o.lr, o.lr]
+    common = dict(betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, amsgrad=False, maximize=False,
                   foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True,
                   initial_lr=o.lr)
-    return [dict(common, weight_decay=o.weight_decay), dict(common, weight_decay=0.0)]
+    return [dict(common, lr=last[0], weight_decay=o.weight_decay), dict(common, lr=last[-1], weight_decay=0.0)]
 
 
-def _slice_state(entry: Dict, info, tp: int, rows: Optional[int]) -> List[Dict]:
-    per_rank = [{} for _ in range(tp)]
-    for name, value in entry.items():
-        if torch.is_tensor(value) and value.dim() > 0:
-            if rows is not None:
-                value = resize_rows(value, rows)
-            for r, piece in enumerate(slicing.split(value, tp, info.partition_dim, info.partition_stride)):
-                per_rank[r][name] = piece
-        else:
-            for r in range(tp):
-                per_rank[r][name] = value.clone() if torch.is_tensor(value) else value
-    return per_rank
+def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
+    """What DeepSpeed's engine saves per stage and TP rank, for a plain torch optimizer."""
+    import deepspeed
+
+    return {"module": None, "buffer_names": [], "optimizer": optimizer, "param_shapes": None,
+            "frozen_param_shapes": None, "shared_params": None, "frozen_param_fragments": None,
+            "lr_scheduler": run.lr_scheduler, "data_sampler": None, "random_ltd": None,
+            "skipped_steps": run.skipped_steps, "global_steps": run.global_steps,
+            "global_samples": run.global_samples, "dp_world_size": dp, "mp_world_size": tp * pp,
+            "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp}, "ds_version": deepspeed.__version__}
 
 
-def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[int] = None,
-            no_optimizer: bool = False, partition_method: Optional[str] = None, log=print) -> dict:
+def _source(load_dir: str, iteration: Optional[int]) -> LayoutFreeReader:
+    tag = resolve_tag(load_dir, iteration)
+    return LayoutFreeReader(os.path.join(load_dir, tag), read_metadata(load_dir, tag))
+
+
+def _refuse_existing(save_dir: str) -> str:
     if os.path.exists(save_dir):
         raise CheckpointError(f"--save {save_dir} already exists; give a new folder (the source and any existing "
                               f"checkpoint are never written over)")
-    reader = CheckpointReader(load_dir, iteration)
-    config = target_config(reader.config, tp, pp, partition_method)
-    layout = ModelLayout(config)
-    bounds = layout.stage_bounds(pp, config.parallel.pipeline_partition_method)
-    rows = config.model.padded_vocab_size
-    weights = reader.full_weights()
-    states, groups = (({}, []) if no_optimizer else reader.optimizer_states())
-    base = reader.rank_state(0, 0)
-    if not groups:
-        groups = _default_groups(config)
-
     parent = os.path.dirname(os.path.abspath(save_dir))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise WriteError(save_dir, describe(e)) from None
+    return os.path.basename(os.path.normpath(save_dir))
+
+
+def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[int] = None,
+            no_optimizer: bool = False, partition_method: Optional[str] = None, log=print) -> dict:
+    _refuse_existing(save_dir)
+    source = _source(load_dir, iteration)
+    tag = os.path.basename(source.folder)
+    config = target_config(source.config, tp, pp, partition_method)
+    layout = ModelLayout(config)
+    bounds = layout.stage_bounds(pp, config.parallel.pipeline_partition_method)
+    rows = config.model.padded_vocab_size
+    dp = config.parallel.data_parallel_size
+    run = source.run_state()
+    states = source.read(optimizer=not no_optimizer)
+    step = max((s.step for s in states.values() if s.step is not None), default=None)
+
+    def sliced(name: str, tensor: torch.Tensor, info) -> List[torch.Tensor]:
+        if is_vocab_parameter(name):  # the target TP may pad the vocabulary to another size
+            tensor = resize_rows(tensor, rows)
+        return [t.contiguous() for t in slicing.split(tensor, tp, info.partition_dim, info.partition_stride)]
+
     with atomic_folder(save_dir) as tmp_root:
-        tmp = os.path.join(tmp_root, reader.tag)
+        tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
         for spec in layout.layer_specs_with_files():
             per_rank = [{} for _ in range(tp)]
             for info in layout.params[spec]:
-                full = weights[(spec, info.name)]
-                if is_vocab_parameter(info.name):
-                    full = resize_rows(full, rows)
-                full = full.to(reader.dtypes[(spec, info.name)])
-                for r, piece in enumerate(slicing.split(full, tp, info.partition_dim, info.partition_stride)):
-                    per_rank[r][info.name] = piece.contiguous()
+                for r, piece in enumerate(sliced(info.name, states[(spec, info.name)].fp32, info)):
+                    per_rank[r][info.name] = piece
             for r in range(tp):
                 torch_save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
             log(f"  layer {spec:02d}: {len(per_rank[0])} tensors x {tp} TP ranks")
 
+        groups = _groups(config, run.lr_scheduler)
         for stage in range(pp):
             params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
             opt_state = [{} for _ in range(tp)]
-            for index, (info, copy) in enumerate(params):
-                entry = states.get((info.spec, info.name, copy)) or states.get((info.spec, info.name, not copy))
-                if entry is None:
+            for index, (info, _) in enumerate(params):
+                state = states[(info.spec, info.name)]
+                if state.exp_avg is None:
                     continue
-                pieces = _slice_state(entry, info, tp, rows if is_vocab_parameter(info.name) else None)
+                moments = {k: sliced(info.name, getattr(state, k), info) for k in ("exp_avg", "exp_avg_sq")}
                 for r in range(tp):
-                    opt_state[r][index] = pieces[r]
+                    opt_state[r][index] = {"step": torch.tensor(float(state.step or step or 0)),
+                                           "exp_avg": moments["exp_avg"][r], "exp_avg_sq": moments["exp_avg_sq"][r]}
             decay = sum(1 for info, _ in params if info.decays)
             param_groups = []
             if decay:
@@ -143,24 +161,39 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
             if len(params) > decay:
                 param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
             for r in range(tp):
-                state = dict(base)
-                state.update(module=None, optimizer={"state": opt_state[r], "param_groups": param_groups},
-                             mp_world_size=tp * pp,
-                             checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": tp})
-                torch_save(state, os.path.join(tmp, mp_rank_file(stage, r, tp)))
+                torch_save(_engine_state(run, {"state": opt_state[r], "param_groups": param_groups}, tp, pp, dp),
+                           os.path.join(tmp, mp_rank_file(stage, r, tp)))
 
-        copied_rng = reader.tp == tp and reader.pp == pp
+        copied_rng = source.tp == tp and source.pp == pp and not source.universal
         if copied_rng:  # read and written again, never copied unread: a file is validated before it travels
-            for name in rng_files(reader.path):
-                torch_save(load_file(os.path.join(reader.path, name)), os.path.join(tmp, name))
-        metadata = dict(reader.metadata)
-        metadata.update(layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                "data_parallel_size": config.parallel.data_parallel_size},
+            for name in rng_files(source.folder):
+                torch_save(load_file(os.path.join(source.folder, name)), os.path.join(tmp, name))
+        metadata = {k: v for k, v in source.metadata.items() if k not in ("format", "run_state", "converted_from")}
+        metadata.update(iteration=run.iteration, consumed_samples=run.consumed_samples,
+                        layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                                "data_parallel_size": dp},
+                        layers_per_stage=layout.layers_per_stage(bounds),
                         config=dataclasses.asdict(config), optimizer_states=not no_optimizer,
-                        resharded_from={"path": os.path.abspath(reader.path), "tensor_model_parallel_size": reader.tp,
-                                        "pipeline_model_parallel_size": reader.pp})
+                        storage={"zero_stage": 0, "precision": "fp32"},
+                        resharded_from={"path": os.path.abspath(source.folder), "tensor_model_parallel_size": source.tp,
+                                        "pipeline_model_parallel_size": source.pp})
         write_metadata(tmp, metadata)
-        write_latest(tmp_root, reader.tag)
-    return {"tag": reader.tag, "source": (reader.tp, reader.pp), "target": (tp, pp),
-            "optimizer": not no_optimizer, "rng": copied_rng, "padded_vocab": (reader.config.model.padded_vocab_size, rows),
+        write_latest(tmp_root, tag)
+    return {"tag": tag, "source": (source.tp, source.pp), "target": (tp, pp),
+            "optimizer": not no_optimizer, "rng": copied_rng,
+            "padded_vocab": (source.config.model.padded_vocab_size, rows),
             "partition_method": config.parallel.pipeline_partition_method}
+
+
+def universal(load_dir: str, save_dir: str, iteration: Optional[int] = None) -> dict:
+    """The checkpoint's layout-free form in a new folder (`latest` + the tag folder), loadable anywhere."""
+    _refuse_existing(save_dir)
+    source = _source(load_dir, iteration)
+    tag = os.path.basename(source.folder)
+    with atomic_folder(save_dir) as tmp_root:
+        tmp = os.path.join(tmp_root, tag)
+        os.makedirs(tmp)
+        write_universal(source, tmp)
+        write_latest(tmp_root, tag)
+    return {"tag": tag, "source": (source.tp, source.pp, source.dp), "storage": (source.zero_stage, source.precision),
+            "parameters": sum(math.prod(i.shape) for infos in source.layout.params.values() for i in infos)}

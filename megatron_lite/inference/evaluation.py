@@ -4,21 +4,20 @@ The batches are the ones training's evaluation uses (training/loop.py
 `evaluate`: the first --eval-iters global batches of the split, with the
 dataset sized as training sized it), so on the checkpoint's own data and
 split the loss is the validation loss training logged at that iteration,
-and the perplexity is exp of it. A layout other than the checkpoint's is
-resharded first (weights only) into a temporary folder next to it.
+and the perplexity is exp of it. Under a layout other than the checkpoint's,
+each rank takes its slice of the weights from the checkpoint's layout-free
+form (training/checkpointing.load_weights); nothing is written.
 """
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from megatron_lite.checkpoint.reader import CheckpointReader
-from megatron_lite.checkpoint.reshard import reshard, target_config
+from megatron_lite.checkpoint.reshard import target_config
 from megatron_lite.config import Config, ConfigError, format_split
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.tokenizer import build_tokenizer
@@ -65,30 +64,24 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
                         tp: Optional[int] = None, pp: Optional[int] = None, backend: Optional[str] = None) -> EvalResult:
     """Collective: every rank of the launched job calls it; all return the same result."""
     init_distributed(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     reader = CheckpointReader(load_dir, iteration)
     source = reader.config
     tp = tp or reader.tp
     pp = pp or reader.pp
-    directory, tag, tmp = load_dir, reader.tag, None
     method = source.parallel.pipeline_partition_method
     if (tp, pp) != (reader.tp, reader.pp):
-        target_config(source, tp, pp, None)  # a bad layout fails on every rank, before any rank waits for another
-        tmp = os.path.join(os.path.dirname(os.path.abspath(load_dir)),
-                           f".{os.path.basename(os.path.abspath(load_dir))}.eval-tp{tp}pp{pp}")
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            reshard(load_dir, tmp, tp, pp, iteration, no_optimizer=True, log=lambda *a: None)
-        dist.barrier()
-        directory = tmp
-        method = CheckpointReader(tmp).config.parallel.pipeline_partition_method
+        # a bad layout fails on every rank, before any rank waits for another
+        method = target_config(source, tp, pp, None).parallel.pipeline_partition_method
+    elif reader.metadata.get("layers_per_stage"):  # a `profile` split is known only from the checkpoint
+        method = ",".join(map(str, reader.metadata["layers_per_stage"]))
     try:
-        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, directory)
+        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir)
         if not config.data.data_path:
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp)
         engine = Engine(config, with_scheduler=False)
-        load_weights(engine, config, directory, tag)
+        load_weights(engine, config, load_dir, reader.tag)
         tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", config.data.tokenizer_model,
                                     config.model.vocab_size)
         gbs, t = config.batch.global_batch_size, config.training
@@ -106,7 +99,5 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
         loss = evaluate(engine, dataset, config)
     finally:
         dist.barrier()
-        if tmp is not None and rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
     return EvalResult(loss=loss, perplexity=math.exp(loss), iteration=reader.iteration, batches=t.eval_iters,
                       samples=t.eval_iters * gbs, layout=(tp, pp, config.parallel.data_parallel_size))

@@ -7,6 +7,7 @@ these getters instead of `parallel.state`, so one code path serves both.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Tuple
 
 import torch
@@ -14,17 +15,35 @@ import torch.distributed as dist
 
 from megatron_lite.parallel import state
 
+_as_single_rank = False
+
+
+def _parallel() -> bool:
+    return state.is_initialized() and not _as_single_rank
+
+
+@contextlib.contextmanager
+def as_single_rank():
+    """Inside the block everything here says TP = 1, whatever this process's place: for building a layer
+    only to read its dense (TP = 1) parameter names and shapes inside a TP > 1 run (checkpoint layouts)."""
+    global _as_single_rank
+    before, _as_single_rank = _as_single_rank, True
+    try:
+        yield
+    finally:
+        _as_single_rank = before
+
 
 def tp_world_size() -> int:
-    return state.get_tensor_model_parallel_world_size() if state.is_initialized() else 1
+    return state.get_tensor_model_parallel_world_size() if _parallel() else 1
 
 
 def tp_rank() -> int:
-    return state.get_tensor_model_parallel_rank() if state.is_initialized() else 0
+    return state.get_tensor_model_parallel_rank() if _parallel() else 0
 
 
 def tp_group():
-    return state.get_tensor_model_parallel_group() if state.is_initialized() else None
+    return state.get_tensor_model_parallel_group() if _parallel() else None
 
 
 def split_size(total: int, parts: int, what: str) -> int:

@@ -31,6 +31,7 @@ from megatron_lite.atomic import WriteError, describe, torch_save
 from megatron_lite.checkpoint.format import (
     LATEST,
     TMP_PREFIX,
+    UNIVERSAL_FORMAT,
     CheckpointError,
     layer_file,
     layout_of,
@@ -47,7 +48,11 @@ from megatron_lite.checkpoint.format import (
     zero3_model_states_file,
     zero_optimizer_files,
 )
+from megatron_lite.checkpoint import slicing
+from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
+from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
 from megatron_lite.data.sidecar import file_sha256
@@ -139,6 +144,7 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
             "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
             "tokenizer_sha256": file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None,
+            "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name},
             "config": config.to_dict()}
 
 
@@ -220,7 +226,8 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
             name = zero3_model_states_file(state.get_data_parallel_rank())
         files = [(os.path.join(folder, name), check_model_states)]
         if load_optimizer:
-            files += [(path, check_zero_state) for path in zero_optimizer_files(folder, 0, 0, 1)]
+            files += [(path, check_zero_state) for path in zero_optimizer_files(
+                folder, 0, 0, 1, config.parallel.data_parallel_size, config.precision.bf16)]
         return files
     p = config.parallel
     tp, stage, tp_rank = p.tensor_model_parallel_size, state.get_pipeline_model_parallel_rank(), \
@@ -233,7 +240,8 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
                       lambda path, value, expected=expected: check_layer_state(path, value, expected, tp)))
     files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))
     if load_optimizer:
-        files += [(path, check_zero_state) for path in zero_optimizer_files(folder, stage, tp_rank, tp)]
+        files += [(path, check_zero_state) for path in zero_optimizer_files(
+            folder, stage, tp_rank, tp, p.data_parallel_size, config.precision.bf16)]
     return files
 
 
@@ -259,15 +267,51 @@ def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optio
     return rng
 
 
-def load(engine, config: Config) -> Tuple[int, int]:
-    """Resume from --load's latest tag. Returns (iteration, consumed samples); (0, 0) when --load holds
-    no checkpoint yet (validation has said so)."""
+@dataclass
+class Resumed:
+    iteration: int
+    consumed_samples: int
+    note: Optional[str] = None
+    """What a resume under another layout did (printed by rank 0), None for a plain resume."""
+
+
+def _same_places(engine, config: Config, metadata: dict) -> bool:
+    """Whether every rank finds its layers' files where it would have saved them: the same TP, PP and stage
+    split (a layout-free folder has no such files)."""
+    p, saved = config.parallel, metadata["layout"]
+    split = getattr(engine.module, "layers_per_stage", None)
+    return (metadata.get("format") != UNIVERSAL_FORMAT
+            and saved["tensor_model_parallel_size"] == p.tensor_model_parallel_size
+            and saved["pipeline_model_parallel_size"] == p.pipeline_model_parallel_size
+            and (split is None or metadata.get("layers_per_stage") in (None, split)))
+
+
+def _same_layout(engine, config: Config, metadata: dict) -> bool:
+    """Whether DeepSpeed's own loader can read the optimizer state too: also the same DP size, ZeRO stage
+    and precision."""
+    p = config.parallel
+    return (_same_places(engine, config, metadata)
+            and metadata["layout"].get("data_parallel_size") == p.data_parallel_size
+            and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name))
+
+
+def _describe_layout(layout: dict, storage) -> str:
+    zero, precision = storage
+    return (f"TP {layout['tensor_model_parallel_size']} x PP {layout['pipeline_model_parallel_size']} x DP "
+            f"{layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
+
+
+def load(engine, config: Config) -> Resumed:
+    """Resume from --load's latest tag; iteration 0 when --load holds no checkpoint yet (validation has said
+    so). A checkpoint saved under another layout, ZeRO stage or precision goes through its layout-free form."""
     directory = config.training.load
     tag = probe_load_dir(directory)
     if tag is None:
-        return 0, 0
+        return Resumed(0, 0)
     metadata = read_metadata(directory, tag)
     folder = os.path.join(directory, tag)
+    if not _same_layout(engine, config, metadata):
+        return _load_layout_free(engine, config, folder, metadata)
     # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.
     load_optimizer = metadata.get("optimizer_states", True)
     rng = _preload(engine, folder, config, load_optimizer)
@@ -277,12 +321,101 @@ def load(engine, config: Config) -> Tuple[int, int]:
         raise CheckpointError(f"DeepSpeed could not load {folder}")
     if rng is not None:
         _set_rng_state(rng)
-    return metadata["iteration"], metadata["consumed_samples"]
+    return Resumed(metadata["iteration"], metadata["consumed_samples"])
+
+
+def _agree(action):
+    """Run `action` on every rank; a CheckpointError on any rank is raised on all of them (first rank's)."""
+    result, problem = None, None
+    try:
+        result = action()
+    except CheckpointError as e:
+        problem = str(e)
+    problems = gather_problems(problem)
+    if problems:
+        raise CheckpointError(problems[0])
+    return result
+
+
+def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
+    """{this rank's parameter: its slice of the fp32 master and moments}, the step, and the run state."""
+    p = config.parallel
+    tp, tp_rank = p.tensor_model_parallel_size, state.get_tensor_model_parallel_rank()
+    layout = ModelLayout(config)
+    params = {}
+    for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
+        params[(layout.tied_spec[owner] if isinstance(owner, str) else owner, name)] = param
+    reader = LayoutFreeReader(folder, metadata)
+    saved = reader.read({spec for spec, _ in params}, optimizer=optimizer)
+    rows = config.model.padded_vocab_size
+    values, steps = {}, []
+    for key, param in params.items():
+        info = next(i for i in layout.params[key[0]] if i.name == key[1])
+        entry = saved[key]
+
+        def local(tensor):
+            if tensor is None:
+                return None
+            if is_vocab_parameter(key[1]):  # another TP pads the vocabulary to another size
+                tensor = resize_rows(tensor, rows)
+            return slicing.split(tensor, tp, info.partition_dim, info.partition_stride)[tp_rank]
+        values[param] = {"fp32": local(entry.fp32), "exp_avg": local(entry.exp_avg),
+                         "exp_avg_sq": local(entry.exp_avg_sq)}
+        if entry.step is not None:
+            steps.append(entry.step)
+    return values, max(steps, default=0.0), reader.run_state() if optimizer else None
+
+
+def _load_layout_free(engine, config: Config, folder: str, metadata: dict) -> Resumed:
+    values, step, run = _agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
+    deepspeed_compat.set_optimizer_state(engine.engine, values, step)
+    if run.lr_scheduler is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(run.lr_scheduler)
+        # The schedule's state does not set the optimizer's learning rate (DeepSpeed's own load restores it
+        # with the optimizer's param_groups): the next step uses the rate the schedule last gave.
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    deepspeed_compat.set_step_counters(engine.engine, run.global_steps, run.global_samples, run.skipped_steps)
+    if config.precision.fp16:
+        deepspeed_compat.set_loss_scaler_state(engine.optimizer, run.loss_scaler)
+    p, saved = config.parallel, metadata["layout"]
+    rng = _agree(lambda: _rng_of_same_place(folder, saved)) if _same_places(engine, config, metadata) else None
+    if rng is not None:
+        _set_rng_state(rng)
+        randomness = "random generators kept (each stream is the same on every DP rank)"
+    else:
+        randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
+    ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
+            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
+            f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
+    return Resumed(run.iteration, run.consumed_samples, note)
+
+
+def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
+    """The saved random generators of the rank that had this rank's stage and TP rank at DP rank 0: every
+    stream is seeded without the DP rank, so any DP rank's state is every DP rank's."""
+    tp, dp = saved_layout["tensor_model_parallel_size"], saved_layout.get("data_parallel_size") or 1
+    rank = state.get_pipeline_model_parallel_rank() * dp * tp + state.get_tensor_model_parallel_rank()
+    path = os.path.join(folder, rng_file(rank))
+    if not os.path.isfile(path):
+        return None
+    saved = load_file(path)
+    _check_rng(path, saved)
+    return saved
 
 
 def load_weights(engine, config: Config, directory: str, tag: str) -> None:
-    """The model's weights only (evaluation), validated first like a resume."""
-    _preload(engine, os.path.join(directory, tag), config, load_optimizer=False)
+    """The model's weights only (evaluation), validated first like a resume; from any layout."""
+    folder = os.path.join(directory, tag)
+    metadata = read_metadata(directory, tag)
+    if not _same_places(engine, config, metadata):
+        values, _, _ = _agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
+        with torch.no_grad():
+            for param, value in values.items():
+                param.data.copy_(value["fp32"].to(param.dtype))
+        return
+    _preload(engine, folder, config, load_optimizer=False)
     path = engine.load_weights(directory, tag)
     engine.io.clear()
     if path is None:

@@ -135,9 +135,11 @@ def setup(config: Config) -> Run:
     engine = Engine(config)
     iteration, consumed = 0, 0
     if config.training.load:
-        iteration, consumed = checkpointing.load(engine, config)
+        resumed = checkpointing.load(engine, config)
+        iteration, consumed = resumed.iteration, resumed.consumed_samples
         if iteration:
-            print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples")
+            print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples"
+                        + (f"; {resumed.note}" if resumed.note else ""))
         else:
             print_rank0(f"--load {config.training.load} holds no checkpoint yet: starting from iteration 0")
     gbs, t = config.batch.global_batch_size, config.training

@@ -22,12 +22,14 @@ MODEL_FIELDS = (
     ("model", "ffn_hidden_size"), ("model", "position_embedding_type"), ("model", "max_position_embeddings"),
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
 )
-# What the files' slicing depends on; the loader reads its own layout only.
+# DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
+# ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
 LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipeline_model_parallel_size"),
-                 ("model", "padded_vocab_size"))
+                 ("parallel", "data_parallel_size"), ("parallel", "zero_stage"), ("model", "padded_vocab_size"))
 
 FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
-              "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)"}
+              "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
+              "data_parallel_size": "the data-parallel size (world size / (TP x PP))"}
 
 
 def flag_name(field: str) -> str:
@@ -81,9 +83,15 @@ def checkpoint_rules(config: Config, notes: List[str]) -> Config:
     if problems:
         raise ConfigError(f"--load {where} was trained with another model; resume with the checkpoint's values "
                           f"(or start a new run with another --save): " + "; ".join(problems))
+    from megatron_lite.checkpoint.layout_free import storage_of
+
     problems = resume_differences(saved, config, fields=LAYOUT_FIELDS)
-    if problems:
-        raise ConfigError(f"--load {where} was saved under another layout: " + "; ".join(problems) +
-                          "; resume with the checkpoint's --tensor-model-parallel-size, --pipeline-model-parallel-"
-                          "size and --make-vocab-size-divisible-by, or reshard it first (tools/convert_checkpoint.py)")
+    stored_zero, stored_precision = storage_of(metadata)
+    if stored_precision != config.precision.dtype_name:
+        problems.append(f"precision: checkpoint {stored_precision}, this run {config.precision.dtype_name}")
+    if problems and max(stored_zero, config.parallel.zero_stage) >= 2:
+        raise ConfigError(f"--load {where} cannot be moved to this run: " + "; ".join(problems) +
+                          f"; a checkpoint moves between layouts and precisions at ZeRO 0 and 1 only (this run: "
+                          f"--zero-stage {config.parallel.zero_stage}, the checkpoint's files: ZeRO {stored_zero}); "
+                          f"resume it with its own layout, ZeRO stage and precision")
     return config

@@ -33,7 +33,7 @@ def _fake_checkpoint(folder, config, tokenizer_sha256=None, iteration=2):
     return str(folder)
 
 
-@pytest.mark.parametrize("kind", ["missing", "empty", "only our lock and an unfinished save"])
+@pytest.mark.parametrize("kind", ["missing", "empty", "only our lock, an unfinished save and other folders"])
 def test_a_load_folder_without_a_checkpoint_yet_is_accepted(tmp_path, kind):
     folder = tmp_path / "ckpt"
     if kind != "missing":
@@ -41,6 +41,8 @@ def test_a_load_folder_without_a_checkpoint_yet_is_accepted(tmp_path, kind):
     if kind.startswith("only"):
         (folder / ".megatron_lite.lock").write_text("")
         (folder / "tmp-iter_0000002-20261124-abc").mkdir()
+        (folder / "data-cache").mkdir()  # what examples/slurm/pretrain_gpt.sbatch keeps there
+        (folder / "tensorboard").mkdir()
     config, _ = _config("--load", str(folder))
     assert config.training.load == str(folder)
 
@@ -96,13 +98,24 @@ def test_a_resume_may_change_the_schedule_data_batch_and_regularisation(tmp_path
     assert config.optimizer.lr == 3e-4 and config.training.train_iters == 10
 
 
-def test_a_resume_under_another_tensor_or_pipeline_layout_is_refused_with_both_values(tmp_path):
+def test_a_resume_may_change_the_layout_zero_stage_and_precision_at_zero_0_and_1(tmp_path):
+    saved, _ = _config("--pipeline-model-parallel-size", "2", "--zero-stage", "1", world_size=2)
+    folder = _fake_checkpoint(tmp_path / "ckpt", saved)
+    config, _ = _config("--load", folder, "--tensor-model-parallel-size", "2", "--bf16", world_size=4)
+    assert config.parallel.data_parallel_size == 2
+
+
+def test_a_zero_2_run_takes_only_a_checkpoint_of_its_own_layout_zero_stage_and_precision(tmp_path):
     saved, _ = _config("--pipeline-model-parallel-size", "2", world_size=2)
     folder = _fake_checkpoint(tmp_path / "ckpt", saved)
     with pytest.raises(ConfigError) as info:
-        _config("--load", folder, "--tensor-model-parallel-size", "2", world_size=2)
-    assert "--tensor-model-parallel-size: checkpoint 1, this run 2; --pipeline-model-parallel-size: checkpoint 2, " \
-           "this run 1" in str(info.value)
+        _config("--load", folder, "--zero-stage", "2", "--bf16", world_size=2)
+    message = str(info.value)
+    for part in ("--pipeline-model-parallel-size: checkpoint 2, this run 1",
+                 "the data-parallel size (world size / (TP x PP)): checkpoint 1, this run 2",
+                 "--zero-stage: checkpoint 0, this run 2", "precision: checkpoint fp32, this run bf16",
+                 "a checkpoint moves between layouts and precisions at ZeRO 0 and 1 only"):
+        assert part in message, message
 
 
 @pytest.fixture(scope="module")

@@ -83,8 +83,8 @@ TOOLS = {"pretrain --load": _pretrain, "evaluate": _evaluate, "reshard": _reshar
 # Which kinds of file each tool reads (the others it never opens, so a payload there cannot matter to it).
 READS = {
     "pretrain --load": ("layer", "model-states", "zero", "rng"),
-    "evaluate": ("layer", "model-states"),
-    "reshard": ("layer", "model-states", "zero", "rng"),
+    "evaluate": ("layer", "model-states"),  # at the checkpoint's own layout: DeepSpeed's loader, weights only
+    "reshard": ("model-states", "zero", "rng"),  # the fp32 masters come from the ZeRO files, not the layer files
     "merge": ("layer",),
     "export-hf": ("layer",),
     "generate": ("layer",),

@@ -124,3 +124,22 @@ def test_bad_input_fails_in_seconds_naming_the_variable(slurm_cluster, corpus, t
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), job.log()
     assert message in job.log()
     assert "torchrun agent" not in job.log() and "rank 0 on" not in job.log()  # nothing was launched
+
+
+def test_a_bf16_zero1_job_resubmitted_on_one_node_fewer_resumes_and_trains(slurm_cluster, corpus, tmp_path):  # noqa: F811
+    """Two nodes (DP 2), then the same script on one node (DP 1): the checkpoint's ZeRO-1 partitions of bf16
+    training move to the smaller allocation with their Adam moments, as a requeue onto fewer nodes needs."""
+    ckpt = tmp_path / "ckpt"
+    flags = dict(PP="1", EXTRA_ARGS="--bf16 --zero-stage 1")
+    first = completed(slurm_cluster, slurm_cluster.submit(TORCHRUN, str(tmp_path / "first.out"), *RESOURCES,
+                                                          **variables(corpus, ckpt, 4, **flags)))
+    assert sorted(losses_by_iteration(first)) == [1, 2, 3, 4]
+    one_node = ["--nodes", "1", *RESOURCES[2:]]
+    second = completed(slurm_cluster, slurm_cluster.submit(TORCHRUN, str(tmp_path / "second.out"), *one_node,
+                                                           **variables(corpus, ckpt, 6, **flags)))
+    assert f"resumed from {ckpt} at iteration 4" in second
+    assert "resharded TP 1 x PP 1 x DP 2 (ZeRO 1, bf16) -> TP 1 x PP 1 x DP 1 (ZeRO 1, bf16): fp32 weights, Adam " \
+           "moments and step" in second
+    losses = losses_by_iteration(second)
+    assert sorted(losses) == [5, 6] and all(loss < losses_by_iteration(first)[1] for loss in losses.values())
+    assert open(ckpt / "latest").read() == "iter_0000006"

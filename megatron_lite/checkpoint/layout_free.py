@@ -1,0 +1,285 @@
+"""A checkpoint in a form that belongs to no layout, so it loads at any TP, PP, DP, ZeRO 0/1 and precision.
+
+Per parameter, by its dense name (the layer spec and the name inside the layer): the full fp32 master
+weight, Adam's `exp_avg` and `exp_avg_sq` (TP = 1 shapes, the vocabulary padded as saved), and the step;
+plus the run's state: iteration, consumed samples, the LR schedule, DeepSpeed's step counters and the fp16
+loss scaler. `LayoutFreeReader` reads it from
+
+- any checkpoint the trainer saves: the fp32 masters and moments come from DeepSpeed's DP-partitioned
+  optimizer files where there are any (ZeRO 1, bf16, fp16: fragments found through their slice mappings,
+  deepspeed_compat.partition_fragments), else from the layer files and the plain AdamW state (fp32 ZeRO 0);
+  TP slices are put together as parallel/layers.py cut them (slicing.py);
+- or a folder written by `convert_checkpoint.py universal` (`write_universal`): one file per layer spec.
+
+It reads only the layer specs asked for, one source file at a time, so a rank resuming under a new layout
+holds the states of its own layers and one file besides. Every file goes through format.load_file.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.checkpoint import slicing
+from megatron_lite.checkpoint.format import (
+    UNIVERSAL_FORMAT,
+    CheckpointError,
+    layer_file,
+    load_file,
+    model_states_file,
+    zero_optimizer_files,
+)
+from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.reader import check_model_states, check_zero_state
+from megatron_lite.config import Config
+
+Key = Tuple[int, str]  # (layer spec index, name inside the layer)
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class ParamState:
+    fp32: torch.Tensor
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    step: Optional[float] = None
+
+
+@dataclass
+class RunState:
+    iteration: int
+    consumed_samples: int
+    lr_scheduler: Optional[dict] = None
+    global_steps: int = 0
+    global_samples: int = 0
+    skipped_steps: int = 0
+    loss_scaler: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+
+def storage_of(metadata: dict) -> Tuple[int, str]:
+    """(ZeRO stage, precision) of the files on disk: what DeepSpeed's own loader would need the run to use.
+    A resharded checkpoint says so itself; a saved one was written by its run's engine."""
+    storage = metadata.get("storage")
+    if storage:
+        return int(storage["zero_stage"]), str(storage["precision"])
+    config = Config.from_dict(metadata["config"])
+    return config.parallel.zero_stage, config.precision.dtype_name
+
+
+def universal_file(spec: int) -> str:
+    return f"universal_layer_{spec:02d}.pt"
+
+
+class LayoutFreeReader:
+    def __init__(self, folder: str, metadata: dict):
+        self.folder = folder
+        self.metadata = metadata
+        self.config = Config.from_dict(metadata["config"])
+        self.universal = metadata.get("format") == UNIVERSAL_FORMAT
+        layout = metadata["layout"]
+        self.tp = int(layout["tensor_model_parallel_size"])
+        self.pp = int(layout["pipeline_model_parallel_size"])
+        self.dp = int(layout.get("data_parallel_size") or 1)
+        self.layout = ModelLayout(self.config)
+        self.bounds = None if self.universal else self.layout.saved_stage_bounds(metadata)
+        self.zero_stage, self.precision = storage_of(metadata)
+        if self.zero_stage >= 2:
+            raise CheckpointError(f"{folder} was written with --zero-stage {self.zero_stage} (DeepSpeed's non-"
+                                  f"pipeline engine, whose files cannot be taken apart by parameter); it resumes "
+                                  f"only under its own layout, ZeRO stage and precision")
+
+    def info(self, key: Key):
+        return next(p for p in self.layout.params[key[0]] if p.name == key[1])
+
+    # The run's state.
+
+    def run_state(self) -> RunState:
+        m = self.metadata
+        if self.universal:
+            saved = dict(m["run_state"])
+            return RunState(**{k: saved[k] for k in saved if k in RunState.__dataclass_fields__})
+        path = os.path.join(self.folder, model_states_file(0, 0, self.tp))
+        engine_state = load_file(path)
+        check_model_states(path, engine_state)
+        scaler = None
+        zero = zero_optimizer_files(self.folder, 0, 0, self.tp, self.dp, self.precision == "bf16")
+        if zero and self.precision == "fp16":
+            scaler = self._partition(zero[0]).loss_scaler
+        return RunState(iteration=int(m["iteration"]), consumed_samples=int(m["consumed_samples"]),
+                        lr_scheduler=engine_state.get("lr_scheduler"),
+                        global_steps=int(engine_state.get("global_steps", m["iteration"])),
+                        global_samples=int(engine_state.get("global_samples", m["consumed_samples"])),
+                        skipped_steps=int(engine_state.get("skipped_steps", 0)), loss_scaler=scaler)
+
+    # Parameters.
+
+    def read(self, specs: Optional[Iterable[int]] = None, optimizer: bool = True) -> Dict[Key, ParamState]:
+        """Every parameter of the given layer specs (default: all); without `optimizer`, weights only."""
+        wanted: Set[int] = set(self.layout.params) if specs is None else set(specs) & set(self.layout.params)
+        if self.universal:
+            return self._read_universal(wanted, optimizer)
+        slices: Dict[Key, List[Optional[ParamState]]] = {}
+        for stage in range(self.pp):
+            owned = set(range(self.bounds[stage], self.bounds[stage + 1]))
+            stage_specs = {self.layout.tied_spec.get(self.layout.tied_users.get(s), s) for s in owned}
+            needed = stage_specs & wanted - {k[0] for k in slices if slices[k][0] is not None}
+            if not needed:
+                continue
+            for tp_rank in range(self.tp):
+                for key, value in self._read_stage(stage, tp_rank, needed, optimizer).items():
+                    slices.setdefault(key, [None] * self.tp)[tp_rank] = value
+        states = {}
+        for key, per_rank in slices.items():
+            info = self.info(key)
+            if any(v is None for v in per_rank):
+                raise CheckpointError(f"{self.folder}: {key[1]} of layer {key[0]:02d} is missing from some TP "
+                                      f"ranks' files: the checkpoint is incomplete")
+
+            def merged(name):
+                parts = [getattr(v, name) for v in per_rank]
+                return None if any(p is None for p in parts) else \
+                    slicing.merge(parts, info.partition_dim, info.partition_stride).contiguous()
+            states[key] = ParamState(merged("fp32"), merged("exp_avg"), merged("exp_avg_sq"), per_rank[0].step)
+        missing = [k for s in wanted for k in ((s, p.name) for p in self.layout.params[s]) if k not in states]
+        if missing:
+            raise CheckpointError(f"{self.folder}: no state for {missing[0][1]} of layer {missing[0][0]:02d}: the "
+                                  f"checkpoint is incomplete")
+        return states
+
+    def _read_universal(self, wanted: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
+        states = {}
+        for spec in sorted(wanted):
+            path = os.path.join(self.folder, universal_file(spec))
+            saved = load_file(path)
+            names = [p.name for p in self.layout.params[spec]]
+            if not isinstance(saved, dict) or sorted(saved) != sorted(names):
+                raise CheckpointError(f"{path}: holds {sorted(saved) if isinstance(saved, dict) else saved!r}, "
+                                      f"the config expects {names}: the file belongs to another model")
+            for name, entry in saved.items():
+                info = self.info((spec, name))
+                if tuple(entry["fp32"].shape) != info.shape:
+                    raise CheckpointError(f"{path}: {name} has shape {tuple(entry['fp32'].shape)}, the config "
+                                          f"gives {info.shape}: the file belongs to another model")
+                states[(spec, name)] = ParamState(entry["fp32"], *(entry.get(k) if optimizer else None for k in MOMENTS),
+                                                  entry.get("step") if optimizer else None)
+        return states
+
+    def _partition(self, path: str) -> deepspeed_compat.PartitionFragments:
+        state = load_file(path)
+        check_zero_state(path, state)
+        try:
+            return deepspeed_compat.partition_fragments(state)
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"{path}: not a DeepSpeed optimizer partition this version can read ({e!r})") \
+                from None
+
+    def _owner(self, pipeline_name: str) -> Key:
+        owner, name = deepspeed_compat.pipeline_parameter_owner(pipeline_name)
+        return (self.layout.tied_spec[owner] if isinstance(owner, str) else owner), name
+
+    def _read_stage(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
+        """One (stage, TP rank)'s slices of the parameters of `specs`."""
+        partitions = zero_optimizer_files(self.folder, stage, tp_rank, self.tp, self.dp, self.precision == "bf16")
+        if partitions:
+            return self._read_partitions(partitions, tp_rank, specs, optimizer)
+        return self._read_plain(stage, tp_rank, specs, optimizer)
+
+    def _read_partitions(self, paths: List[str], tp_rank: int, specs: Set[int],
+                         optimizer: bool) -> Dict[Key, ParamState]:
+        """ZeRO 1 / bf16 / fp16: each DP rank's file holds a contiguous fragment of each parameter's flat
+        fp32 master and moments; the fragments in DP-rank order are the whole (TP-sliced) parameter."""
+        pieces: Dict[Key, Dict[str, list]] = {}
+        steps: Dict[Key, Optional[float]] = {}
+        for path in paths:
+            partition = self._partition(path)
+            for pipeline_name, fragment in partition.fragments.items():
+                key = self._owner(pipeline_name)
+                if key[0] not in specs:
+                    continue
+                entry = pieces.setdefault(key, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
+                for name in ("fp32",) + MOMENTS:
+                    entry[name].append(None if fragment[name] is None else fragment[name].clone())
+                steps[key] = partition.steps[pipeline_name]
+        out = {}
+        for key, entry in pieces.items():
+            shape = slicing_shape(self.info(key), self.tp)
+
+            numel = sum(p.numel() for p in entry["fp32"])
+            if numel != torch.Size(shape).numel():
+                raise CheckpointError(f"{paths[0]}: the fragments of {key[1]} (layer {key[0]:02d}) add up to {numel} "
+                                      f"values, not {torch.Size(shape).numel()}: a DP rank's file is missing or "
+                                      f"belongs to another run")
+
+            def joined(name):
+                parts = entry[name]
+                return None if any(p is None for p in parts) else torch.cat(parts).view(shape)
+            fp32 = joined("fp32")
+            out[key] = ParamState(fp32, *(joined(k) if optimizer else None for k in MOMENTS),
+                                  steps[key] if optimizer else None)
+        return out
+
+    def _read_plain(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
+        """fp32 ZeRO 0: the layer files are the masters; the engine's file holds torch AdamW's state, numbered
+        in the stage's optimizer order (layout.stage_parameters)."""
+        from megatron_lite.checkpoint.reader import check_layer_state, slice_shape
+
+        out = {}
+        for spec in sorted(specs):
+            path = os.path.join(self.folder, layer_file(spec, tp_rank))
+            state = load_file(path)
+            check_layer_state(path, state, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]},
+                              self.tp)
+            for name, tensor in state.items():
+                out[(spec, name)] = ParamState(tensor.float())
+        if not optimizer or not self.metadata.get("optimizer_states", True):
+            return out
+        path = os.path.join(self.folder, model_states_file(stage, tp_rank, self.tp))
+        engine_state = load_file(path)
+        check_model_states(path, engine_state)
+        saved = engine_state.get("optimizer")
+        if not (isinstance(saved, dict) and "state" in saved and "param_groups" in saved):
+            raise CheckpointError(f"{path}: no optimizer state of a plain AdamW (fp32, ZeRO 0) and no optimizer "
+                                  f"partition files beside it: the checkpoint is incomplete")
+        params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
+        count = sum(len(g["params"]) for g in saved["param_groups"])
+        if count != len(params):
+            raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "
+                                  f"config has {len(params)}: the file belongs to another model or stage split")
+        for index, (info, copy) in enumerate(params):
+            entry = saved["state"].get(index)
+            key = (info.spec, info.name)
+            if key not in out or entry is None or copy:
+                continue
+            out[key].exp_avg, out[key].exp_avg_sq = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
+            out[key].step = float(entry["step"])
+        return out
+
+
+def slicing_shape(info, tp: int) -> Tuple[int, ...]:
+    shape = list(info.shape)
+    if info.partition_dim >= 0:
+        shape[info.partition_dim] //= tp
+    return tuple(shape)
+
+
+def write_universal(reader: LayoutFreeReader, folder: str) -> dict:
+    """The layout-free form into `folder` (a tag folder being written): one file per layer spec and the
+    metadata; returns the metadata."""
+    from megatron_lite.atomic import torch_save
+    from megatron_lite.checkpoint.format import write_metadata
+
+    for spec in reader.layout.layer_specs_with_files():
+        states = reader.read([spec])
+        torch_save({name: {"fp32": state.fp32, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,
+                           "step": state.step} for (_, name), state in states.items()},
+                   os.path.join(folder, universal_file(spec)))
+    metadata = {k: v for k, v in reader.metadata.items() if k not in ("storage", "optimizer_states")}
+    metadata.update(format=UNIVERSAL_FORMAT, run_state=asdict(reader.run_state()),
+                    converted_from={"path": os.path.abspath(reader.folder), "layout": reader.metadata["layout"],
+                                    "storage": list(storage_of(reader.metadata))})
+    write_metadata(folder, metadata)
+    return metadata
