@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable, List, Sequence, Tuple
 
 from megatron_lite import batching
-from megatron_lite.config import Config, ConfigError, format_split
+from megatron_lite.config import LOG_LEVELS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import layers_per_stage_uniform
 
 PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
@@ -19,7 +19,7 @@ PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
 
 def flag(name: str) -> str:
     """Field name -> its command-line flag: micro_batch_size -> --micro-batch-size."""
-    return "--" + name.replace("_", "-")
+    return flag_for(name)
 
 
 def require_at_least_one(section, names: Iterable[str]) -> None:
@@ -222,6 +222,8 @@ def training_rules(config: Config, notes: List[str]) -> Config:
 
 def logging_rules(config: Config, notes: List[str]) -> Config:
     require_at_least_one(config.logging, ("log_interval",))
+    if config.logging.log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {config.logging.log_level} is not one of {', '.join(LOG_LEVELS)}")
     if config.logging.timing_breakdown and config.parallel.zero_stage >= 2:
         raise ConfigError(f"--timing-breakdown times the pipeline engine's instructions, which --zero-stage "
                           f"{config.parallel.zero_stage} does not use; use --zero-stage 0 or 1, or drop the flag")
