@@ -160,20 +160,23 @@ def config_from_argv(argv: Sequence[str], world_size: int = 1) -> Config:
     return config_from_args(build_parser().parse_args(list(argv)), world_size)
 
 
-def config_to_argv(config: Config, sections: Optional[Sequence[str]] = None,
-                   fields: Optional[Sequence[str]] = None) -> List[str]:
+def config_to_argv(config: Config, sections: Optional[Sequence[str]] = None, fields: Optional[Sequence[str]] = None,
+                   exclude: Sequence[str] = (), include_defaults: bool = False) -> List[str]:
     """The flags that give `config` from the defaults: one per field whose value differs from its
-    dataclass default (in `sections` / `fields` only, when given). Inverse of config_from_argv."""
+    dataclass default (`include_defaults`: every field with a value), in `sections` / `fields` only
+    when given, never those named in `exclude`. Inverse of config_from_argv."""
     argv: List[str] = []
     for section, field in flag_fields():
-        if (sections is not None and section not in sections) or (fields is not None and field.name not in fields):
+        if ((sections is not None and section not in sections) or (fields is not None and field.name not in fields)
+                or field.name in exclude):
             continue
         value = getattr(getattr(config, section), field.name)
-        if value == field.default:
+        if value == field.default and not (include_defaults and value not in (None, False, ())):
             continue
         meta, action = field.metadata, _action(section, field)
         if action == "store_true" or action == "store_false":
-            argv.append(meta["flag"])  # a two-valued field differs from its default only one way
+            if value != field.default:  # a two-valued field differs from its default only one way
+                argv.append(meta["flag"])
         elif action == "boolean_optional":
             argv.append(meta["flag"] if value else "--no-" + meta["flag"][2:])
         elif value is None:

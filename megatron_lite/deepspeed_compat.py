@@ -7,8 +7,10 @@ setup.py pins DeepSpeed to the range these were checked against.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -28,7 +30,16 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", "attribute"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule", "self, pipe_schedule"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._aggregate_total_loss", "self"),
+    ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
 )
+
+# (function, text): start-up lines DeepSpeed writes with print(), not its logger, that quiet_prints hides.
+STARTUP_PRINTS: Tuple[Tuple[str, str], ...] = (
+    ("deepspeed.comm.torch.build_shm_op", "built successfully"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.__init__", "SEED_LAYERS="),
+    ("deepspeed.runtime.pipe.topology.PipelineParallelGrid.__init__", "Using topology:"),
+)
+VERBOSE_LEVELS = ("debug", "info")
 
 
 class OwnPartitionPipelineModule(PipelineModule):
@@ -106,6 +117,29 @@ def time_pipeline_instructions(engine, record: Callable[[str, float], None], syn
     # After the schedule the loss is broadcast from the last stage: other stages wait there.
     aggregate = timed("AggregateLoss", type(engine)._aggregate_total_loss)
     engine._aggregate_total_loss = lambda: aggregate(engine)
+
+
+@contextlib.contextmanager
+def quiet_prints(log_level: str) -> Iterator[None]:
+    """Hide what DeepSpeed print()s inside the block (STARTUP_PRINTS: the shared-memory op's
+    "built successfully" on every rank, SEED_LAYERS and the topology dict on rank 0) unless
+    `log_level` is info or debug.
+
+    Why: these are print() calls, so DeepSpeed's log level does not reach them. Only this
+    process's sys.stdout is swapped, for the block: DeepSpeed's logger keeps the stream it was
+    created with, so its warnings and errors still show; exceptions pass through."""
+    if log_level in VERBOSE_LEVELS:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def set_log_level(log_level: str) -> None:
+    """DeepSpeed's logger (and its handler, which has a level of its own) at `log_level`."""
+    from deepspeed.utils.logging import logger, set_log_level_from_string
+
+    set_log_level_from_string(log_level, custom_logger=logger)
 
 
 def resolve(path: str):

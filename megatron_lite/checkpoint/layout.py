@@ -24,8 +24,8 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 
 from megatron_lite.config import Config
-from megatron_lite.model.gpt import layer_specs, spec_costs
-from megatron_lite.model.partition import partition
+from megatron_lite.model.arithmetic import stage_bounds
+from megatron_lite.model.gpt import layer_specs
 
 VOCAB_PARAMETERS = ("word_embeddings.weight", "output.weight")
 
@@ -86,7 +86,8 @@ class ModelLayout:
         return sorted(self.params)
 
     def stage_bounds(self, pp: int, method: str) -> List[int]:
-        return partition(spec_costs(self.config), pp, method)
+        return stage_bounds(self.config.replace(parallel__pipeline_model_parallel_size=pp,
+                                                parallel__pipeline_partition_method=method))
 
     def stage_parameters(self, start: int, stop: int) -> List[Tuple[ParamInfo, bool]]:
         """(parameter, is a tied copy) of a stage in optimizer order: decay group, then no-decay group."""
