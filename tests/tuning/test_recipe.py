@@ -110,3 +110,16 @@ def test_plan_cli_writes_json_and_refuses_unknown_flags(tmp_path):
     assert data["candidates"] and data["candidates"][0]["rank"] == 1 and "plan:" in r.stdout
     bad = subprocess.run(cmd[:-2] + ["--num-layer", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--num-layer" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tune_parallelism_help_exits_0_and_lists_the_commands():
+    r = subprocess.run([sys.executable, "tools/tune_parallelism.py", "--help"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "commands: plan | sweep | report" in r.stdout, r.stderr
+
+
+def test_estimate_memory_refuses_a_negative_gpu_memory_naming_the_flag():
+    r = subprocess.run([sys.executable, "tools/estimate_memory.py", "--world-size", "1", "--vocab-size", "128",
+                        "--gpu-memory-gb", "-1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--gpu-memory-gb must be a positive number of GiB" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
