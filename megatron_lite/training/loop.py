@@ -290,16 +290,17 @@ def summarize(run: Run, status: str, seconds: float) -> None:
     run.records.write("summary", status=status, iteration=run.iteration, consumed_samples=run.consumed_samples,
                       seconds=seconds, first_loss=run.first_loss, last_loss=run.last_loss,
                       validation_loss=run.validation_loss, tokens_per_s=tokens_per_s)
-    parts = [f"run {status} at iteration {run.iteration}/{run.config.training.train_iters} in {seconds:.1f}s"]
+    # Worded unlike a log line ("iteration N/M | loss ..."), which scripts grep for.
+    parts = [f"run {status}: {run.iteration} of {run.config.training.train_iters} iterations in {seconds:.1f}s"]
     if run.first_loss is not None:
-        parts.append(f"loss {run.first_loss:.4f} -> {run.last_loss:.4f}")
+        parts.append(f"training loss {run.first_loss:.4f} -> {run.last_loss:.4f}")
     if run.validation_loss is not None:
-        parts.append(f"validation loss {run.validation_loss:.4f}")
+        parts.append(f"last validation loss {run.validation_loss:.4f}")
     if tokens_per_s:
         parts.append(f"{tokens_per_s:.0f} tokens/s")
     if run.records.path:
         parts.append(f"metrics in {run.records.path}")
-    print_rank0(" | ".join(parts))
+    print_rank0(", ".join(parts))
 
 
 def _agree(flags, device) -> list:

@@ -8,8 +8,8 @@ batch 1, 2, 4, ... and gas from the global batch. Each candidate is the user's
 pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
 layout is never refused at launch; its command line is written from that
 Config (`arguments.config_to_argv`). A refused candidate keeps the validation
-error's code (`reason_code`), by which the plan groups its rejections. Then the memory savers are
-tried, fastest first (design notes: ZeRO 0 > 1 > 2 > 2 + optimizer offload >
+error's code (`reason_code`), by which the plan groups its rejections. Then
+the memory savers are tried, fastest first (design notes: ZeRO 0 > 1 > 2 > 2 + optimizer offload >
 3 > 3 + parameter offload, 2 and 3 only at PP = 1), each first without and then
 with activation recompute; the first whose predicted peak on every stage fits
 the GPU less the margin is kept, and the plan says which saver that was.
