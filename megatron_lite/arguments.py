@@ -26,8 +26,9 @@ from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.validation import validate
 
 LAUNCHER_FLAGS = (
-    (("--local-rank", "--local_rank"), dict(type=int, default=argparse.SUPPRESS, help="passed by the deepspeed launcher; LOCAL_RANK from the "
-                                                            "environment is what is used")),
+    (("--local-rank", "--local_rank"),
+     dict(type=int, default=argparse.SUPPRESS,
+          help="passed by the deepspeed launcher; LOCAL_RANK from the environment is what is used")),
 )
 """Flags launchers add that set nothing in the config."""
 

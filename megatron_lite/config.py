@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -77,7 +77,8 @@ def parse_split(split: str) -> Tuple[float, float, float]:
     except ValueError:
         raise ConfigError(f"--split '{split}' must be up to three comma-separated numbers, e.g. 969,30,1") from None
     if len(weights) > 3:
-        raise ConfigError(f"--split '{split}' must be up to three non-negative numbers with a positive sum, e.g. 969,30,1")
+        raise ConfigError(f"--split '{split}' must be up to three non-negative numbers with a positive sum, "
+                          f"e.g. 969,30,1")
     return tuple(weights + [0.0] * (3 - len(weights)))
 
 

@@ -41,7 +41,8 @@ def layer_parameters(hidden: int, ffn: int, tp: int = 1) -> int:
 
 def embedding_parameters(model: ModelConfig, tp: int = 1) -> int:
     """Word embedding [V/t, h] plus the learned position table [P, h] (rotary has none)."""
-    positions = model.max_position_embeddings * model.hidden_size if model.position_embedding_type == "learned_absolute" else 0
+    learned = model.position_embedding_type == "learned_absolute"
+    positions = model.max_position_embeddings * model.hidden_size if learned else 0
     return model.padded_vocab_size * model.hidden_size // tp + positions
 
 
@@ -52,7 +53,8 @@ def spec_parameters(config: Config, tp: Optional[int] = None) -> List[int]:
     t = config.parallel.tensor_model_parallel_size if tp is None else tp
     embedding = embedding_parameters(m, t)
     head = m.padded_vocab_size * m.hidden_size // t if m.untie_embeddings_and_output_weights else embedding
-    return [embedding] + [layer_parameters(m.hidden_size, m.ffn_hidden_size, t)] * m.num_layers + [2 * m.hidden_size, head]
+    layers = [layer_parameters(m.hidden_size, m.ffn_hidden_size, t)] * m.num_layers
+    return [embedding] + layers + [2 * m.hidden_size, head]
 
 
 def total_parameters(config: Config) -> int:

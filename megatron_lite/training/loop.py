@@ -221,7 +221,8 @@ def report_memory_estimate(run: Run) -> None:
         print_rank0(f"memory stage {stage}: estimated {estimate / gib:.4f} GiB, measured peak {peak / gib:.4f} GiB "
                     f"({what})")
     run.records.write("stage_memory", measured=what, stages=[
-        {"stage": stage, "estimated_bytes": estimate, "measured_peak_bytes": peak} for stage, (estimate, peak) in stages])
+        {"stage": stage, "estimated_bytes": estimate, "measured_peak_bytes": peak}
+        for stage, (estimate, peak) in stages])
     run.memory_reported = True
 
 

@@ -191,7 +191,8 @@ def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[
     return {"returncode": returncode, "timed_out": timed_out, "seconds": time.time() - start}
 
 
-def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any], measured: Dict[str, Any]) -> Dict[str, Any]:
+def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any],
+                 measured: Dict[str, Any]) -> Dict[str, Any]:
     keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
             "recompute_activations", "saver", "predicted_pipeline_efficiency", "predicted_tokens_per_s",

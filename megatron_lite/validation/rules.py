@@ -111,8 +111,8 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     if ffn % tp:
         raise ConfigError(
             f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
-            f"column-wise across TP ranks. Use --ffn-hidden-size {batching.or_join(batching.nearest_multiples(ffn, tp))}",
-            code="ffn_not_divisible_by_tp"
+            f"column-wise across TP ranks. Use --ffn-hidden-size "
+            f"{batching.or_join(batching.nearest_multiples(ffn, tp))}", code="ffn_not_divisible_by_tp"
         )
     if m.attention_backend not in ("auto", "sdpa", "fused"):
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
