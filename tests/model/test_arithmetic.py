@@ -28,9 +28,10 @@ def _built_stage(tp, pp, extra):
             list(module.parts), list(module.layers_per_stage))
 
 
-@pytest.mark.parametrize("tp, pp, variant", [(1, 2, "rope"), (2, 2, "tied"), (2, 2, "uneven")] + [
-    pytest.param(*layout, marks=pytest.mark.slow)
-    for layout in [(1, 1, "tied"), (2, 1, "tied"), (1, 2, "tied"), (1, 4, "tied"), (2, 2, "untied"), (1, 3, "uneven")]])
+@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven")] + [  # the other layouts in the full suite only
+    pytest.param(*layout, marks=pytest.mark.slow) for layout in [
+        (1, 1, "tied"), (2, 1, "tied"), (1, 2, "tied"), (2, 2, "tied"), (1, 4, "tied"), (2, 2, "untied"),
+        (1, 2, "rope"), (1, 3, "uneven")]])
 def test_stage_bounds_and_parameters_per_rank_match_the_built_pipeline(tp, pp, variant):
     config = tiny_config(tp, pp, 1, VARIANTS[variant])
     bounds = arithmetic.stage_bounds(config)

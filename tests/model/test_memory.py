@@ -123,7 +123,7 @@ def _census(tp, pp, recompute, dropout):
     return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("dropout", [False, True])
