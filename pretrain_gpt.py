@@ -10,6 +10,9 @@ from megatron_lite.arguments import parse_args_or_exit
 def main(argv=None) -> None:
     config = parse_args_or_exit(argv)
     # Imported after validation so a bad flag costs no torch/DeepSpeed start-up.
+    from megatron_lite.training.console import select_accelerator
+
+    select_accelerator()  # before DeepSpeed's first import
     from megatron_lite.training.loop import main as train
 
     train(config)

@@ -5,12 +5,13 @@ The compiled extension `megatron_lite._C` holds every C++ source under csrc/
 built with CUDA and nvcc is found. Sources register their ops with
 TORCH_LIBRARY_FRAGMENT(megatron_lite, ...), so adding a kernel means adding a
 file, not editing a list. Install with `pip install --no-build-isolation -e .`
-so the build uses the torch already installed instead of fetching another.
+so the build uses the torch already installed instead of fetching another
+(pyproject.toml deliberately does not list torch as a build requirement).
 """
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 try:
     import torch
@@ -41,18 +42,8 @@ def extension():
                         extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"])
 
 
+# Name, version, packages, dependencies and extras are in pyproject.toml; only the extension is built here.
 setup(
-    name="megatron_lite",
-    version="0.1.0",
-    description="A small Megatron-style 3D-parallel GPT pretraining framework on PyTorch and DeepSpeed",
-    packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
-    python_requires=">=3.9",
-    install_requires=["torch", "deepspeed>=0.19,<0.20", "sentencepiece>=0.2.0", "numpy", "tensorboard", "pybind11",
-                      "zstandard"],
-    # Optional: Hugging Face export (tools/convert_checkpoint.py export-hf), the tuning report's plots
-    # (tools/tune_parallelism.py report); the tests exercise both. Not needed to train.
-    extras_require={"hf": ["safetensors", "transformers"], "tune": ["matplotlib"],
-                    "test": ["pytest", "safetensors", "transformers", "matplotlib"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,

@@ -51,7 +51,7 @@ def resolve_batch(
             raise ConfigError(
                 f"--global-batch-size {glob} is not divisible by --gradient-accumulation-steps {gas} "
                 f"x data-parallel size {dp} = {unit}, so no micro batch size fits; "
-                f"use --global-batch-size {or_join(nearest_multiples(glob, unit))}"
+                f"use --global-batch-size {or_join(nearest_multiples(glob, unit))}", code="batch_not_divisible"
             )
         micro = glob // unit
     unit = micro * dp
@@ -61,7 +61,7 @@ def resolve_batch(
         raise ConfigError(
             f"--global-batch-size {glob} is not divisible by --micro-batch-size {micro} "
             f"x data-parallel size {dp} = {unit}; use --global-batch-size "
-            f"{or_join(nearest_multiples(glob, unit))}"
+            f"{or_join(nearest_multiples(glob, unit))}", code="batch_not_divisible"
         )
     derived_gas = glob // unit
     if gas is not None and gas != derived_gas:
@@ -90,7 +90,7 @@ def _check_rampup(rampup, global_batch_size: int, unit: int, micro: int, dp: int
             raise ConfigError(
                 f"{flag} {name} {value} is not divisible by --micro-batch-size {micro} x data-parallel "
                 f"size {dp} = {unit}, so some step's batch would not split into micro-batches; "
-                f"use {or_join(nearest_multiples(value, unit))}"
+                f"use {or_join(nearest_multiples(value, unit))}", code="batch_not_divisible"
             )
     if start > global_batch_size:
         raise ConfigError(

@@ -1,19 +1,90 @@
-"""Typed, immutable run configuration: data, no rules.
+"""Typed, immutable run configuration: data, no rules; and the one source of every flag.
 
-`arguments.py` maps Megatron-LM-named flags onto these dataclasses; code (tests,
-benchmarks, the tuning planner) builds them directly. Either way a `Config` is
-checked and completed by `megatron_lite.validation.validate()`, which fills
-the fields documented as derived and refuses inconsistent ones. Each field's docstring names the flag that sets it.
+Each field set from the command line carries its Megatron-LM flag name (and, where
+argparse needs more than the type, its action, choices or nargs) in its metadata,
+and its docstring is the flag's help: `arguments.py` builds the parser from these
+dataclasses, so a new flag is a new field with `option(...)` and a docstring.
+Fields without a flag are derived by validation or come from the launcher.
+
+Code (tests, benchmarks, the tuning planner) builds these dataclasses directly.
+Either way a `Config` is checked and completed by `megatron_lite.validation.validate()`,
+which fills the fields documented as derived and refuses inconsistent ones.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
-    """An inconsistent or unusable flag; the message names the flag, the value and a fix."""
+    """An inconsistent or unusable flag; the message names the flag, the value and a fix.
+
+    `code` says what kind of problem it is (e.g. `batch_not_divisible`), for tools that sort
+    problems (the tuning planner's rejections); `codes` lists one per problem when validation
+    found several."""
+
+    def __init__(self, message: str, code: str = "invalid", codes: Optional[Sequence[str]] = None):
+        super().__init__(message)
+        self.codes = tuple(codes) if codes else (code,)
+        self.code = self.codes[0]
+
+
+def option(default: Any, flag: str, **cli: Any) -> Any:
+    """A field set by `flag` (Megatron-LM's name). `cli` holds what argparse needs beyond the
+    field's type: action (store_true is implied for a bool defaulting to False; store_false and
+    boolean_optional), choices, nargs, metavar, aliases, and parse / unparse (flag values <->
+    field value) for fields whose syntax is richer than one value."""
+    return field(default=default, metadata={"flag": flag, **cli})
+
+
+def parse_data_path(values: Optional[Sequence[str]]) -> Tuple[Tuple[float, str], ...]:
+    """`prefix` -> ((1.0, prefix),); `w1 p1 w2 p2` -> ((w1, p1), (w2, p2)). Syntax only: the
+    weights' values and the files are checked by validation."""
+    if not values:
+        return ()
+    if len(values) == 1:
+        return ((1.0, values[0]),)
+    if len(values) % 2:
+        raise ConfigError(
+            f"--data-path takes one prefix or weight/prefix pairs like '0.3 prefixA 0.7 prefixB'; "
+            f"got {len(values)} values: {' '.join(values)}"
+        )
+    pairs = []
+    for weight, prefix in zip(values[0::2], values[1::2]):
+        try:
+            pairs.append((float(weight), prefix))
+        except ValueError:
+            raise ConfigError(f"--data-path weight '{weight}' (before '{prefix}') is not a number") from None
+    return tuple(pairs)
+
+
+def format_data_path(data_path: Tuple[Tuple[float, str], ...]) -> List[str]:
+    """Inverse of parse_data_path."""
+    if len(data_path) == 1 and data_path[0][0] == 1.0:
+        return [data_path[0][1]]
+    return [text for weight, prefix in data_path for text in (repr(float(weight)), prefix)]
+
+
+def parse_split(split: str) -> Tuple[float, float, float]:
+    """Megatron-style '969,30,1' (or '969/30/1') -> (969.0, 30.0, 1.0); missing parts are 0."""
+    parts = split.replace("/", ",").split(",")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--split '{split}' must be up to three comma-separated numbers, e.g. 969,30,1") from None
+    if len(weights) > 3:
+        raise ConfigError(f"--split '{split}' must be up to three non-negative numbers with a positive sum, "
+                          f"e.g. 969,30,1")
+    return tuple(weights + [0.0] * (3 - len(weights)))
+
+
+def format_split(split: Tuple[float, ...]) -> str:
+    """(969.0, 30.0, 1.0) -> '969,30,1', as the user wrote it."""
+    return ",".join(f"{w:g}" for w in split)
 
 
 def pad_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -33,122 +104,127 @@ def vocab_padding_note(vocab_size: int, divisible_by: int, tensor_model_parallel
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = 2
-    """Transformer layers (`--num-layers`)."""
-    hidden_size: int = 64
-    """Width of the residual stream (`--hidden-size`)."""
-    num_attention_heads: int = 4
-    """Attention heads; split whole across TP ranks (`--num-attention-heads`)."""
-    ffn_hidden_size: Optional[int] = None
-    """MLP inner width; None means 4 x hidden, filled by validation (`--ffn-hidden-size`)."""
-    seq_length: int = 128
-    """Tokens per sample (`--seq-length`)."""
-    max_position_embeddings: Optional[int] = None
-    """Rows of the learned position table, >= seq_length; None means seq_length (`--max-position-embeddings`)."""
-    vocab_size: Optional[int] = None
-    """Tokenizer vocabulary before padding: the SentencePiece model's size, or `--vocab-size` for NullTokenizer."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this x TP so it splits evenly (`--make-vocab-size-divisible-by`)."""
+    num_layers: int = option(2, "--num-layers")
+    """Transformer layers."""
+    hidden_size: int = option(64, "--hidden-size")
+    """Width of the residual stream."""
+    num_attention_heads: int = option(4, "--num-attention-heads")
+    """Attention heads; split whole across TP ranks."""
+    ffn_hidden_size: Optional[int] = option(None, "--ffn-hidden-size")
+    """MLP inner width; when not given, 4 x --hidden-size (filled by validation)."""
+    seq_length: int = option(128, "--seq-length")
+    """Tokens per sample."""
+    max_position_embeddings: Optional[int] = option(None, "--max-position-embeddings")
+    """Rows of the learned position table, >= --seq-length; when not given, --seq-length."""
+    vocab_size: Optional[int] = option(None, "--vocab-size")
+    """Tokenizer vocabulary before padding: the SentencePiece model's size (then this flag must agree
+    with it, or be left out), or the size for --tokenizer-type NullTokenizer."""
+    make_vocab_size_divisible_by: int = option(128, "--make-vocab-size-divisible-by")
+    """Pad the vocabulary to a multiple of this x TP so it splits evenly."""
     padded_vocab_size: Optional[int] = None
     """Vocabulary after padding for TP; derived by validation, never set by a flag."""
-    hidden_dropout: float = 0.1
-    """Dropout on the residual branches and embeddings (`--hidden-dropout`)."""
-    attention_dropout: float = 0.1
-    """Dropout on attention probabilities (`--attention-dropout`)."""
-    position_embedding_type: str = "learned_absolute"
-    """`learned_absolute` or `rope` (`--position-embedding-type`)."""
-    rotary_base: int = 10000
-    """Base of the rotary frequencies (`--rotary-base`)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Give the output head its own weight instead of reusing the embedding (`--untie-embeddings-and-output-weights`)."""
-    init_method_std: float = 0.02
-    """Standard deviation of the normal weight initialisation (`--init-method-std`)."""
-    layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon (`--layernorm-epsilon`)."""
-    recompute_activations: bool = False
-    """Recompute each transformer layer's activations in backward (`--recompute-activations`)."""
-    attention_backend: str = "auto"
-    """Attention kernel: `sdpa` (torch's scaled_dot_product_attention), `fused` (our scaled-masked
-    softmax between two matmuls), or `auto`: the one measured faster on the device (`--attention-backend`)."""
-    masked_softmax_fusion: bool = True
-    """Use the fused scaled-masked softmax kernel where it applies (`--no-masked-softmax-fusion` turns it off)."""
-    attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32 for bf16/fp16 inputs (`--[no-]attention-softmax-in-fp32`)."""
+    hidden_dropout: float = option(0.1, "--hidden-dropout")
+    """Dropout on the residual branches and embeddings."""
+    attention_dropout: float = option(0.1, "--attention-dropout")
+    """Dropout on attention probabilities."""
+    position_embedding_type: str = option("learned_absolute", "--position-embedding-type",
+                                          choices=("learned_absolute", "rope"))
+    """Learned absolute positions (GPT-2) or rotary embeddings."""
+    rotary_base: int = option(10000, "--rotary-base")
+    """Base of the rotary frequencies."""
+    untie_embeddings_and_output_weights: bool = option(False, "--untie-embeddings-and-output-weights")
+    """Give the output head its own weight instead of reusing the embedding."""
+    init_method_std: float = option(0.02, "--init-method-std")
+    """Standard deviation of the normal weight initialisation."""
+    layernorm_epsilon: float = option(1e-5, "--layernorm-epsilon")
+    """LayerNorm epsilon."""
+    recompute_activations: bool = option(False, "--recompute-activations")
+    """Recompute each transformer layer's activations in backward (saves memory, costs one more forward)."""
+    attention_backend: str = option("auto", "--attention-backend", choices=("auto", "sdpa", "fused"))
+    """Attention kernel: sdpa (torch's scaled_dot_product_attention), fused (our fused scaled-masked
+    causal softmax between two matmuls), or auto: the one measured faster on this kind of device
+    (sdpa on CPU, fused on CUDA)."""
+    masked_softmax_fusion: bool = option(True, "--no-masked-softmax-fusion", action="store_false")
+    """Turn off the fused scaled-masked softmax kernel (eager torch ops instead)."""
+    attention_softmax_in_fp32: bool = option(True, "--attention-softmax-in-fp32", action="boolean_optional")
+    """Softmax of bf16/fp16 attention scores in fp32; --no-attention-softmax-in-fp32 keeps the input dtype."""
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = 1
     """Processes in the job, from the launcher's environment (WORLD_SIZE / SLURM_NTASKS)."""
-    tensor_model_parallel_size: int = 1
-    """TP degree: ranks that split each matrix (`--tensor-model-parallel-size`)."""
-    pipeline_model_parallel_size: int = 1
-    """PP degree: stages the layers are split into (`--pipeline-model-parallel-size`)."""
+    tensor_model_parallel_size: int = option(1, "--tensor-model-parallel-size")
+    """TP degree: ranks that split each matrix (within a node)."""
+    pipeline_model_parallel_size: int = option(1, "--pipeline-model-parallel-size")
+    """PP degree: stages the layers are split into."""
     data_parallel_size: Optional[int] = None
     """DP degree: world_size / (TP x PP), derived by validation."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3; 0 or 1 when PP > 1 (`--zero-stage`)."""
-    pipeline_partition_method: str = "cost"
-    """How layers are split into stages: cost, uniform, parameters, type:<regex> or a list like 3,3,2 (`--pipeline-partition-method`)."""
-    cpu_offload: bool = False
-    """Offload optimizer state to CPU through ZeRO (PP = 1, ZeRO >= 1) (`--cpu-offload`)."""
-    distributed_backend: Optional[str] = None
-    """nccl or gloo; default nccl with CUDA, gloo otherwise (`--distributed-backend`)."""
+    zero_stage: int = option(0, "--zero-stage", choices=(0, 1, 2, 3))
+    """DeepSpeed ZeRO stage; 0 or 1 when --pipeline-model-parallel-size > 1."""
+    pipeline_partition_method: str = option("cost", "--pipeline-partition-method")
+    """How layers are split into stages: cost (FLOPs per layer, head included), profile (one forward +
+    backward of each kind of layer timed on the device at start-up, rank 0's numbers), uniform,
+    parameters, type:<regex>, or transformer layers per stage like 3,3,2."""
+    cpu_offload: bool = option(False, "--cpu-offload")
+    """Offload optimizer state to CPU through ZeRO (--pipeline-model-parallel-size 1, --zero-stage >= 1)."""
+    distributed_backend: Optional[str] = option(None, "--distributed-backend", choices=("nccl", "gloo"))
+    """Collective backend; when not given, nccl with CUDA, gloo otherwise."""
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    micro_batch_size: Optional[int] = None
-    """Samples per micro-batch per data-parallel rank (`--micro-batch-size`); any two of the three
-    batch numbers give the third (see batching.py)."""
-    global_batch_size: Optional[int] = None
-    """Samples per optimizer step over all DP ranks: micro x gas x DP (`--global-batch-size`)."""
-    gradient_accumulation_steps: Optional[int] = None
-    """Micro-batches accumulated per step per DP rank (`--gradient-accumulation-steps`, or derived)."""
-    rampup_batch_size: Optional[Tuple[int, int, int]] = None
-    """(start, increment, ramp samples): grow the global batch during the first samples (`--rampup-batch-size`)."""
+    micro_batch_size: Optional[int] = option(None, "--micro-batch-size")
+    """Samples per micro-batch per data-parallel rank; any two of the three batch numbers give the third."""
+    global_batch_size: Optional[int] = option(None, "--global-batch-size")
+    """Samples per optimizer step over all DP ranks: micro x gradient-accumulation steps x DP."""
+    gradient_accumulation_steps: Optional[int] = option(None, "--gradient-accumulation-steps")
+    """Micro-batches accumulated per step per DP rank; derived from the other two when left out."""
+    rampup_batch_size: Optional[Tuple[int, int, int]] = option(
+        None, "--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    """Grow the global batch from START by INCREMENT over the first SAMPLES consumed samples."""
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-4
-    """Peak learning rate (`--lr`)."""
-    min_lr: float = 0.0
-    """Learning rate at the end of decay (`--min-lr`)."""
-    lr_decay_style: str = "cosine"
-    """constant, linear or cosine (`--lr-decay-style`)."""
-    lr_warmup_iters: int = 0
-    """Iterations of linear warmup from 0 to lr (`--lr-warmup-iters`)."""
-    lr_decay_iters: Optional[int] = None
-    """Iterations over which lr decays to min_lr; default train_iters (`--lr-decay-iters`)."""
-    weight_decay: float = 0.01
-    """AdamW weight decay, not applied to biases and norms (`--weight-decay`)."""
-    adam_beta1: float = 0.9
-    """AdamW beta1 (`--adam-beta1`)."""
-    adam_beta2: float = 0.999
-    """AdamW beta2 (`--adam-beta2`)."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon (`--adam-eps`)."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this; 0 disables (`--clip-grad`)."""
+    lr: float = option(1e-4, "--lr")
+    """Peak learning rate."""
+    min_lr: float = option(0.0, "--min-lr")
+    """Learning rate at the end of decay."""
+    lr_decay_style: str = option("cosine", "--lr-decay-style", choices=("constant", "linear", "cosine"))
+    """Shape of the decay from --lr to --min-lr."""
+    lr_warmup_iters: int = option(0, "--lr-warmup-iters")
+    """Iterations of linear warmup from 0 to --lr."""
+    lr_decay_iters: Optional[int] = option(None, "--lr-decay-iters")
+    """Iterations over which the learning rate decays to --min-lr; when not given, --train-iters."""
+    weight_decay: float = option(0.01, "--weight-decay")
+    """AdamW weight decay, not applied to biases and norms."""
+    adam_beta1: float = option(0.9, "--adam-beta1")
+    """AdamW beta1."""
+    adam_beta2: float = option(0.999, "--adam-beta2")
+    """AdamW beta2."""
+    adam_eps: float = option(1e-8, "--adam-eps")
+    """AdamW epsilon."""
+    clip_grad: float = option(1.0, "--clip-grad")
+    """Clip the global gradient norm to this; 0 disables clipping."""
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    bf16: bool = False
-    """Train in bfloat16 (`--bf16`)."""
-    fp16: bool = False
-    """Train in float16 with loss scaling (`--fp16`)."""
-    loss_scale: Optional[float] = None
-    """Static loss scale for fp16; None means dynamic (`--loss-scale`)."""
-    initial_loss_scale: float = 2.0 ** 32
-    """Starting dynamic loss scale (`--initial-loss-scale`)."""
-    min_loss_scale: float = 1.0
-    """Floor of the dynamic loss scale (`--min-loss-scale`)."""
-    loss_scale_window: int = 1000
-    """Steps without overflow before the dynamic scale grows (`--loss-scale-window`)."""
-    hysteresis: int = 2
-    """Overflows tolerated before the dynamic scale shrinks (`--hysteresis`)."""
+    bf16: bool = option(False, "--bf16")
+    """Train in bfloat16."""
+    fp16: bool = option(False, "--fp16")
+    """Train in float16 with loss scaling (needs --zero-stage 1 and a device with fp16 kernels)."""
+    loss_scale: Optional[float] = option(None, "--loss-scale")
+    """Static loss scale for fp16; when not given, dynamic."""
+    initial_loss_scale: float = option(2.0 ** 32, "--initial-loss-scale")
+    """Starting dynamic loss scale."""
+    min_loss_scale: float = option(1.0, "--min-loss-scale")
+    """Floor of the dynamic loss scale."""
+    loss_scale_window: int = option(1000, "--loss-scale-window")
+    """Steps without overflow before the dynamic scale grows."""
+    hysteresis: int = option(2, "--hysteresis")
+    """Overflows tolerated before the dynamic scale shrinks."""
 
     @property
     def dtype_name(self) -> str:
@@ -157,59 +233,65 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    data_path: Tuple[Tuple[float, str], ...] = ()
-    """(weight, prefix) pairs to blend; one prefix has weight 1 (`--data-path prefix` or `w1 p1 w2 p2`)."""
-    split: Tuple[float, float, float] = (969.0, 30.0, 1.0)
-    """Train, valid, test weights over documents, as given (`--split 969,30,1`)."""
-    tokenizer_type: Optional[str] = None
-    """SentencePieceTokenizer or NullTokenizer; inferred from the other tokenizer flags when None (`--tokenizer-type`)."""
-    tokenizer_model: Optional[str] = None
-    """Path of the SentencePiece model (`--tokenizer-model`)."""
-    data_cache_path: Optional[str] = None
-    """Folder for cached sample indices; default next to the data (`--data-cache-path`)."""
-    num_workers: int = 1
-    """DataLoader workers per rank (`--num-workers`)."""
-    eod_mask_loss: bool = False
-    """Exclude end-of-document tokens from the loss (`--eod-mask-loss`)."""
+    data_path: Tuple[Tuple[float, str], ...] = option(
+        (), "--data-path", nargs="+", metavar="[WEIGHT] PREFIX", parse=parse_data_path, unparse=format_data_path)
+    """A dataset prefix (tools/preprocess_data.py's PREFIX_text_document), or weights and prefixes to
+    blend: 0.3 prefixA 0.7 prefixB."""
+    split: Tuple[float, float, float] = option(
+        (969.0, 30.0, 1.0), "--split", parse=parse_split, unparse=lambda split: [format_split(split)])
+    """Train, valid, test weights over documents, e.g. 969,30,1 (missing parts are 0)."""
+    tokenizer_type: Optional[str] = option(None, "--tokenizer-type", choices=TOKENIZER_TYPES)
+    """Tokenizer kind; when not given, inferred from the other tokenizer flags."""
+    tokenizer_model: Optional[str] = option(None, "--tokenizer-model")
+    """Path of the SentencePiece model."""
+    data_cache_path: Optional[str] = option(None, "--data-cache-path")
+    """Folder for cached sample indices; when not given, cache/ next to the data (must be shared across nodes)."""
+    num_workers: int = option(1, "--num-workers")
+    """DataLoader workers per rank."""
+    eod_mask_loss: bool = option(False, "--eod-mask-loss")
+    """Exclude end-of-document tokens from the loss."""
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    train_iters: int = 10
-    """Optimizer steps to train for (`--train-iters`)."""
-    eval_interval: int = 1000
-    """Evaluate every this many steps (`--eval-interval`)."""
-    eval_iters: int = 10
-    """Batches per evaluation (`--eval-iters`)."""
-    save: Optional[str] = None
-    """Checkpoint folder to write (`--save`)."""
-    load: Optional[str] = None
-    """Checkpoint folder to resume from (`--load`)."""
-    save_interval: Optional[int] = None
-    """Save every this many steps; needs --save (`--save-interval`)."""
-    keep_last: Optional[int] = None
-    """Keep only this many newest checkpoints (`--keep-last`)."""
-    exit_interval: Optional[int] = None
-    """Save and exit when the iteration is a multiple of this (`--exit-interval`)."""
-    exit_signal_handler: bool = False
-    """Save and exit 0 on SIGTERM/SIGUSR1 at the next step boundary (`--exit-signal-handler`)."""
-    seed: int = 1234
-    """Seed of every random generator (`--seed`)."""
-    deepspeed_config: Optional[str] = None
-    """Extra DeepSpeed JSON merged under ours (`--deepspeed-config`)."""
+    train_iters: int = option(10, "--train-iters")
+    """Optimizer steps to train for."""
+    eval_interval: int = option(1000, "--eval-interval")
+    """Evaluate every this many steps."""
+    eval_iters: int = option(10, "--eval-iters")
+    """Batches per evaluation; 0 disables evaluation."""
+    save: Optional[str] = option(None, "--save")
+    """Checkpoint folder to write."""
+    load: Optional[str] = option(None, "--load")
+    """Checkpoint folder to resume from."""
+    save_interval: Optional[int] = option(None, "--save-interval")
+    """Save every this many steps; needs --save."""
+    keep_last: Optional[int] = option(None, "--keep-last")
+    """Keep only this many newest checkpoints."""
+    exit_interval: Optional[int] = option(None, "--exit-interval")
+    """Save and exit when the iteration is a multiple of this."""
+    exit_signal_handler: bool = option(False, "--exit-signal-handler")
+    """Save and exit 0 on SIGTERM/SIGUSR1 at the next step boundary."""
+    seed: int = option(1234, "--seed")
+    """Seed of every random generator."""
+    deepspeed_config: Optional[str] = option(None, "--deepspeed-config")
+    """Extra DeepSpeed JSON merged under ours (a value it sets that a flag also sets must agree)."""
     deepspeed_config_contents: Optional[Dict[str, Any]] = None
     """That file's JSON object, read once by validation; may also be given directly in code."""
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 100
-    """Print and record metrics every this many steps (`--log-interval`)."""
-    tensorboard_dir: Optional[str] = None
-    """Write TensorBoard events here (`--tensorboard-dir`)."""
-    timing_breakdown: bool = False
-    """Print (and record) each pipeline stage's forward, backward, send/recv and optimizer time at every
-    log line (`--timing-breakdown`)."""
+    log_interval: int = option(100, "--log-interval")
+    """Print and record metrics every this many steps."""
+    tensorboard_dir: Optional[str] = option(None, "--tensorboard-dir")
+    """Write TensorBoard events, and metrics.jsonl (one JSON record per log interval, the memory
+    check, the run's summary), here."""
+    timing_breakdown: bool = option(False, "--timing-breakdown")
+    """Print (and record) each pipeline stage's forward, backward, send/recv and optimizer time at
+    every log line."""
+    log_level: str = option("warning", "--log-level", choices=LOG_LEVELS)
+    """Level of library logging (DeepSpeed, torch, ours); info also shows DeepSpeed's start-up lines."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +311,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     """Iterations, evaluation, checkpoints, seed."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    """Console and TensorBoard logging."""
+    """Console, TensorBoard and metrics records."""
 
     def replace(self, **sections) -> "Config":
         """A copy with whole sections or `section__field=value` entries replaced."""
@@ -258,9 +340,21 @@ class Config:
         return cls(**sections)
 
 
-def format_split(split: Tuple[float, ...]) -> str:
-    """(969.0, 30.0, 1.0) -> '969,30,1', as the user wrote it."""
-    return ",".join(f"{w:g}" for w in split)
+def flag_fields() -> Iterator[Tuple[str, dataclasses.Field]]:
+    """(section name, field) of every field a flag sets, in declaration order."""
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            if "flag" in f.metadata:
+                yield section.name, f
+
+
+def flag_for(name: str) -> str:
+    """A field's flag by field name (unique over the sections): micro_batch_size -> --micro-batch-size;
+    a field without a flag (a derived one) gets its name in flag form."""
+    for _, f in flag_fields():
+        if f.name == name:
+            return f.metadata["flag"]
+    return "--" + name.replace("_", "-")
 
 
 def _tuples(value):

@@ -7,9 +7,11 @@ setup.py pins DeepSpeed to the range these were checked against.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -48,6 +50,7 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.fp32_groups_flat_partition", "attribute"),
     ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
      "self, flat_hp_partition, optim_fragment"),
+    ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -58,6 +61,14 @@ CHECKPOINT_CLASSES: Tuple[str, ...] = (
     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
     "deepspeed.runtime.zero.config.ZeroStageEnum",
 )
+
+# (function, text): start-up lines DeepSpeed writes with print(), not its logger, that quiet_prints hides.
+STARTUP_PRINTS: Tuple[Tuple[str, str], ...] = (
+    ("deepspeed.comm.torch.build_shm_op", "built successfully"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.__init__", "SEED_LAYERS="),
+    ("deepspeed.runtime.pipe.topology.PipelineParallelGrid.__init__", "Using topology:"),
+)
+VERBOSE_LEVELS = ("debug", "info")
 
 
 class OwnPartitionPipelineModule(PipelineModule):
@@ -321,6 +332,27 @@ def set_step_counters(engine, global_steps: int, global_samples: int, skipped_st
     engine.global_steps = global_steps
     engine.global_samples = global_samples
     engine.skipped_steps = skipped_steps
+@contextlib.contextmanager
+def quiet_prints(log_level: str) -> Iterator[None]:
+    """Hide what DeepSpeed print()s inside the block (STARTUP_PRINTS: the shared-memory op's
+    "built successfully" on every rank, SEED_LAYERS and the topology dict on rank 0) unless
+    `log_level` is info or debug.
+
+    Why: these are print() calls, so DeepSpeed's log level does not reach them. Only this
+    process's sys.stdout is swapped, for the block: DeepSpeed's logger keeps the stream it was
+    created with, so its warnings and errors still show; exceptions pass through."""
+    if log_level in VERBOSE_LEVELS:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def set_log_level(log_level: str) -> None:
+    """DeepSpeed's logger (and its handler, which has a level of its own) at `log_level`."""
+    from deepspeed.utils.logging import logger, set_log_level_from_string
+
+    set_log_level_from_string(log_level, custom_logger=logger)
 
 
 def resolve(path: str):

@@ -2,8 +2,19 @@
 # Install what the tests need (CPU torch first, so nothing pulls CUDA wheels), build the
 # package's C++ extension, check that the CUDA sources compile (nvcc, no GPU needed; skipped
 # without nvcc), and run the whole test suite. Extra arguments go to pytest.
+#
+# --fast: the quick tier for edit-and-test loops: no installs or builds (run the full script once
+# first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    if ! python3 -c "import torch, megatron_lite._C" 2>/dev/null; then
+        echo "test.sh --fast: megatron_lite._C is not built here; run 'bash scripts/test.sh' once (installs and builds)" >&2
+        exit 2
+    fi
+    exec python3 -m pytest -m "not slow" "$@"
+fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e ".[test]"
 bash tools/check_cuda_compile.sh

@@ -53,3 +53,54 @@ def test_no_other_module_touches_deepspeed_internals():
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                  if p.name != "deepspeed_compat.py" and private.search(p.read_text())]
     assert offenders == []
+
+
+@pytest.mark.parametrize("path, text", deepspeed_compat.STARTUP_PRINTS, ids=[p for p, _ in deepspeed_compat.STARTUP_PRINTS])
+def test_startup_lines_quiet_prints_hides_are_still_printed_not_logged(path, text):
+    """quiet_prints exists because these lines are print()ed: once DeepSpeed logs them instead (its
+    log level then hides them) or drops them, this fails by name and the hook can go."""
+    source = inspect.getsource(deepspeed_compat.resolve(path))
+    assert re.search(r"print\([^\n]*" + re.escape(text), source), f"{path} no longer prints {text!r}"
+
+
+def _pipeline_module_output(log_level):
+    import contextlib
+    import io
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from megatron_lite.parallel import state
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    if not state.is_initialized():
+        state.initialize(1, 1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), deepspeed_compat.quiet_prints(log_level):
+        PipelineModule([LayerSpec(torch.nn.Linear, 2, 2)], topology=state.get_topology())
+    return out.getvalue()
+
+
+def test_quiet_prints_hides_deepspeeds_startup_prints_below_info():
+    from tests.harness import run_distributed
+
+    assert run_distributed(_pipeline_module_output, 1, "warning") == [""]
+    shown = run_distributed(_pipeline_module_output, 1, "info")[0]
+    assert "SEED_LAYERS=" in shown and "Using topology:" in shown
+
+
+def test_set_log_level_sets_deepspeeds_logger_and_its_handler():
+    import logging
+
+    from deepspeed.utils.logging import logger
+
+    before = logger.level
+    try:
+        deepspeed_compat.set_log_level("error")
+        assert logger.level == logging.ERROR and all(h.level == logging.ERROR for h in logger.handlers)
+    finally:
+        logger.setLevel(before)
+        for h in logger.handlers:
+            h.setLevel(before)

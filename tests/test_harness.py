@@ -39,6 +39,7 @@ def test_a_failing_rank_reports_its_traceback():
     assert run_distributed(_rank_and_world, 2) == [(0, 2), (1, 2)]
 
 
+@pytest.mark.slow
 def test_a_hang_fails_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] did not finish within 5s"):

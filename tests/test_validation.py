@@ -8,6 +8,7 @@ from megatron_lite.validation import validate
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_rules
 from megatron_lite.validation.rules import (
     batch_rules,
+    logging_rules,
     model_rules,
     optimizer_rules,
     parallel_rules,
@@ -110,6 +111,8 @@ RULES = [
                  r"^--tokenizer-type SentencePieceTokenizer needs --tokenizer-model", id="sentencepiece-without-model"),
     pytest.param(tokenizer_rules, cfg(data__tokenizer_type="NullTokenizer"),
                  r"^--tokenizer-type NullTokenizer needs --vocab-size N", id="null-tokenizer-without-vocab"),
+    pytest.param(logging_rules, cfg(logging__log_level="loud"),
+                 r"^--log-level loud is not one of debug, info, warning, error$", id="log-level"),
 ]
 
 

@@ -2,9 +2,9 @@
 
 Measured on CPU with gloo, per layout of the tiny sweep model:
   model states + buffers = every live tensor storage (counted once) just before the optimizer's
-                           second step (tests/tuning/engine_census.py);
+                           second step (tests/model/engine_census.py);
   activations            = storages autograd saves for backward for one micro-batch, per stage
-                           (saved_tensors_hooks; tests/tuning/activation_census.py).
+                           (saved_tensors_hooks; tests/model/activation_census.py).
 Prints one line per (layout, stage) with the ratio measured / predicted.
 
     OMP_NUM_THREADS=1 python tools/bench_memory_estimate.py
@@ -23,7 +23,7 @@ LAYOUTS = [(1, 1, 2, ()), (2, 1, 1, ()), (1, 2, 1, ()), (2, 2, 1, ()), (1, 1, 2,
 
 def _activations(tp, pp, micro):
     from tests.model.gpt_layouts import tiny_config
-    from tests.tuning.activation_census import saved_bytes_per_stage
+    from tests.model.activation_census import saved_bytes_per_stage
 
     return saved_bytes_per_stage(tiny_config(tp, pp, 1, ["--micro-batch-size", str(micro), "--global-batch-size",
                                                          str(4 * micro), "--hidden-dropout", "0.1",
@@ -31,10 +31,11 @@ def _activations(tp, pp, micro):
 
 
 def main() -> int:
-    from megatron_lite.tuning import memory
+    from megatron_lite.model import memory
+    from megatron_lite.training.deepspeed_config import deepspeed_config
     from tests.harness import run_distributed, shutdown_pools
     from tests.model.gpt_layouts import tiny_config
-    from tests.tuning.engine_census import engine_census
+    from tests.model.engine_census import engine_census
 
     start = time.time()
     worst = 0.0
@@ -62,7 +63,7 @@ def main() -> int:
                 measured = run_distributed(_activations, tp, tp, pp, micro)[0]
                 config = tiny_config(tp, pp, 1, ["--micro-batch-size", str(micro), "--global-batch-size",
                                                  str(4 * micro), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"])
-                for stage, st in enumerate(memory.estimate(config, device="cpu")):
+                for stage, st in enumerate(memory.estimate(config, deepspeed_config(config), device="cpu")):
                     want, got = st.activations_per_micro_batch, measured[stage]
                     worst = max(worst, abs(got / want - 1))
                     print(f"{f'tp{tp}_pp{pp}_mb{micro}':<24} {stage:>5} {want:>24,} {got:>10,} {got / want:>6.3f}",

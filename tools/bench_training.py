@@ -101,19 +101,19 @@ def _ours(argv, world_size, warmup, iters):
     details, for a pipeline: the stage split, each stage's measured fwd+bwd seconds per micro-batch,
     the predicted efficiency from them, and this rank's time breakdown over the timed steps."""
     from megatron_lite.arguments import parse_args
-    from megatron_lite.model.gpt import layer_specs, measured_spec_costs, spec_costs
     from megatron_lite.model.partition import stage_costs
     from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
     from megatron_lite.parallel import state
     from megatron_lite.training import stage_timing
     from megatron_lite.training.engine import Engine
+    from megatron_lite.training.model_setup import profiled_spec_costs
 
     config = parse_args(argv, world_size=world_size)[0]
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     engine = Engine(config, with_scheduler=False)
     details = {}
     if config.parallel.pipeline_model_parallel_size > 1:
-        measured = measured_spec_costs(config, spec_costs(config), layer_specs(config))
+        measured = profiled_spec_costs(config)
         costs = stage_costs(measured, engine.module.parts, measured=True)
         details = {"layers_per_stage": engine.module.layers_per_stage, "stage_seconds": costs,
                    "predicted": predicted_pipeline_efficiency(costs, config.batch.gradient_accumulation_steps)}

@@ -4,7 +4,7 @@
         --seq-length 2048 --vocab-size 50257 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
         --micro-batch-size 1 --global-batch-size 512 --zero-stage 1 --bf16 --world-size 64 [--gpu-memory-gb 80]
 
-Formulas and their sources: megatron_lite/tuning/memory.py.
+Formulas and their sources: megatron_lite/model/memory.py.
 """
 import argparse
 import json
@@ -13,9 +13,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.arguments import parse_args  # noqa: E402
 from megatron_lite.config import ConfigError  # noqa: E402
-from megatron_lite.tuning import memory  # noqa: E402
-from megatron_lite.tuning.recipe import validate_candidate  # noqa: E402
+from megatron_lite.model import memory  # noqa: E402
+from megatron_lite.training.deepspeed_config import deepspeed_config  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,9 +29,13 @@ def main(argv=None) -> int:
                         help="where training runs (only dropout masks differ); default cuda")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     own, model_argv = parser.parse_known_args(argv)
+    if own.world_size < 1:
+        parser.error(f"--world-size must be at least 1, got {own.world_size}")
+    if own.gpu_memory_gb is not None and own.gpu_memory_gb <= 0:
+        parser.error(f"--gpu-memory-gb must be a positive number of GiB per GPU (e.g. 80), got {own.gpu_memory_gb}")
     try:
-        config = validate_candidate(model_argv, own.world_size)
-        stages = memory.estimate(config, device=own.device)
+        config, _ = parse_args(model_argv, own.world_size)
+        stages = memory.estimate(config, deepspeed_config(config), device=own.device)
     except ConfigError as e:
         print(f"estimate_memory.py: error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,6 @@ from megatron_lite.config import ConfigError  # noqa: E402
 
 
 def _plan(argv) -> int:
-    from megatron_lite.arguments import build_parser
     from megatron_lite.tuning import recipe
     from megatron_lite.tuning.throughput import Hardware
 
@@ -55,7 +54,8 @@ def _plan(argv) -> int:
             parser.error(f"{flag} must be at least 1, got {value}")
     if not 0 <= own.memory_margin < 1:
         parser.error(f"--memory-margin must be in [0, 1), got {own.memory_margin}")
-    build_parser().parse_args(model_argv)  # unknown flags: argparse's own message and exit 2
+    if own.gpu_memory_gb <= 0:
+        parser.error(f"--gpu-memory-gb must be a positive number of GiB per GPU (e.g. 80), got {own.gpu_memory_gb}")
     hw = Hardware(gpus_per_node=own.gpus_per_node, peak_tflops=own.peak_tflops,
                   intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps)
     # The ZeRO-3 parameter-offload candidates name a DeepSpeed JSON written next to the plan.
@@ -80,6 +80,10 @@ def main(argv=None) -> int:
         commands.update(sweep=sweep.main, report=report.main)
     except ImportError:
         pass
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print(f"\ncommands: {' | '.join(commands)}; `tune_parallelism.py COMMAND --help` lists a command's flags")
+        return 0
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         print(f"\ntune_parallelism.py: error: give a command: {' | '.join(commands)}", file=sys.stderr)

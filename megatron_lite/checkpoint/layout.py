@@ -24,8 +24,8 @@ import torch
 from deepspeed.pipe import TiedLayerSpec
 
 from megatron_lite.config import Config
-from megatron_lite.model.gpt import layer_specs, spec_costs
-from megatron_lite.model.partition import partition
+from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
+from megatron_lite.model.gpt import layer_specs
 from megatron_lite.parallel.tp import as_single_rank
 
 VOCAB_PARAMETERS = ("word_embeddings.weight", "output.weight")
@@ -84,11 +84,11 @@ class ModelLayout:
         return sorted(self.params)
 
     def stage_bounds(self, pp: int, method: str) -> List[int]:
-        return partition(spec_costs(self.config), pp, method)
+        return stage_bounds(self.config.replace(parallel__pipeline_model_parallel_size=pp,
+                                                parallel__pipeline_partition_method=method))
 
     def layers_per_stage(self, bounds: List[int]) -> List[int]:
-        costs = spec_costs(self.config)
-        return [sum(c.is_transformer for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        return transformer_layers_per_stage(self.config, bounds)
 
     def saved_stage_bounds(self, metadata: dict) -> List[int]:
         """Where a saved checkpoint's stages were cut: its recorded layers per stage (a `profile` split is

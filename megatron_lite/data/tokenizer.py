@@ -12,8 +12,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from megatron_lite.config import TOKENIZER_TYPES
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
-TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("NullTokenizer",)
 
 
 class SentencePieceTokenizer:

@@ -15,18 +15,17 @@ the layer number (parallel/random.py), not from the stage's generator.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite import deepspeed_compat
+from megatron_lite.config import Config, ModelConfig
 from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
-from megatron_lite.model.partition import SpecCost, partition, stage_table
-from megatron_lite.model.spec_profile import measure_spec_seconds
-from megatron_lite.parallel import state
+from megatron_lite.model.arithmetic import require_vocab, spec_costs, stage_bounds, transformer_layers_per_stage
+from megatron_lite.model.partition import stage_table
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
 from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
@@ -105,16 +104,9 @@ def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Ten
     return masked_mean(losses, loss_mask)
 
 
-def _require_vocab(config: Config) -> ModelConfig:
-    model = config.model
-    if model.padded_vocab_size is None:
-        raise ConfigError("the model needs a vocabulary size: give --vocab-size N or a --tokenizer-model")
-    return model
-
-
 def layer_specs(config: Config) -> List[LayerSpec]:
     """The whole GPT, in order, as DeepSpeed specs."""
-    model, seed = _require_vocab(config), config.training.seed
+    model, seed = require_vocab(config), config.training.seed
     specs: List[LayerSpec] = [
         TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, tied_weight_attr=["word_embeddings.weight"])
     ]
@@ -128,71 +120,41 @@ def layer_specs(config: Config) -> List[LayerSpec]:
     return specs
 
 
-def spec_costs(config: Config) -> List[SpecCost]:
-    """Forward FLOPs per token and parameter count of each spec, from the config alone."""
-    m = _require_vocab(config)
-    h, f, s, v = m.hidden_size, m.ffn_hidden_size, m.seq_length, m.padded_vocab_size
-    layer_params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-    # QKV + output projection + MLP matmuls (2 FLOPs per multiply-add), and the two attention
-    # matmuls over s keys (causal: half of them, on average).
-    layer_flops = 2 * (4 * h * h + 2 * h * f) + 2 * s * h
-    embed_params = v * h + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
-    costs = [SpecCost("EmbeddingPipe", 4.0 * h, embed_params, False)]
-    costs += [SpecCost("TransformerLayerPipe", float(layer_flops), layer_params, True) for _ in range(m.num_layers)]
-    costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, 2 * h, False))
-    head_name = "LMHeadPipe" if m.untie_embeddings_and_output_weights else "EmbeddingPipe"
-    # Head matmul plus the softmax cross entropy over the vocabulary.
-    costs.append(SpecCost(head_name, 2.0 * h * v + 5.0 * v, v * h if m.untie_embeddings_and_output_weights else 0,
-                          False))
-    return costs
-
-
 class GPTPipe(OwnPartitionPipelineModule):
-    """DeepSpeed PipelineModule whose stage boundaries come from our partitioner."""
+    """DeepSpeed PipelineModule whose stage boundaries come from model/arithmetic.py.
 
-    def __init__(self, config: Config, topology):
+    spec_seconds: each spec's measured seconds, the same on every rank (training/model_setup.py
+    measures them and takes rank 0's), needed by `--pipeline-partition-method profile` only."""
+
+    def __init__(self, config: Config, topology, spec_seconds: Optional[Sequence[float]] = None):
         self._config = config
-        super().__init__(
-            layers=layer_specs(config),
-            topology=topology,
-            loss_fn=loss_fn,
-            partition_method=config.parallel.pipeline_partition_method,
-            activation_checkpoint_interval=0,
-        )
+        self._spec_seconds = spec_seconds
+        self.stage_table = ""
+        with deepspeed_compat.quiet_prints(config.logging.log_level):
+            super().__init__(
+                layers=layer_specs(config),
+                topology=topology,
+                loss_fn=loss_fn,
+                partition_method=config.parallel.pipeline_partition_method,
+                activation_checkpoint_interval=0,
+            )
+        if self.global_rank == 0:
+            print(self.stage_table, flush=True)
 
     def stage_boundaries(self, num_stages: int) -> List[int]:
         config = self._config
-        method = config.parallel.pipeline_partition_method
-        costs = spec_costs(config)
-        if method == "profile":
-            costs = measured_spec_costs(config, costs, self._layer_specs)
-        bounds = partition(costs, num_stages, method)
-        self.layers_per_stage = [sum(c.is_transformer for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        if self.global_rank == 0:
-            table = stage_table(costs, bounds, config.batch.gradient_accumulation_steps)
-            print(f"pipeline stages ({method}):\n{table}", flush=True)
+        assert num_stages == config.parallel.pipeline_model_parallel_size
+        bounds = stage_bounds(config, self._spec_seconds)
+        costs = spec_costs(config, self._spec_seconds)
+        self.layers_per_stage = transformer_layers_per_stage(config, bounds)
+        table = stage_table(costs, bounds, config.batch.gradient_accumulation_steps)
+        self.stage_table = f"pipeline stages ({config.parallel.pipeline_partition_method}):\n{table}"
         return bounds
 
 
-def _this_rank_device() -> torch.device:
-    """Where the engine will put this rank's stage (init_distributed chose the CUDA device)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def measured_spec_costs(config: Config, costs: List[SpecCost], specs) -> List[SpecCost]:
-    """`costs` with seconds measured on this device; every rank takes rank 0's numbers, so all
-    of them cut the pipeline at the same places."""
-    m = config.model
-    seconds = measure_spec_seconds(
-        specs, loss_fn, config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
-        config.training.seed, m.num_layers, device=_this_rank_device())
-    seconds = state.agree_with_rank0(seconds)
-    return [dataclasses.replace(c, seconds=t) for c, t in zip(costs, seconds)]
-
-
-def build(config: Config, topology) -> GPTPipe:
+def build(config: Config, topology, spec_seconds: Optional[Sequence[float]] = None) -> GPTPipe:
     """The GPT as a PipelineModule for DeepSpeed's pipeline engine, on this rank's stage."""
-    return GPTPipe(config, topology)
+    return GPTPipe(config, topology, spec_seconds)
 
 
 class GPTModel(nn.Module):

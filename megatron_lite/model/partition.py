@@ -89,7 +89,8 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
     """Stage boundaries: stage s holds specs[bounds[s]:bounds[s+1]]."""
     num_transformer = sum(s.is_transformer for s in specs)
     if num_transformer < stages:
-        raise ConfigError(f"--num-layers {num_transformer} is smaller than --pipeline-model-parallel-size {stages}")
+        raise ConfigError(f"--num-layers {num_transformer} is smaller than --pipeline-model-parallel-size {stages}",
+                          code="layers_fewer_than_stages")
     if method == "cost":
         bounds = _balanced([s.flops for s in specs], [s.is_transformer for s in specs], stages)
     elif method == "profile":

@@ -68,16 +68,20 @@ def is_rank_zero_from_environment() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
-def init_distributed(backend: Optional[str] = None) -> None:
+def init_distributed(backend: Optional[str] = None, log_level: str = "warning") -> None:
+    """torch.distributed through DeepSpeed's comm layer; its start-up prints hidden below --log-level info."""
     import deepspeed  # here: the CLI imports this module to find rank 0 before torch is needed
     import torch
+
+    from megatron_lite import deepspeed_compat
 
     environment_from_launcher()
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    with deepspeed_compat.quiet_prints(log_level):
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 def gather_problems(problem):

@@ -23,10 +23,11 @@ import torch.distributed as dist
 from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
-from megatron_lite.model.gpt import GPTModel, build
+from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
 
 
@@ -51,7 +52,7 @@ class Engine:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
         self.pipelined = config.parallel.zero_stage < 2
         if self.pipelined:
-            self.module = build(config, state.get_topology())
+            self.module = build_pipeline(config)
             mpu = None  # the pipeline engine reads the topology from the module
         else:
             self.module = GPTModel(config)

@@ -22,8 +22,10 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
+from megatron_lite.training.console import configure_logging, layout_summary
 from megatron_lite.training.distributed import init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
 from megatron_lite.training.deepspeed_config import deepspeed_config
@@ -34,6 +36,7 @@ from megatron_lite.training.metrics import (
     interval_scalars,
     peak_memory_bytes,
 )
+from megatron_lite.training.records import RecordWriter, records_directory
 from megatron_lite.training.stage_timing import StageTimer
 
 
@@ -85,6 +88,7 @@ class Run:
     valid_dataset: object
     tb: TensorBoardWriter
     exit_signal: ExitSignal
+    records: RecordWriter
     save_folder: Optional[checkpointing.SaveFolder] = None
     stage_timer: Optional[StageTimer] = None
     memory_reported: bool = False
@@ -92,13 +96,19 @@ class Run:
     consumed_samples: int = 0
     last_saved: Optional[int] = None
     interval: Interval = field(default_factory=Interval)
+    totals: Interval = field(default_factory=Interval)
+    """The whole run's training steps (for the summary)."""
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    validation_loss: Optional[float] = None
 
 
 def pretrain(config: Config) -> int:
     """Train as the config says; returns the process exit code."""
+    start = time.time()
     run = setup(config)
     t = config.training
-    exit_code = 0
+    exit_code, status = 0, "stopped"
     while run.iteration < t.train_iters:
         stats = train_step(run)
         stop_signal, nonfinite = _agree([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
@@ -106,7 +116,7 @@ def pretrain(config: Config) -> int:
             print_rank0(f"error: loss is {stats.loss} at iteration {run.iteration}; stopping. The last good checkpoint "
                         f"({checkpointing.latest_tag(t.save) if t.save else 'none'}) is kept; lower --lr or raise "
                         f"--lr-warmup-iters, or check the data.")
-            exit_code = 1
+            exit_code, status = 1, "nonfinite_loss"
             break
         maybe_log(run, stats)
         maybe_evaluate(run)
@@ -114,7 +124,10 @@ def pretrain(config: Config) -> int:
             break
     if exit_code == 0 and run.iteration == t.train_iters:
         finish(run)
+        status = "completed"
+    summarize(run, status, time.time() - start)
     run.tb.close()
+    run.records.close()
     dist.barrier()
     if run.save_folder is not None:
         run.save_folder.release()
@@ -122,14 +135,18 @@ def pretrain(config: Config) -> int:
 
 
 def setup(config: Config) -> Run:
-    """Process groups, engine (resumed from --load), data iterators, TensorBoard, signal handler."""
+    """Process groups, engine (resumed from --load), data iterators, TensorBoard and metrics records,
+    signal handler."""
+    configure_logging(config.logging.log_level)
     # Rank 0 locks --save before any process group exists; the others learn the outcome right after.
     lock, lock_problem, lock_note = checkpointing.lock_before_init(config)
-    init_distributed(config.parallel.distributed_backend)
+    init_distributed(config.parallel.distributed_backend, config.logging.log_level)
     save_folder = checkpointing.open_save_folder(config, lock, lock_problem) if config.training.save else None
     if lock_note:
         print_rank0(lock_note)
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
+    summary = layout_summary(config, dist.get_backend(), "cuda" if torch.cuda.is_available() else "cpu")
+    print_rank0(summary)
     tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
     config = checkpointing.with_saved_stages(config)
     engine = Engine(config)
@@ -151,9 +168,12 @@ def setup(config: Config) -> Run:
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,
                                      num_workers=config.data.num_workers)
+    rank0 = dist.get_rank() == 0
+    records = RecordWriter(records_directory(config.logging.tensorboard_dir, t.save) if rank0 else None)
+    records.write("start", iteration=iteration, train_iters=t.train_iters, layout=summary, config=config.to_dict())
     return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds, save_folder=save_folder,
-               tb=TensorBoardWriter(config.logging.tensorboard_dir if dist.get_rank() == 0 else None),
-               exit_signal=ExitSignal(t.exit_signal_handler),
+               tb=TensorBoardWriter(config.logging.tensorboard_dir if rank0 else None),
+               exit_signal=ExitSignal(t.exit_signal_handler), records=records,
                stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
                iteration=iteration, consumed_samples=consumed, last_saved=iteration if t.load else None)
 
@@ -166,7 +186,11 @@ def train_step(run: Run) -> StepStats:
     stats = run.engine.train_step(run.train_iter)
     run.iteration += 1
     run.consumed_samples += step_batch
-    run.interval.add(stats, step_batch, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    run.interval.add(stats, step_batch, seconds)
+    run.totals.add(stats, step_batch, seconds)
+    run.first_loss = stats.loss if run.first_loss is None else run.first_loss
+    run.last_loss = stats.loss
     return stats
 
 
@@ -183,28 +207,34 @@ def maybe_log(run: Run, stats: StepStats) -> None:
     scalars = interval_scalars(summary, config.model, config.parallel.world_size)
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     run.tb.write("train", scalars, run.iteration)
+    run.records.write("interval", iteration=run.iteration, iterations=interval.iterations, seconds=interval.seconds,
+                      **scalars)
     if not run.memory_reported:
         report_memory_estimate(run)
     if run.stage_timer is not None:
         stages = stage_timing.gather_stages(run.stage_timer.take(interval.seconds))
         if stages:
             print_rank0("time per stage:\n" + stage_timing.format_table(stages, interval.iterations))
-            run.tb.write("timing", stage_timing.scalars(stages, interval.iterations), run.iteration)
+            timing = stage_timing.scalars(stages, interval.iterations)
+            run.tb.write("timing", timing, run.iteration)
+            run.records.write("stage_timing", iteration=run.iteration, ms_per_iteration=timing)
     run.interval = Interval()
 
 
 def report_memory_estimate(run: Run) -> None:
     """Once, at the first log line: each stage's estimated peak next to the measured one (as
-    Megatron-LM does), so every run checks the estimator (tuning/memory.py)."""
-    from megatron_lite.tuning.memory import estimate_peak_bytes
-
+    Megatron-LM does), so every run checks the estimator (model/memory.py)."""
     config, stage = run.config, state.get_pipeline_model_parallel_rank()
     estimated = estimate_peak_bytes(config, stage, deepspeed_config(config))
     measured, what = peak_memory_bytes()
     gib = 1024 ** 3
-    for stage, (estimate, peak) in stage_timing.gather_stages((estimated, measured)):
+    stages = stage_timing.gather_stages((estimated, measured))
+    for stage, (estimate, peak) in stages:
         print_rank0(f"memory stage {stage}: estimated {estimate / gib:.4f} GiB, measured peak {peak / gib:.4f} GiB "
                     f"({what})")
+    run.records.write("stage_memory", measured=what, stages=[
+        {"stage": stage, "estimated_bytes": estimate, "measured_peak_bytes": peak}
+        for stage, (estimate, peak) in stages])
     run.memory_reported = True
 
 
@@ -262,6 +292,28 @@ def log_evaluation(run: Run) -> None:
     ppl = math.exp(min(loss, 20.0))
     print_rank0(f"validation at iteration {run.iteration} | loss {loss:.4f} | perplexity {ppl:.2f}")
     run.tb.write("valid", {"loss": loss, "perplexity": ppl}, run.iteration)
+    run.records.write("validation", iteration=run.iteration, loss=loss, perplexity=ppl)
+    run.validation_loss = loss
+
+
+def summarize(run: Run, status: str, seconds: float) -> None:
+    """The run's last console line and its summary record."""
+    totals, seq = run.totals, run.config.model.seq_length
+    tokens_per_s = totals.samples * seq / totals.seconds if totals.seconds else None
+    run.records.write("summary", status=status, iteration=run.iteration, consumed_samples=run.consumed_samples,
+                      seconds=seconds, first_loss=run.first_loss, last_loss=run.last_loss,
+                      validation_loss=run.validation_loss, tokens_per_s=tokens_per_s)
+    # Worded unlike a log line ("iteration N/M | loss ..."), which scripts grep for.
+    parts = [f"run {status}: {run.iteration} of {run.config.training.train_iters} iterations in {seconds:.1f}s"]
+    if run.first_loss is not None:
+        parts.append(f"training loss {run.first_loss:.4f} -> {run.last_loss:.4f}")
+    if run.validation_loss is not None:
+        parts.append(f"last validation loss {run.validation_loss:.4f}")
+    if tokens_per_s:
+        parts.append(f"{tokens_per_s:.0f} tokens/s")
+    if run.records.path:
+        parts.append(f"metrics in {run.records.path}")
+    print_rank0(", ".join(parts))
 
 
 def _agree(flags, device) -> list:

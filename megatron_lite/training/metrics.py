@@ -1,9 +1,9 @@
 """Throughput, FLOPs, memory and the per-interval log line (console + TensorBoard).
 
-FLOPs follow Megatron-LM's accounting: per token, each layer does 8h^2 + 4hf
-(QKV, projection, MLP) plus 4sh (attention scores and weighted values, counted
-in full), the head 2hV; training costs 3x the forward, plus one more forward of
-every layer when activations are recomputed.
+FLOPs follow Megatron-LM's accounting (model/arithmetic.py `training_flops_per_token`):
+per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 4sh (attention
+scores and weighted values, counted in full), the head 2hV; training costs 3x the
+forward, plus one more forward of every layer when activations are recomputed.
 """
 from __future__ import annotations
 
@@ -16,17 +16,10 @@ from typing import Dict, Optional
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.arithmetic import training_flops_per_token
 
 # Dense bf16/fp16 tensor-core peak per GPU (TFLOP/s), by a substring of the device name.
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
-
-
-def training_flops_per_token(model: ModelConfig, recompute: Optional[bool] = None) -> float:
-    h, f, s, L = model.hidden_size, model.ffn_hidden_size, model.seq_length, model.num_layers
-    v = model.padded_vocab_size or model.vocab_size or 0
-    recompute = model.recompute_activations if recompute is None else recompute
-    layer_forward = 2 * (4 * h * h + 2 * h * f) + 4 * s * h
-    return (3 + int(recompute)) * L * layer_forward + 3 * 2 * h * v
 
 
 def device_peak_tflops() -> Optional[float]:

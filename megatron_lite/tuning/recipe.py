@@ -3,10 +3,13 @@
 Candidates come from the cluster shape: TP divides the GPUs per node, PP
 divides the GPUs left (layers need not divide: the cost partitioner balances
 and the imbalance shows in the predicted efficiency), DP is the rest, micro
-batch 1, 2, 4, ... and gas from the global batch. Every candidate goes through
-the validation pretrain_gpt.py runs (`validate_candidate`, the one call site),
-so a planned layout is never refused at launch. Then the memory savers are
-tried, fastest first (design notes: ZeRO 0 > 1 > 2 > 2 + optimizer offload >
+batch 1, 2, 4, ... and gas from the global batch. Each candidate is the user's
+`Config` with its layout fields replaced, and goes through the validation
+pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
+layout is never refused at launch; its command line is written from that
+Config (`arguments.config_to_argv`). A refused candidate keeps the validation
+error's code (`reason_code`), by which the plan groups its rejections. Then
+the memory savers are tried, fastest first (design notes: ZeRO 0 > 1 > 2 > 2 + optimizer offload >
 3 > 3 + parameter offload, 2 and 3 only at PP = 1), each first without and then
 with activation recompute; the first whose predicted peak on every stage fits
 the GPU less the margin is kept, and the plan says which saver that was.
@@ -22,48 +25,44 @@ few layers at full hidden size, PP = 1, micro batch 1..64 at gas 1.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megatron_lite.arguments import build_parser, parse_args
-from megatron_lite.config import Config, ConfigError
-from megatron_lite.model.gpt import spec_costs
+from megatron_lite.arguments import build_parser, config_to_argv, given_fields
+from megatron_lite.config import Config, ConfigError, flag_for
+from megatron_lite.model import memory
+from megatron_lite.model.arithmetic import stage_bounds, stage_flops, transformer_layers_per_stage
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
-from megatron_lite.tuning import memory
+from megatron_lite.training.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
+from megatron_lite.validation import validate
 
-LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
-                "--gradient-accumulation-steps", "--zero-stage", "--cpu-offload", "--recompute-activations")
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                 "gradient_accumulation_steps", "zero_stage", "cpu_offload", "recompute_activations")
+"""Config fields each candidate sets (the user's values for them are replaced)."""
+LAYOUT_FLAGS = tuple(flag_for(name) for name in LAYOUT_FIELDS)
+REJECTION_LABELS = {
+    "does_not_fit_memory": "does not fit in memory",
+    "layers_fewer_than_stages": "layers fewer than stages",
+    "heads_not_divisible_by_tp": "heads not divisible by TP",
+    "ffn_not_divisible_by_tp": "FFN width not divisible by TP",
+    "hidden_not_divisible_by_heads": "hidden not divisible by heads",
+    "batch_not_divisible": "global batch not divisible by micro x DP",
+    "world_not_divisible": "world size not divisible by TP x PP",
+}
+"""Reason code -> the words the plan's table groups rejections under."""
 ZERO_LADDER = ((0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False),
                (3, True, True))
 """(ZeRO stage, optimizer offload, parameter offload), fastest first."""
 OFFLOAD_PARAM_JSON = "zero3_offload_param.json"
 
 
-def validate_candidate(argv: Sequence[str], world_size: int) -> Config:
-    """The validation pretrain_gpt.py runs; raises ConfigError with its message. The one call site."""
-    return parse_args(list(argv), world_size)[0]
-
-
-def strip_flags(argv: Sequence[str], flags: Sequence[str]) -> List[str]:
-    """argv without the given pretrain_gpt.py flags (and their values, as the shared parser defines them)."""
-    actions = build_parser()._option_string_actions
-    out, i, argv = [], 0, list(argv)
-    while i < len(argv):
-        token = argv[i]
-        name = token.split("=", 1)[0]
-        if name in flags:
-            nargs = actions[name].nargs
-            takes = 0 if nargs == 0 else (nargs if isinstance(nargs, int) else 1)
-            i += 1 + (0 if "=" in token else takes)
-            continue
-        out.append(token)
-        i += 1
-    return out
+def validate_candidate(config: Config, world_size: int) -> Config:
+    """The validation pretrain_gpt.py runs; raises ConfigError with its message and code. The one call site."""
+    return validate(config, world_size)[0]
 
 
 @dataclass
@@ -86,7 +85,9 @@ class Candidate:
     predicted_tokens_per_s: float = 0.0
     predicted_relative_throughput: float = 0.0
     argv: List[str] = field(default_factory=list)
-    """The pretrain_gpt.py layout flags of this candidate (added to the model flags)."""
+    """The pretrain_gpt.py layout flags of this candidate."""
+    pretrain_argv: List[str] = field(default_factory=list)
+    """All its pretrain_gpt.py flags: the model's and the batch's as planned, then the layout flags."""
     rank: int = 0
     throughput_rank: int = 0
     name: str = ""
@@ -108,33 +109,28 @@ def saver_name(zero: int, offload: bool, offload_param: bool, recompute: bool) -
     return " + ".join(parts) or "none"
 
 
-def layout_argv(c: Candidate, offload_param_json: Optional[str]) -> List[str]:
-    argv = ["--tensor-model-parallel-size", str(c.tensor_model_parallel_size),
-            "--pipeline-model-parallel-size", str(c.pipeline_model_parallel_size),
-            "--micro-batch-size", str(c.micro_batch_size), "--zero-stage", str(c.zero_stage)]
-    if c.cpu_offload:
-        argv.append("--cpu-offload")
-    if c.offload_param:
-        argv += ["--deepspeed-config", offload_param_json]
-    if c.recompute_activations:
-        argv.append("--recompute-activations")
-    return argv
+def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[str]) -> Config:
+    """The user's (unvalidated) config with the candidate's layout."""
+    extra = {"training__deepspeed_config": offload_param_json} if c.offload_param else {}
+    return base.replace(
+        parallel__tensor_model_parallel_size=c.tensor_model_parallel_size,
+        parallel__pipeline_model_parallel_size=c.pipeline_model_parallel_size,
+        parallel__zero_stage=c.zero_stage, parallel__cpu_offload=c.cpu_offload,
+        batch__micro_batch_size=c.micro_batch_size, batch__gradient_accumulation_steps=None,
+        model__recompute_activations=c.recompute_activations, **extra)
+
+
+def layout_argv(c: Candidate, config: Config) -> List[str]:
+    """A candidate's layout flags, TP / PP / micro batch / ZeRO always spelled out (and the
+    DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
+    shown = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage")
+    return (config_to_argv(config, fields=shown, include_defaults=True)
+            + config_to_argv(config, fields=("cpu_offload", "recompute_activations"))
+            + (config_to_argv(config, fields=("deepspeed_config",)) if c.offload_param else []))
 
 
 def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@functools.lru_cache(maxsize=None)
-def _stage_shape(model_config, pp: int, method: str) -> Tuple[Tuple[float, ...], Tuple[int, ...]]:
-    """Per-stage forward FLOPs per token and transformer layers (cached: the partition DP is the slow part)."""
-    config = Config(model=model_config).replace(parallel__pipeline_model_parallel_size=pp,
-                                                parallel__pipeline_partition_method=method)
-    costs = spec_costs(config)
-    bounds = memory.stage_bounds(config)
-    flops = tuple(sum(c.flops for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
-    layers = tuple(sum(c.is_transformer for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
-    return flops, layers
 
 
 @dataclass
@@ -142,15 +138,18 @@ class Plan:
     mode: str
     cluster: Dict[str, Any]
     model_argv: List[str]
+    """The model and batch flags as the user gave them."""
     memory_budget_bytes: int
     candidates: List[Candidate]
     rejected: List[Dict[str, Any]]
+    notes: List[str] = field(default_factory=list)
+    """What the plan changed of the user's flags (their layout flags are replaced per candidate)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return {"mode": self.mode, "cluster": self.cluster, "model_argv": self.model_argv,
                 "memory_budget_bytes": self.memory_budget_bytes,
                 "candidates": [dict(asdict(c), layout=c.layout) for c in self.candidates],
-                "rejected": self.rejected}
+                "rejected": self.rejected, "notes": self.notes}
 
     def save(self, path: str) -> None:
         tmp = path + ".tmp"
@@ -159,11 +158,12 @@ class Plan:
         os.replace(tmp, path)
 
 
-def _try_savers(base: Candidate, model_argv: List[str], world: int, budget: int, device: str,
-                offload_param_json: str) -> Tuple[Optional[Candidate], Optional[Config], str]:
-    """The first saver that fits, or (None, None, reason)."""
+def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], world: int, budget: int, device: str,
+                offload_param_json: str) -> Tuple[Optional[Candidate], Optional[Config], str, str]:
+    """The first saver that fits, as (candidate, validated config, "", ""), or (None, None, reason, reason code).
+    model_fields: the fields (not layout) whose flags the candidate's command line spells out."""
     pp = base.pipeline_model_parallel_size
-    last_reason = ""
+    last_error: Optional[ConfigError] = None
     smallest = None
     for zero, offload, offload_param in ZERO_LADDER:
         if pp > 1 and zero >= 2:
@@ -171,13 +171,13 @@ def _try_savers(base: Candidate, model_argv: List[str], world: int, budget: int,
         for recompute in (False, True):
             c = Candidate(**{**asdict(base), "zero_stage": zero, "cpu_offload": offload,
                              "offload_param": offload_param, "recompute_activations": recompute})
-            argv = strip_flags(model_argv, LAYOUT_FLAGS) + layout_argv(c, offload_param_json)
+            planned = candidate_config(model, c, offload_param_json)
             try:
-                config = validate_candidate(argv, world)
+                config = validate_candidate(planned, world)
             except ConfigError as e:
-                last_reason = str(e)
+                last_error = e
                 continue
-            stages = memory.estimate(config, device=device)
+            stages = memory.estimate(config, deepspeed_config(config), device=device)
             peaks = [st.peak for st in stages]
             if smallest is None or max(peaks) < max(smallest[0]):
                 smallest = (peaks, saver_name(zero, offload, offload_param, recompute))
@@ -186,18 +186,22 @@ def _try_savers(base: Candidate, model_argv: List[str], world: int, budget: int,
                 c.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
                 c.peak_bytes_per_stage = peaks
                 c.stage_memory = [st.to_dict() for st in stages]
-                c.argv = layout_argv(c, offload_param_json)
-                return c, config, ""
+                c.argv = layout_argv(c, planned)
+                shown = [f for f in model_fields if not (offload_param and f == "deepspeed_config")]
+                c.pretrain_argv = config_to_argv(planned, fields=shown, include_defaults=True) + c.argv
+                return c, config, "", ""
     if smallest is None:
-        return None, None, last_reason
+        return None, None, str(last_error), last_error.code
     worst = max(range(len(smallest[0])), key=lambda i: smallest[0][i])
     return None, None, (f"does not fit: even with {smallest[1]} stage {worst} needs "
-                        f"{smallest[0][worst] / memory.GIB:.1f} GiB > budget {budget / memory.GIB:.1f} GiB")
+                        f"{smallest[0][worst] / memory.GIB:.1f} GiB > budget {budget / memory.GIB:.1f} GiB"), \
+        "does_not_fit_memory"
 
 
 def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
     m = config.model
-    flops, layers = _stage_shape(m, c.pipeline_model_parallel_size, config.parallel.pipeline_partition_method)
+    bounds = stage_bounds(config, estimate=True)
+    flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
     params = [st["parameters"] for st in c.stage_memory]
     times = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
                                  tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
@@ -231,14 +235,23 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
          memory_margin: float = 0.1, max_micro_batch: int = 8, order: str = "shaden",
          hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
          micro_batch_probe: bool = False, probe_layers: int = 2, progress=None) -> Plan:
-    """Candidates for the cluster, validated, memory-checked, predicted and ordered."""
+    """Candidates for the cluster, validated, memory-checked, predicted and ordered.
+
+    model_argv: pretrain_gpt.py flags describing the model and the batch (argparse exits 2 on an
+    unknown one); the layout flags among them are replaced per candidate, which the plan's notes say."""
     hw = hardware or Hardware(gpus_per_node=gpus_per_node)
     model_argv = list(model_argv)
+    given = given_fields(build_parser().parse_args(model_argv))
+    model = Config().replace(**given)
     mode = "micro-batch-probe" if micro_batch_probe else "layout"
+    notes = [f"your {flag_for(key.split('__')[1])} {_shown(value)} is replaced: each candidate chooses its own "
+             f"({'the saver column says which' if key.split('__')[1] in _SAVER_FIELDS else 'the layout columns'})"
+             for key, value in given.items() if key.split("__")[1] in LAYOUT_FIELDS]
+    model_fields = [key.split("__")[1] for key in given if key.split("__")[1] not in LAYOUT_FIELDS]
     if micro_batch_probe:
         nodes = 1
-        model_argv = strip_flags(model_argv, ("--num-layers", "--global-batch-size")) + \
-            ["--num-layers", str(probe_layers)]
+        model = model.replace(model__num_layers=probe_layers)
+        model_fields += ["num_layers", "global_batch_size"]
         max_micro_batch = max(max_micro_batch, 64)
     world = nodes * gpus_per_node
     budget = int(gpu_memory_gb * memory.GIB * (1.0 - memory_margin))
@@ -255,15 +268,14 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
             dp = world // (tp * pp)
             for micro in micro_sizes:
                 base = Candidate(tp, pp, dp, micro)
-                extra = ["--global-batch-size", str(micro * dp)] if micro_batch_probe else []
-                c, config, reason = _try_savers(base, model_argv + extra, world, budget, device, offload_param_json)
+                planned = model.replace(batch__global_batch_size=micro * dp) if micro_batch_probe else model
+                c, config, reason, code = _try_savers(base, planned, model_fields, world, budget, device,
+                                                      offload_param_json)
                 if c is None:
                     rejected.append({"layout": base.layout, "tensor_model_parallel_size": tp,
                                      "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
-                                     "micro_batch_size": micro, "reason": reason})
+                                     "micro_batch_size": micro, "reason": reason, "reason_code": code})
                     continue
-                if micro_batch_probe:
-                    c.argv += extra
                 _predict(c, config, hw)
                 kept.append(c)
                 if progress:
@@ -282,19 +294,20 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
         c.name = f"{i:03d}_{c.layout}"
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
                "memory_margin": memory_margin, "order": order, "device": device, "hardware": asdict(hw)}
-    return Plan(mode, cluster, model_argv, budget, kept, rejected)
+    return Plan(mode, cluster, model_argv, budget, kept, rejected, notes)
 
 
-def rejection_kind(reason: str) -> str:
-    """A short class of a rejection reason, to group them in the table."""
-    for needle, kind in (("does not fit", "does not fit in memory"),
-                         ("smaller than --pipeline-model-parallel-size", "layers fewer than stages"),
-                         ("is not divisible by --tensor-model-parallel-size", "not divisible by TP"),
-                         ("--global-batch-size", "global batch not divisible by micro x DP"),
-                         ("not divisible by --num-attention-heads", "hidden not divisible by heads")):
-        if needle in reason:
-            return kind
-    return reason.split(";")[0][:80]
+_SAVER_FIELDS = ("zero_stage", "cpu_offload", "recompute_activations")
+
+
+def _shown(value) -> str:
+    return "" if value is True else str(value)
+
+
+def rejection_kind(rejection: Dict[str, Any]) -> str:
+    """The words a rejection is grouped under in the table, from its reason code."""
+    code = rejection.get("reason_code", "invalid")
+    return REJECTION_LABELS.get(code, code.replace("_", " "))
 
 
 def format_plan(p: Plan, limit: int = 30) -> str:
@@ -312,7 +325,8 @@ def format_plan(p: Plan, limit: int = 30) -> str:
         lines.append(f"... {len(p.candidates) - limit} more in the JSON")
     kinds: Dict[str, List[str]] = {}
     for r in p.rejected:
-        kinds.setdefault(rejection_kind(r["reason"]), []).append(r["layout"])
+        kinds.setdefault(rejection_kind(r), []).append(r["layout"])
+    lines += [f"note: {note}" for note in p.notes]
     lines.append(f"{len(p.candidates)} candidates kept, {len(p.rejected)} rejected (every reason in the JSON):")
     for kind, layouts in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         shown = ", ".join(layouts[:4]) + (", ..." if len(layouts) > 4 else "")

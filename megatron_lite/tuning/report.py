@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lite.tuning.sweep import collect
 
-COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_rank", "mfu",
            "ms_per_iteration", "gradient_accumulation_steps", "saver", "predicted_relative_throughput",
            "predicted_pipeline_efficiency", "measured_pipeline_efficiency", "predicted_peak_gib_stage0",
            "predicted_peak_gib_max", "peak_memory_gib", "name")

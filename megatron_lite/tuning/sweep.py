@@ -11,8 +11,9 @@ after the launcher when the template does not place it). Inside a Slurm allocati
 "srun --ntasks {world_size} --ntasks-per-node {gpus_per_node} python".
 
 Each run folder holds command.txt, log.txt (stdout and stderr), status (pending, running,
-completed, oom, timeout, refused, failed) and, when it ran, result.json. results.jsonl in the
-results folder gets one line per run, rewritten after every run. A failing or hanging run is
+completed, oom, timeout, refused, failed), tensorboard/ (the run's TensorBoard events and
+metrics.jsonl, which the sweep reads its numbers from) and, when it ran, result.json.
+results.jsonl in the results folder gets one line per run, rewritten after every run. A failing or hanging run is
 recorded and the sweep goes on; a second invocation skips runs whose status is completed (and
 those with another final status unless `--retry` names it).
 """
@@ -23,98 +24,81 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lite.config import ConfigError
+from megatron_lite.training import records
 from megatron_lite.training.distributed import free_port
-from megatron_lite.tuning.recipe import LAYOUT_FLAGS, strip_flags
+from megatron_lite.tuning.recipe import LAYOUT_FLAGS
 
 STATUSES = ("pending", "running", "completed", "oom", "timeout", "refused", "failed")
 FINAL_FAILURES = ("oom", "timeout", "refused", "failed")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEP_OWNED = ("--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--save", "--load",
-               "--save-interval", "--exit-interval")
+               "--save-interval", "--exit-interval", "--tensorboard-dir")
+TENSORBOARD = "tensorboard"
+"""A run's --tensorboard-dir, inside its folder: its metrics.jsonl is what the sweep reads."""
 
-# One field each, from training/metrics.py format_line; units stay in the names.
-_FIELDS = {
-    "iteration": re.compile(r"iteration\s+(\d+)/\s*(\d+)"),
-    "ms_per_iteration": re.compile(r"([\d.]+(?:e[+-]?\d+)?) ms/it"),
-    "samples_per_s": re.compile(r"([\d.]+(?:e[+-]?\d+)?) samples/s"),
-    "tokens_per_s": re.compile(r"([\d.]+(?:e[+-]?\d+)?) tokens/s"),
-    "tflops_per_gpu": re.compile(r"([\d.]+(?:e[+-]?\d+)?) TFLOP/s/rank"),
-    "mfu": re.compile(r"MFU ([\d.]+)%"),
-    "gpu_mem": re.compile(r"mem ([\d.]+)/([\d.]+) GiB"),
-    "rss": re.compile(r"rss ([\d.]+) GiB \(peak ([\d.]+)\)"),
-}
-_STAGE_MEMORY = re.compile(r"memory stage (\d+):.*?estimated ([\d.]+) GiB.*?measured peak ([\d.]+) GiB")
+# A crash leaves no record of why: its last words are the only evidence of running out of memory.
 _OOM = re.compile(r"out of memory|OutOfMemoryError|CUDA error: out of memory|std::bad_alloc|Cannot allocate memory",
                   re.IGNORECASE)
 
 
-def parse_log(text: str, warmup_iters: int) -> Dict[str, Any]:
-    """Throughput averaged over the logged iterations after `warmup_iters`, and the peak memory seen.
-
-    Lines that are not metric lines (DeepSpeed's, warnings, other ranks) are skipped; so is any
-    metric line missing a field. Each metric line covers the iterations since the previous one.
-    """
-    rows = []
-    peak_gib = None
-    stage_memory: Dict[int, Dict[str, float]] = {}
-    for line in text.splitlines():
-        m = _STAGE_MEMORY.search(line)
-        if m:
-            stage_memory[int(m.group(1))] = {"estimated_gib": float(m.group(2)), "measured_gib": float(m.group(3))}
-        it = _FIELDS["iteration"].search(line)
-        if not it or "ms/it" not in line:
-            continue
-        row = {"iteration": int(it.group(1))}
-        try:
-            for key in ("ms_per_iteration", "samples_per_s", "tokens_per_s", "tflops_per_gpu"):
-                row[key] = float(_FIELDS[key].search(line).group(1))
-        except AttributeError:
-            continue
-        mfu = _FIELDS["mfu"].search(line)
-        if mfu:
-            row["mfu"] = float(mfu.group(1)) / 100.0
-        mem = _FIELDS["gpu_mem"].search(line) or _FIELDS["rss"].search(line)
-        if mem:
-            peak_gib = max(peak_gib or 0.0, float(mem.group(2)))
-        rows.append(row)
-    out: Dict[str, Any] = {"logged_iterations": len(rows), "peak_memory_gib": peak_gib,
-                           "peak_memory_kind": None, "stage_memory": stage_memory or None}
-    if peak_gib is not None:
-        out["peak_memory_kind"] = ("GPU max_memory_allocated (rank 0)" if _FIELDS["gpu_mem"].search(text)
-                                   else "process peak RSS (rank 0)")
-    timed = [r for r in rows if r["iteration"] > warmup_iters] or rows
-    out["warmup_excluded"] = bool(rows) and timed is not rows
+def summarize_records(run_records: List[Dict[str, Any]], warmup_iters: int) -> Dict[str, Any]:
+    """Throughput averaged over the intervals after `warmup_iters`, the peak memory, each stage's
+    estimated and measured memory, and how the run ended, from its metrics.jsonl records."""
+    intervals = [r for r in run_records if r["kind"] == "interval"]
+    summary = next((r for r in reversed(run_records) if r["kind"] == "summary"), None)
+    memory = next((r for r in run_records if r["kind"] == "stage_memory"), None)
+    peak_key = "mem_peak_gib" if any("mem_peak_gib" in r for r in intervals) else "mem_peak_rss_gib"
+    peaks = [r[peak_key] for r in intervals if peak_key in r]
+    out: Dict[str, Any] = {
+        "logged_iterations": len(intervals), "run_status": summary["status"] if summary else None,
+        "peak_memory_gib": max(peaks) if peaks else None,
+        "peak_memory_kind": None if not peaks else (
+            "GPU max_memory_allocated (rank 0)" if peak_key == "mem_peak_gib" else "process peak RSS (rank 0)"),
+        "stage_memory": {st["stage"]: {"estimated_gib": st["estimated_bytes"] / 2 ** 30,
+                                       "measured_gib": st["measured_peak_bytes"] / 2 ** 30}
+                         for st in memory["stages"]} if memory else None,
+    }
+    timed = [r for r in intervals if r["iteration"] > warmup_iters] or intervals
+    out["warmup_excluded"] = bool(intervals) and timed is not intervals
     if not timed:
         return out
-    n = len(timed)
-    ms = sum(r["ms_per_iteration"] for r in timed) / n
+    seconds = sum(r["seconds"] for r in timed)
+    iterations = sum(r["iterations"] for r in timed)
+    # Rates are per interval: weight each by its time (total work / total time), not a mean of rates.
     out.update(
-        timed_iterations=n,
-        ms_per_iteration=ms,
-        # Rates are per interval: average the times, not the rates, then convert.
-        samples_per_s=sum(r["samples_per_s"] * r["ms_per_iteration"] for r in timed) / (ms * n),
-        tokens_per_s=sum(r["tokens_per_s"] * r["ms_per_iteration"] for r in timed) / (ms * n),
-        tflops_per_gpu=sum(r["tflops_per_gpu"] * r["ms_per_iteration"] for r in timed) / (ms * n),
+        timed_iterations=iterations,
+        ms_per_iteration=1e3 * seconds / iterations,
+        samples_per_s=sum(r["samples_per_s"] * r["seconds"] for r in timed) / seconds,
+        tokens_per_s=sum(r["tokens_per_s"] * r["seconds"] for r in timed) / seconds,
+        tflops_per_rank=sum(r["tflops_per_rank"] * r["seconds"] for r in timed) / seconds,
     )
     if all("mfu" in r for r in timed):
-        out["mfu"] = sum(r["mfu"] for r in timed) / n
+        out["mfu"] = sum(r["mfu"] * r["seconds"] for r in timed) / seconds
     return out
 
 
-def classify(returncode: Optional[int], timed_out: bool, log_text: str, parsed: Dict[str, Any]) -> str:
+def read_run(run_dir: str, warmup_iters: int) -> Dict[str, Any]:
+    """summarize_records of the run in run_dir (its tensorboard/metrics.jsonl)."""
+    return summarize_records(records.read_records(os.path.join(run_dir, TENSORBOARD, records.FILE_NAME)),
+                             warmup_iters)
+
+
+def classify(returncode: Optional[int], timed_out: bool, log_text: str, measured: Dict[str, Any]) -> str:
+    """The run's status from its exit, its records (`summarize_records`) and, for a crash, its last words."""
     if timed_out:
         return "timeout"
     if returncode != 0 and (_OOM.search(log_text) or returncode in (-signal.SIGKILL, 128 + signal.SIGKILL)):
         return "oom"  # the kernel's OOM killer leaves only SIGKILL
     if returncode == 2:
         return "refused"  # pretrain_gpt.py's configuration errors exit 2 with one line
-    if returncode == 0 and parsed.get("timed_iterations"):
+    if returncode == 0 and measured.get("run_status") == "completed" and measured.get("timed_iterations"):
         return "completed"
     return "failed"
 
@@ -139,9 +123,12 @@ def _kill_tree(pid: int) -> None:
         pass
 
 
-def pretrain_args(candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str]) -> List[str]:
-    """The candidate's pretrain_gpt.py flags: model, layout, the user's fixed flags."""
-    return strip_flags(plan["model_argv"], LAYOUT_FLAGS) + list(candidate["argv"]) + list(fixed)
+def pretrain_args(candidate: Dict[str, Any], fixed: Sequence[str]) -> List[str]:
+    """The candidate's pretrain_gpt.py flags (model, batch and layout, as planned), then the user's fixed flags."""
+    if "pretrain_argv" not in candidate:
+        raise ConfigError(f"candidate {candidate.get('name')} has no pretrain_argv: the plan was written by an older "
+                          f"version; run `tune_parallelism.py plan` again")
+    return list(candidate["pretrain_argv"]) + list(fixed)
 
 
 def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str],
@@ -159,9 +146,9 @@ def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any]
                           f"{', '.join('{' + k + '}' for k in values)}") from None
     if "{script}" not in launcher:
         cmd.append(script)
-    return cmd + pretrain_args(candidate, plan, fixed) + [
+    return cmd + pretrain_args(candidate, fixed) + [
         "--train-iters", str(train_iters), "--log-interval", "1", "--eval-interval", str(10 ** 9),
-        "--eval-iters", "0"]
+        "--eval-iters", "0", "--tensorboard-dir", os.path.join(os.path.abspath(run_dir), TENSORBOARD)]
 
 
 def _read(path: str, default: str = "") -> str:
@@ -204,7 +191,8 @@ def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[
     return {"returncode": returncode, "timed_out": timed_out, "seconds": time.time() - start}
 
 
-def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any], parsed: Dict[str, Any]) -> Dict[str, Any]:
+def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any],
+                 measured: Dict[str, Any]) -> Dict[str, Any]:
     keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "pipeline_model_parallel_size",
             "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
             "recompute_activations", "saver", "predicted_pipeline_efficiency", "predicted_tokens_per_s",
@@ -212,7 +200,7 @@ def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any], pa
     line = {k: candidate.get(k) for k in keys}
     line["predicted_peak_gib_per_stage"] = [b / 2 ** 30 for b in candidate.get("peak_bytes_per_stage") or []]
     line.update(status=status, returncode=run.get("returncode"), seconds=run.get("seconds"))
-    line.update(parsed)
+    line.update(measured)
     return line
 
 
@@ -254,19 +242,19 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
             continue
         cmd = build_command(launcher, c, plan, fixed, run_dir, train_iters, script)
         log(f"[{i}/{len(candidates)}] {c['name']}: running ({c['saver']})")
+        shutil.rmtree(os.path.join(run_dir, TENSORBOARD), ignore_errors=True)  # a retried run's records only
         run = run_one(cmd, run_dir, time_limit)
-        text = _read(os.path.join(run_dir, "log.txt"))
-        parsed = parse_log(text, warmup_iters)
-        status = classify(run["returncode"], run["timed_out"], text, parsed)
-        line = _result_line(c, status, run, parsed)
-        line["pretrain_args"] = pretrain_args(c, plan, fixed)
+        measured = read_run(run_dir, warmup_iters)
+        status = classify(run["returncode"], run["timed_out"], _read(os.path.join(run_dir, "log.txt")), measured)
+        line = _result_line(c, status, run, measured)
+        line["pretrain_args"] = pretrain_args(c, fixed)
         line["launcher_args"] = cmd[:cmd.index(script)] if script in cmd else []
         line["script"] = script
         _write(os.path.join(run_dir, "result.json"), json.dumps(line, indent=1))
         _write(status_path, status + "\n")
         collect(results_dir)
         counts[status] = counts.get(status, 0) + 1
-        rate = f", {parsed['tokens_per_s']:.0f} tokens/s" if parsed.get("tokens_per_s") else ""
+        rate = f", {measured['tokens_per_s']:.0f} tokens/s" if measured.get("tokens_per_s") else ""
         log(f"[{i}/{len(candidates)}] {c['name']}: {status} in {run['seconds']:.0f}s{rate}")
     collect(results_dir)
     return counts

@@ -45,7 +45,7 @@ def validate(config: Config, world_size: Optional[int] = None) -> Tuple[Config, 
     if world_size is not None:
         config = config.replace(parallel__world_size=world_size)
     notes: List[str] = []
-    failed: Dict[str, Optional[str]] = {}  # section -> its message, or None when skipped
+    failed: Dict[str, Optional[ConfigError]] = {}  # section -> its error, or None when skipped
     for name, rule, needs in SECTIONS:
         if any(n in failed for n in needs):
             failed[name] = None
@@ -53,10 +53,11 @@ def validate(config: Config, world_size: Optional[int] = None) -> Tuple[Config, 
         try:
             config = rule(config, notes)
         except ConfigError as e:
-            failed[name] = str(e)
-    problems = [message for message in failed.values() if message]
+            failed[name] = e
+    problems = [error for error in failed.values() if error]
     if len(problems) == 1:
-        raise ConfigError(problems[0])
+        raise problems[0]
     if problems:
-        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)))
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)),
+                          codes=[code for p in problems for code in p.codes])
     return config, notes

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable, List, Sequence, Tuple
 
 from megatron_lite import batching
-from megatron_lite.config import Config, ConfigError, format_split
+from megatron_lite.config import LOG_LEVELS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import layers_per_stage_uniform
 
 PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
@@ -19,7 +19,7 @@ PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
 
 def flag(name: str) -> str:
     """Field name -> its command-line flag: micro_batch_size -> --micro-batch-size."""
-    return "--" + name.replace("_", "-")
+    return flag_for(name)
 
 
 def require_at_least_one(section, names: Iterable[str]) -> None:
@@ -48,7 +48,7 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
             f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp}; the data-parallel size must be a whole number. "
             f"Launch a multiple of {tp * pp} processes, or use TP x PP that divides {world}"
-            + (f" (e.g. {', '.join(fits)})" if fits else "")
+            + (f" (e.g. {', '.join(fits)})" if fits else ""), code="world_not_divisible"
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -56,7 +56,7 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
         raise ConfigError(
             f"--zero-stage {p.zero_stage} with --pipeline-model-parallel-size {pp}: pipeline parallelism "
             f"needs each stage's full gradients for gradient accumulation; use --zero-stage 1, or "
-            f"--pipeline-model-parallel-size 1 for ZeRO 2/3"
+            f"--pipeline-model-parallel-size 1 for ZeRO 2/3", code="zero_with_pipeline"
         )
     if p.cpu_offload and (pp > 1 or p.zero_stage == 0):
         raise ConfigError(
@@ -98,18 +98,21 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         near = sorted(divisors, key=lambda h: abs(h - heads))[:2]
         raise ConfigError(
             f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}; every head needs "
-            f"the same width. Use --num-attention-heads {batching.or_join(sorted(near))}"
+            f"the same width. Use --num-attention-heads {batching.or_join(sorted(near))}",
+            code="hidden_not_divisible_by_heads"
         )
     if heads % tp:
         raise ConfigError(
             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; heads are "
             f"split whole across TP ranks. Use --num-attention-heads "
-            f"{batching.or_join(batching.nearest_multiples(heads, tp))} or a TP size that divides {heads}"
+            f"{batching.or_join(batching.nearest_multiples(heads, tp))} or a TP size that divides {heads}",
+            code="heads_not_divisible_by_tp"
         )
     if ffn % tp:
         raise ConfigError(
             f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
-            f"column-wise across TP ranks. Use --ffn-hidden-size {batching.or_join(batching.nearest_multiples(ffn, tp))}"
+            f"column-wise across TP ranks. Use --ffn-hidden-size "
+            f"{batching.or_join(batching.nearest_multiples(ffn, tp))}", code="ffn_not_divisible_by_tp"
         )
     if m.attention_backend not in ("auto", "sdpa", "fused"):
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
@@ -129,7 +132,8 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     if m.num_layers < pp:
         raise ConfigError(
             f"--num-layers {m.num_layers} is smaller than --pipeline-model-parallel-size {pp}; every stage "
-            f"needs at least one transformer layer. Use --pipeline-model-parallel-size {m.num_layers} or less"
+            f"needs at least one transformer layer. Use --pipeline-model-parallel-size {m.num_layers} or less",
+            code="layers_fewer_than_stages"
         )
     if m.num_layers % pp:
         counts = layers_per_stage_uniform(m.num_layers, pp)
@@ -222,6 +226,8 @@ def training_rules(config: Config, notes: List[str]) -> Config:
 
 def logging_rules(config: Config, notes: List[str]) -> Config:
     require_at_least_one(config.logging, ("log_interval",))
+    if config.logging.log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {config.logging.log_level} is not one of {', '.join(LOG_LEVELS)}")
     if config.logging.timing_breakdown and config.parallel.zero_stage >= 2:
         raise ConfigError(f"--timing-breakdown times the pipeline engine's instructions, which --zero-stage "
                           f"{config.parallel.zero_stage} does not use; use --zero-stage 0 or 1, or drop the flag")

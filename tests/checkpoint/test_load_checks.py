@@ -7,7 +7,7 @@ import pytest
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
-from tests.checkpoint.conftest import data_args, pretrain_in_one_process, run_tool
+from tests.checkpoint.conftest import pretrain_in_one_process, run_tool
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "1", "--global-batch-size", "2", "--vocab-size", "100", "--train-iters", "4"]

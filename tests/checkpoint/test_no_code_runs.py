@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tests.checkpoint.conftest import data_args, error_line, pretrain_in_one_process, run_tool
+from tests.checkpoint.conftest import error_line, pretrain_in_one_process, run_tool
 
 pytestmark = pytest.mark.slow
 

@@ -85,5 +85,5 @@ def test_a_dead_runs_lock_is_taken_over_with_a_line_and_its_unfinished_saves_are
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"took over the lock of a run that ended without releasing it (host n7, pid {dead}, started yesterday, " \
            f"Slurm job 42)" in result.stdout
-    assert sorted(os.listdir(save)) == [LOCK_FILE, "iter_0000002", "latest"] + \
+    assert sorted(os.listdir(save)) == [LOCK_FILE, "iter_0000002", "latest", "metrics"] + \
         sorted(f for f in os.listdir(save) if f.startswith("zero_to"))

@@ -19,12 +19,14 @@ def memorised():
     return batches, dense_losses(config, batches)
 
 
+@pytest.mark.slow
 def test_rotary_positions_at_tp2_pp2_match_the_dense_gpt():
     rope = ("--position-embedding-type", "rope")
     config = tiny_config(extra=rope)
     assert_matches(run_layout(2, 2, 1, extra=rope), dense_losses(config, global_batches(config, STEPS)))
 
 
+@pytest.mark.slow
 def test_zero3_at_dp2_matches_the_dense_gpt_in_fp32():
     config = tiny_config()
     assert_matches(run_layout(1, 1, 2, extra=("--zero-stage", "3")), dense_losses(config, global_batches(config, STEPS)))
@@ -39,7 +41,7 @@ def test_cpu_offload_trains_and_matches_the_dense_gpt_in_fp32(zero_stage, memori
     assert results[0]["losses"][-1] < results[0]["losses"][0] - 1.0
 
 
-@pytest.mark.parametrize("tp, pp, dp, zero_stage", [(1, 1, 1, 0), (1, 1, 2, 1)])
+@pytest.mark.parametrize("tp, pp, dp, zero_stage", [(1, 1, 1, 0), pytest.param(1, 1, 2, 1, marks=pytest.mark.slow)])
 def test_bf16_training_tracks_the_fp32_losses(tp, pp, dp, zero_stage, memorised):
     # bf16 keeps 8 significant bits (rounding 2^-9, about 0.2%, per operation), so the bf16 and
     # fp32 trajectories part a little every step: measured here at most 0.4% of the loss after

@@ -48,8 +48,8 @@ def assert_matches(results, reference):
         assert rel <= 1e-4, f"rank {r['rank']} {r['coord']}: {r['losses']} vs dense {reference} (rel {rel:.2e})"
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2),
-                                        (2, 1, 2), (2, 2, 2), (4, 2, 1)])
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)] + [
+    pytest.param(*layout, marks=pytest.mark.slow) for layout in [(1, 2, 2), (2, 1, 2), (2, 2, 2), (4, 2, 1)]])
 def test_first_steps_match_the_dense_gpt(tp, pp, dp, reference):
     results = run_layout(tp, pp, dp)
     assert_matches(results, reference)
@@ -97,6 +97,7 @@ def test_with_hidden_dropout_tp2_pp2_draws_the_dense_gpts_masks():
     assert_matches(run_layout(2, 2, 1, extra=HIDDEN_DROPOUT), dense_with_dropout(HIDDEN_DROPOUT))
 
 
+@pytest.mark.slow
 def test_with_hidden_and_attention_dropout_tp2_pp2_matches_tp2_pp1():
     # Attention-probability masks are drawn per TP rank for its own heads (as in Megatron-LM),
     # so TP 2 draws other masks than TP 1: compare TP 2 layouts with each other.
@@ -118,6 +119,7 @@ def test_zero2_with_pipeline_is_refused_before_any_collective():
         parse_args(["--zero-stage", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"], world_size=2)
 
 
+@pytest.mark.slow
 def test_the_fused_softmax_attention_backend_matches_its_dense_run_at_tp2_pp2():
     extra = ("--attention-backend", "fused")
     config = tiny_config(extra=extra)

@@ -38,7 +38,7 @@ def _case(tp):
     return logits, target, loss_mask, run_distributed(_loss_and_logits_grad, tp, tp, logits, target, loss_mask)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_vocab_parallel_cross_entropy_per_token_loss_matches_dense(tp):
     logits, target, _, results = _case(tp)
     assert target.max() >= VOCAB, "the case must include targets in padded rows"
@@ -48,7 +48,7 @@ def test_vocab_parallel_cross_entropy_per_token_loss_matches_dense(tp):
         assert_matches(loss, dense, f"rank {rank} per-token loss")
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_vocab_parallel_cross_entropy_masked_mean_and_logits_grad_match_dense(tp):
     logits, target, loss_mask, results = _case(tp)
     assert 0 < loss_mask.sum() < loss_mask.numel(), "the case must mask some positions and keep others"

@@ -85,7 +85,7 @@ def _parallel_norms(tp):
     return ours, theirs.reshape(())
 
 
-@pytest.mark.parametrize("tp, world", [(1, 1), (2, 2), (2, 4)])
+@pytest.mark.parametrize("tp, world", [(1, 1), (2, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_global_grad_norm_at_tp_equals_dense_model_norm(tp, world):
     """(2, 4) is TP 2 x DP 2: the default group must be one replica's ranks, not the world."""
     dense = _dense_norm()

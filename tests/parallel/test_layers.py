@@ -9,7 +9,7 @@ from torch import nn
 from tests.harness import run_distributed
 from tests.parallel.reference import assert_matches, rank_slice
 
-TPS = [1, 2, 4]
+TPS = [1, 2, pytest.param(4, marks=pytest.mark.slow)]  # TP 4 in the full suite only (scripts/test.sh --fast leaves it out)
 SEED = 1234
 BATCH, SEQ, HIDDEN, OUT, FFN, VOCAB = 2, 3, 8, 12, 16, 16
 HEADS = 4

@@ -45,7 +45,7 @@ def _case(tp):
     return inputs, grads, run_distributed(_apply_mappings, tp, tp, inputs, grads)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_copy_to_region_is_identity_forward_and_sums_grads_over_tp_backward(tp):
     inputs, grads, results = _case(tp)
     for rank, r in enumerate(results):
@@ -54,7 +54,7 @@ def test_copy_to_region_is_identity_forward_and_sums_grads_over_tp_backward(tp):
         torch.testing.assert_close(x_grad, sum(grads["copy"]), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_reduce_from_region_sums_over_tp_forward_and_is_identity_backward(tp):
     inputs, grads, results = _case(tp)
     for rank, r in enumerate(results):
@@ -63,7 +63,7 @@ def test_reduce_from_region_sums_over_tp_forward_and_is_identity_backward(tp):
         assert torch.equal(x_grad, grads["reduce"][rank])
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_scatter_to_region_splits_last_dim_forward_and_gathers_backward(tp):
     inputs, grads, results = _case(tp)
     for rank, r in enumerate(results):
@@ -72,7 +72,7 @@ def test_scatter_to_region_splits_last_dim_forward_and_gathers_backward(tp):
         assert torch.equal(x_grad, torch.cat(grads["scatter"], dim=-1))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gather_from_region_concatenates_last_dim_forward_and_splits_backward(tp):
     inputs, grads, results = _case(tp)
     for rank, r in enumerate(results):

@@ -39,7 +39,7 @@ def _reference_masks(seed, count):
         return [_mask() for _ in range(count)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dropout_inside_fork_differs_across_tp_ranks_and_follows_seed_plus_2718_plus_rank(tp):
     splits = [split for _, split, _ in _masks(tp)]
     for rank, split in enumerate(splits):
@@ -49,7 +49,7 @@ def test_dropout_inside_fork_differs_across_tp_ranks_and_follows_seed_plus_2718_
             assert not torch.equal(splits[a], splits[b]), f"ranks {a} and {b} drew the same split-region mask"
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dropout_outside_fork_agrees_on_all_tp_ranks_and_fork_does_not_advance_it(tp):
     expected_first, expected_second = _reference_masks(SEED, 2)
     for first, _, second in _masks(tp):

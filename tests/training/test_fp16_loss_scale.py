@@ -7,6 +7,8 @@ group exists (tests/test_pretrain_gpt_cli.py).
 """
 import math
 
+import pytest
+
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
@@ -26,6 +28,7 @@ def _train_fp16(pp, zero, steps, initial_scale):
     return [engine.train_step(data) for _ in range(steps)]
 
 
+@pytest.mark.slow
 def test_fp16_reports_its_loss_scale_skips_overflowing_steps_and_trains_on():
     stats = run_distributed(_train_fp16, 2, 2, 1, 6, 2.0 ** 20)[0]
     scales = [s.loss_scale for s in stats]

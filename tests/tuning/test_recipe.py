@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+from megatron_lite.arguments import parse_args
 from megatron_lite.tuning import recipe
 from tests.harness import REPO_ROOT
 
@@ -17,8 +18,8 @@ def _plan(argv, tmp_path, **kw):
     return recipe.plan(argv, workdir=str(tmp_path), **kw)
 
 
-def _rejections(p, kind):
-    return {r["layout"] for r in p.rejected if recipe.rejection_kind(r["reason"]) == kind}
+def _rejections(p, code):
+    return {r["layout"] for r in p.rejected if r["reason_code"] == code}
 
 
 def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp4(tmp_path):
@@ -27,7 +28,7 @@ def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp4(tmp_path):
     assert (first.tensor_model_parallel_size, first.pipeline_model_parallel_size) == (8, 4)
     assert first.micro_batch_size == 1 and first.gradient_accumulation_steps >= 32
     assert max(first.peak_bytes_per_stage) <= p.memory_budget_bytes
-    assert "does not fit in memory" in {recipe.rejection_kind(r["reason"]) for r in p.rejected}
+    assert "does_not_fit_memory" in {r["reason_code"] for r in p.rejected}
     # One node does not hold it without the slow savers (ZeRO 2/3, offload).
     one_node = _plan(BIG, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
     assert all(recipe.saver_tier(c) == 2 for c in one_node.candidates)
@@ -36,11 +37,13 @@ def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp4(tmp_path):
 def test_rejections_name_their_reasons(tmp_path):
     p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     # 12 heads: TP 8 does not divide them
-    assert {"tp8_pp1_dp1_mb1"} <= _rejections(p, "not divisible by TP")
+    assert {"tp8_pp1_dp1_mb1"} <= _rejections(p, "heads_not_divisible_by_tp")
     # 2 layers: 4 and 8 stages are too many
-    assert {"tp1_pp4_dp2_mb1", "tp1_pp8_dp1_mb1", "tp2_pp4_dp1_mb1"} <= _rejections(p, "layers fewer than stages")
+    assert {"tp1_pp4_dp2_mb1", "tp1_pp8_dp1_mb1", "tp2_pp4_dp1_mb1"} <= _rejections(p, "layers_fewer_than_stages")
     # global batch 16 with micro 4 x DP 8 = 32
-    assert "tp1_pp1_dp8_mb4" in _rejections(p, "global batch not divisible by micro x DP")
+    assert "tp1_pp1_dp8_mb4" in _rejections(p, "batch_not_divisible")
+    table = recipe.format_plan(p)
+    assert "x heads not divisible by TP: tp8_pp1_dp1_mb1" in table and "x layers fewer than stages" in table
     kept = {c.layout for c in p.candidates}
     assert {"tp1_pp1_dp8_mb1", "tp2_pp2_dp2_mb2", "tp4_pp1_dp2_mb1"} <= kept
     assert not kept & {r["layout"] for r in p.rejected}
@@ -53,7 +56,7 @@ def test_too_little_memory_rejects_everything_with_the_needed_bytes(tmp_path):
     p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=0.001)
     assert not p.candidates
     assert all("does not fit" in r["reason"] and "GiB" in r["reason"] for r in p.rejected
-               if recipe.rejection_kind(r["reason"]) == "does not fit in memory")
+               if r["reason_code"] == "does_not_fit_memory")
 
 
 def test_memory_savers_are_tried_fastest_first_and_named(tmp_path):
@@ -68,26 +71,33 @@ def test_memory_savers_are_tried_fastest_first_and_named(tmp_path):
     assert recipe.SAVERS.index(saved.saver) > 0
 
 
-def test_every_kept_candidate_passes_pretrain_validation(tmp_path):
-    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+def test_every_kept_candidates_command_line_passes_pretrain_validation_with_its_layout(tmp_path):
+    p = _plan(SMALL + ["--zero-stage", "1", "--lr", "3e-4"], tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     for c in p.candidates:
         world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
-        config = recipe.validate_candidate(recipe.strip_flags(p.model_argv, recipe.LAYOUT_FLAGS) + c.argv, world)
+        config, _ = parse_args(c.pretrain_argv, world_size=world)
         assert config.batch.gradient_accumulation_steps == c.gradient_accumulation_steps
+        assert config.parallel.tensor_model_parallel_size == c.tensor_model_parallel_size
+        assert config.parallel.zero_stage == c.zero_stage and config.batch.micro_batch_size == c.micro_batch_size
+        assert config.optimizer.lr == 3e-4 and config.model.num_attention_heads == 12
+        assert c.pretrain_argv[-len(c.argv):] == c.argv
+
+
+def test_plan_says_it_replaces_the_users_zero_stage(tmp_path):
+    p = _plan(SMALL + ["--zero-stage", "1"], tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
+    assert any("your --zero-stage 1 is replaced" in note for note in p.notes)
+    assert {c.zero_stage for c in p.candidates} == {0}  # the fastest saver that fits, not the user's 1
+    assert "note: your --zero-stage 1 is replaced" in recipe.format_plan(p)
+    assert not _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80).notes
 
 
 def test_micro_batch_probe_uses_one_node_few_layers_and_micro_batches_to_64(tmp_path):
     p = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80, micro_batch_probe=True)
-    assert p.mode == "micro-batch-probe" and "2" == p.model_argv[p.model_argv.index("--num-layers") + 1]
+    assert p.mode == "micro-batch-probe"
+    assert all(c.pretrain_argv[c.pretrain_argv.index("--num-layers") + 1] == "2" for c in p.candidates)
     assert all(c.pipeline_model_parallel_size == 1 and c.gradient_accumulation_steps == 1 for c in p.candidates)
     assert all(c.tensor_model_parallel_size * c.data_parallel_size == 8 for c in p.candidates)
     assert 64 in {c.micro_batch_size for c in p.candidates} | {r["micro_batch_size"] for r in p.rejected}
-
-
-def test_strip_flags_removes_layout_flags_with_their_values():
-    argv = ["--num-layers", "4", "--tensor-model-parallel-size", "2", "--recompute-activations",
-            "--micro-batch-size=4", "--bf16"]
-    assert recipe.strip_flags(argv, recipe.LAYOUT_FLAGS) == ["--num-layers", "4", "--bf16"]
 
 
 def test_plan_cli_writes_json_and_refuses_unknown_flags(tmp_path):
@@ -100,3 +110,16 @@ def test_plan_cli_writes_json_and_refuses_unknown_flags(tmp_path):
     assert data["candidates"] and data["candidates"][0]["rank"] == 1 and "plan:" in r.stdout
     bad = subprocess.run(cmd[:-2] + ["--num-layer", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--num-layer" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_tune_parallelism_help_exits_0_and_lists_the_commands():
+    r = subprocess.run([sys.executable, "tools/tune_parallelism.py", "--help"], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "commands: plan | sweep | report" in r.stdout, r.stderr
+
+
+def test_estimate_memory_refuses_a_negative_gpu_memory_naming_the_flag():
+    r = subprocess.run([sys.executable, "tools/estimate_memory.py", "--world-size", "1", "--vocab-size", "128",
+                        "--gpu-memory-gb", "-1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--gpu-memory-gb must be a positive number of GiB" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""

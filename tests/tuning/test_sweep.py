@@ -8,43 +8,65 @@ from megatron_lite.config import ConfigError
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
 from megatron_lite.tuning import recipe, report, sweep
 
-LINE = ("iteration {i:>7}/      6 | consumed samples        {c} | loss 4.8000 | lr 1.000e-04 | grad norm 1.000 | "
-        "{ms:.1f} ms/it | {sps:.1f} samples/s | {tps:.0f} tokens/s | {tf:.3f} TFLOP/s/rank | rss 0.50 GiB (peak {pk:.2f})")
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--vocab-size", "128", "--make-vocab-size-divisible-by", "16", "--global-batch-size", "4",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _log(times):
-    return "\n".join(["[WARNING] deepspeed says hello", "pipeline stages (cost):"] + [
-        LINE.format(i=i, c=4 * i, ms=ms, sps=4000 / ms, tps=4000 / ms * 32, tf=1e-3 * 1000 / ms, pk=0.5 + 0.1 * i)
-        for i, ms in enumerate(times, 1)] + ["validation at iteration 6 | loss 4.7"])
+def _records(times, peak_rss=0.5, status="completed"):
+    """What training writes for a run whose steps took `times` seconds: its own record writer and
+    interval_scalars, so the names are training's."""
+    from megatron_lite.config import ModelConfig
+    from megatron_lite.training.metrics import IntervalStats, interval_scalars
+
+    model = ModelConfig(hidden_size=32, num_attention_heads=2, seq_length=32, ffn_hidden_size=128, vocab_size=128,
+                        padded_vocab_size=128)
+    out = [{"kind": "start", "iteration": 0}]
+    for i, seconds in enumerate(times, 1):
+        stats = IntervalStats(iteration=i, consumed_samples=4 * i, loss=4.8, lr=1e-4, grad_norm=1.0, loss_scale=None,
+                              skipped_steps=0, seconds=seconds, iterations=1, samples=4, global_batch_size=4)
+        scalars = interval_scalars(stats, model, world_size=2)
+        scalars["mem_peak_rss_gib"] = peak_rss + 0.1 * i
+        out.append({"kind": "interval", "iteration": i, "iterations": 1, "seconds": seconds, **scalars})
+        if i == 1:
+            out.append({"kind": "stage_memory", "measured": "process peak RSS", "stages": [
+                {"stage": 0, "estimated_bytes": 2 ** 29, "measured_peak_bytes": 2 ** 30}]})
+    out.append({"kind": "summary", "status": status, "iteration": len(times)})
+    return out
 
 
-def test_parse_log_skips_warmup_and_averages_time_not_rates():
-    parsed = sweep.parse_log(_log([900.0, 500.0, 100.0, 300.0]), warmup_iters=2)
-    assert parsed["timed_iterations"] == 2 and parsed["warmup_excluded"]
-    assert parsed["ms_per_iteration"] == pytest.approx(200.0)
-    assert parsed["samples_per_s"] == pytest.approx(4 / 0.2, rel=0.01)  # 4 samples per 200 ms, not mean(40, 13.3)
-    assert parsed["tokens_per_s"] == pytest.approx(4 / 0.2 * 32, rel=0.01)
-    assert parsed["peak_memory_gib"] == pytest.approx(0.9) and "RSS" in parsed["peak_memory_kind"]
+def test_summary_skips_warmup_and_averages_time_not_rates():
+    measured = sweep.summarize_records(_records([0.9, 0.5, 0.1, 0.3]), warmup_iters=2)
+    assert measured["timed_iterations"] == 2 and measured["warmup_excluded"]
+    assert measured["ms_per_iteration"] == pytest.approx(200.0)
+    assert measured["samples_per_s"] == pytest.approx(4 / 0.2)  # 8 samples in 0.4 s, not mean(40, 13.3)
+    assert measured["tokens_per_s"] == pytest.approx(4 / 0.2 * 32)
+    assert measured["tflops_per_rank"] > 0 and measured["run_status"] == "completed"
+    assert measured["peak_memory_gib"] == pytest.approx(0.9) and "RSS" in measured["peak_memory_kind"]
+    assert measured["stage_memory"] == {0: {"estimated_gib": 0.5, "measured_gib": 1.0}}
 
 
-def test_parse_log_ignores_broken_lines_and_reads_gpu_memory():
-    text = _log([100.0, 100.0, 100.0]).replace("rss 0.50 GiB (peak 0.80)", "MFU 41.5% | mem 10.00/61.25 GiB")
-    text += "\niteration 4/6 | consumed samples 16 | loss nan | garbage ms/it\n"
-    parsed = sweep.parse_log(text, warmup_iters=1)
-    assert parsed["timed_iterations"] == 2 and parsed["peak_memory_gib"] == pytest.approx(61.25)
-    assert "GPU" in parsed["peak_memory_kind"] and parsed.get("mfu") is None
+def test_records_of_the_last_run_only_and_a_cut_line_is_skipped(tmp_path):
+    from megatron_lite.training.records import RecordWriter, read_records
+
+    writer = RecordWriter(str(tmp_path))
+    for record in _records([5.0, 5.0]) + _records([0.1, 0.1, 0.1]):
+        writer.write(record.pop("kind"), **record)
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "interval", "iter')  # a run killed mid-write
+    measured = sweep.summarize_records(read_records(str(tmp_path / "metrics.jsonl")), warmup_iters=1)
+    assert measured["timed_iterations"] == 2 and measured["ms_per_iteration"] == pytest.approx(100.0)
+    assert sweep.summarize_records(read_records(str(tmp_path / "missing.jsonl")), 1)["logged_iterations"] == 0
 
 
-@pytest.mark.parametrize("code, timed_out, text, expected", [
-    (0, False, _log([1, 1, 1]), "completed"), (1, False, "Traceback ... boom", "failed"),
-    (2, False, "pretrain_gpt.py: error: --lr must be positive", "refused"), (None, True, "", "timeout"),
-    (1, False, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", "oom"), (-9, False, "", "oom"),
-    (0, False, "no metric lines", "failed")])
-def test_classify(code, timed_out, text, expected):
-    assert sweep.classify(code, timed_out, text, sweep.parse_log(text, 1)) == expected
+@pytest.mark.parametrize("code, timed_out, text, records, expected", [
+    (0, False, "", _records([1, 1, 1]), "completed"), (1, False, "Traceback ... boom", [], "failed"),
+    (2, False, "pretrain_gpt.py: error: --lr must be positive", [], "refused"), (None, True, "", [], "timeout"),
+    (1, False, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", [], "oom"), (-9, False, "", [], "oom"),
+    (0, False, "", [], "failed"), (1, False, "", _records([1, 1, 1], status="nonfinite_loss"), "failed")])
+def test_classify(code, timed_out, text, records, expected):
+    assert sweep.classify(code, timed_out, text, sweep.summarize_records(records, 1)) == expected
 
 
 def _fake_plan(tmp_path, n=3):
@@ -62,7 +84,10 @@ def test_a_hanging_and_a_failing_run_do_not_stop_the_sweep_and_rerun_skips_finis
     fake.write_text("import sys, time\nname = sys.argv[1]\n"
                     f"if name == {names[0]!r}: time.sleep(60)\n"
                     f"if name == {names[1]!r}: sys.exit(3)\n"
-                    f"print({_log([5.0, 4.0, 4.0])!r})\n")
+                    "from megatron_lite.training.records import RecordWriter\n"
+                    "writer = RecordWriter(sys.argv[sys.argv.index('--tensorboard-dir') + 1])\n"
+                    f"for record in {_records([5.0, 4.0, 4.0])!r}:\n"
+                    "    writer.write(record.pop('kind'), **record)\n")
     launcher = f"{sys.executable} {fake} {{name}} {{script}}"
     counts = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
                          log=lambda s: None)
@@ -108,8 +133,8 @@ def test_a_real_sweep_of_six_layouts_completes_records_a_failure_and_reports(tmp
               "tp1_pp2_dp1_mb2"]
     plan["candidates"] = [c for c in plan["candidates"] if c["layout"] in wanted]
     assert sorted(c["layout"] for c in plan["candidates"]) == sorted(wanted)
-    broken = dict(plan["candidates"][0], name="999_broken", argv=plan["candidates"][0]["argv"] + ["--lr", "1e38"],
-                  rank=999)
+    broken = dict(plan["candidates"][0], name="999_broken", rank=999,
+                  pretrain_argv=plan["candidates"][0]["pretrain_argv"] + ["--lr", "1e38"])
     plan["candidates"].append(broken)
     # The broken candidate diverges (lr 1e38): pretrain_gpt.py stops on the non-finite loss with exit 1.
     fixed = ["--data-path", null_corpus, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
@@ -123,7 +148,9 @@ def test_a_real_sweep_of_six_layouts_completes_records_a_failure_and_reports(tmp
     assert sweep.sweep(plan, out, launcher, fixed, train_iters=4, warmup_iters=1, time_limit=120,
                        log=lambda s: None) == {"skipped": 7}
     rows = sweep.collect(out)
-    assert all(r["tokens_per_s"] > 0 for r in rows if r["status"] == "completed")
+    assert all(r["tokens_per_s"] > 0 and r["timed_iterations"] == 3 for r in rows if r["status"] == "completed")
+    assert all(sorted(r["stage_memory"]) == [str(s) for s in range(r["pipeline_model_parallel_size"])]
+               for r in rows if r["status"] == "completed")
 
     written = report.write_report(out, sort_by="tokens_per_s")
     ranked = [r for r in written["rows"] if r["status"] == "completed"]

@@ -80,13 +80,11 @@ two full copies at PP > 1 (first and last stage) and one module at PP = 1.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 from megatron_lite.config import Config
-from megatron_lite.model.gpt import spec_costs
-from megatron_lite.model.partition import partition
+from megatron_lite.model.arithmetic import spec_parameters, stage_bounds, stage_parameters, transformer_layers_per_stage
 from megatron_lite.model.transformer import resolve_attention_backend
 
 GIB = 1024 ** 3
@@ -121,48 +119,6 @@ class StageMemory:
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(asdict(self), model_states=self.model_states, peak=self.peak)
-
-
-def _layer_parameters(h: int, f: int, t: int) -> int:
-    """One transformer layer on one TP rank: split matrices and column biases / t, the rest whole."""
-    split = (3 * h * h + 3 * h) + h * h + (f * h + f) + h * f
-    whole = h + h + 4 * h  # row-parallel biases and two LayerNorms
-    return split // t + whole
-
-
-def spec_parameters_per_rank(config: Config) -> List[int]:
-    """Parameters each spec of model.gpt.layer_specs holds on one TP rank, in spec order.
-    The tied head (a second EmbeddingPipe) is a full copy; at PP = 1 the stage holds it once."""
-    m, t = config.model, config.parallel.tensor_model_parallel_size
-    h, f, v = m.hidden_size, m.ffn_hidden_size, m.padded_vocab_size
-    embedding = v * h // t + (m.max_position_embeddings * h if m.position_embedding_type == "learned_absolute" else 0)
-    head = v * h // t if m.untie_embeddings_and_output_weights else embedding
-    return [embedding] + [_layer_parameters(h, f, t)] * m.num_layers + [2 * h, head]
-
-
-def stage_bounds(config: Config) -> List[int]:
-    """Spec boundaries of the stages, as model/gpt.py's GPTPipe cuts them."""
-    return list(_bounds(config.model, config.parallel.pipeline_model_parallel_size,
-                        config.parallel.pipeline_partition_method))
-
-
-@functools.lru_cache(maxsize=256)
-def _bounds(model, pp: int, method: str):
-    # The partitioner's exact search is the slow part of a plan; the model config is immutable.
-    # `profile` cuts where timings say, known only once running: the FLOP cost model stands in for it.
-    return tuple(partition(spec_costs(Config(model=model)), pp, "cost" if method == "profile" else method))
-
-
-def _stage_parameters(config: Config, bounds: List[int]) -> List[int]:
-    per_spec = spec_parameters_per_rank(config)
-    tied = not config.model.untie_embeddings_and_output_weights
-    totals = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        total = sum(per_spec[a:b])
-        if tied and a == 0 and b == len(per_spec):  # one stage holds both ends: one shared module
-            total -= per_spec[-1]
-        totals.append(total)
-    return totals
 
 
 def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -284,31 +240,29 @@ def micro_batches_in_flight(config: Config, stage: int) -> int:
     return max(1, min(gas, pp - stage))
 
 
-def estimate(config: Config, ds_config: Optional[Dict[str, Any]] = None,
-             device: str = "cuda") -> List[StageMemory]:
+def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = "cuda") -> List[StageMemory]:
     """One StageMemory per pipeline stage for a validated config (vocabulary padded).
 
-    ds_config: the DeepSpeed dict the engine would get; default `deepspeed_config(config)`.
-    device: "cuda" or "cpu" (only the dropout masks differ).
+    ds_config: the DeepSpeed dict the engine gets (training/deepspeed_config.py `deepspeed_config(config)`;
+    its zero_optimization settings size the buffers). device: "cuda" or "cpu" (only the dropout masks differ).
+    `profile` stage splits are estimated with the FLOP cost split (the timings exist only once running).
     """
-    if ds_config is None:
-        from megatron_lite.training.deepspeed_config import deepspeed_config
-
-        ds_config = deepspeed_config(config)
     par, m = config.parallel, config.model
     precision = config.precision.dtype_name
     e = 4 if precision == "fp32" else 2
     bsh = config.batch.micro_batch_size * m.seq_length * m.hidden_size
-    bounds = stage_bounds(config)
-    params = _stage_parameters(config, bounds)
-    largest = max(spec_parameters_per_rank(config))
+    bounds = stage_bounds(config, estimate=True)
+    params = stage_parameters(config, bounds)
+    per_spec = spec_parameters(config)
+    largest = max(per_spec)
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
     pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
-    num_specs = len(spec_parameters_per_rank(config))
+    num_specs = len(per_spec)
+    layers_per_stage = transformer_layers_per_stage(config, bounds)
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        layers = sum(1 for k in range(a, b) if 1 <= k <= m.num_layers)
+        layers = layers_per_stage[i]
         states = model_state_bytes(params[i], par.zero_stage, par.data_parallel_size, precision, par.cpu_offload,
                                    settings["offload_param"], largest)
         per_layer = e * bsh if m.recompute_activations else layer_activation_bytes(config, device)
@@ -333,7 +287,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]] = None,
     return stages
 
 
-def estimate_peak_bytes(config: Config, stage: int, ds_config: Optional[Dict[str, Any]] = None,
+def estimate_peak_bytes(config: Config, stage: int, ds_config: Optional[Dict[str, Any]],
                         device: Optional[str] = None) -> int:
     """Predicted peak bytes of one rank of pipeline stage `stage`: what training logs next to the
     measured peak. device defaults to where this process runs (cuda if available, else cpu)."""

@@ -1,0 +1,152 @@
+"""Model arithmetic from the config alone: parameter counts, FLOPs and pipeline stage bounds.
+
+The one place these numbers are computed; model/gpt.py (the stage split it builds),
+model/memory.py (the estimate), checkpoint/layout.py (which stage holds which layer
+file) and tuning/ (the planner) all ask here, and tests/model/test_arithmetic.py
+checks them against built models at several TP x PP layouts. No torch: the planner
+prices hundreds of layouts without building a layer.
+
+The GPT is a list of specs (model/gpt.py `layer_specs`):
+    0            embedding: word [V, h] (split over TP) + learned positions [P, h] (whole)
+    1 .. L       transformer layers
+    L + 1        final LayerNorm
+    L + 2        head: the embedding again (tied; a full copy of the embedding module on a
+                 later stage) or its own [V, h] weight (untied)
+with V the padded vocabulary, h hidden, f FFN width, P max positions, t TP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, Optional, Sequence, Tuple
+
+from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.model.partition import SpecCost, partition
+
+
+def require_vocab(config: Config) -> ModelConfig:
+    model = config.model
+    if model.padded_vocab_size is None:
+        raise ConfigError("the model needs a vocabulary size: give --vocab-size N or a --tokenizer-model")
+    return model
+
+
+def layer_parameters(hidden: int, ffn: int, tp: int = 1) -> int:
+    """One transformer layer on one TP rank: QKV [3h, h] + bias, projection [h, h], MLP [f, h] + bias
+    and [h, f] split over TP; the row-parallel biases (2h) and two LayerNorms (4h) whole on every rank."""
+    h, f = hidden, ffn
+    split = (3 * h * h + 3 * h) + h * h + (f * h + f) + h * f
+    return split // tp + 2 * h + 4 * h
+
+
+def embedding_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """Word embedding [V/t, h] plus the learned position table [P, h] (rotary has none)."""
+    learned = model.position_embedding_type == "learned_absolute"
+    positions = model.max_position_embeddings * model.hidden_size if learned else 0
+    return model.padded_vocab_size * model.hidden_size // tp + positions
+
+
+def spec_parameters(config: Config, tp: Optional[int] = None) -> List[int]:
+    """Parameters each spec holds on one TP rank (TP of the config unless `tp`), in spec order.
+    The tied head reports the embedding module it uses: a full copy when on another stage."""
+    m = require_vocab(config)
+    t = config.parallel.tensor_model_parallel_size if tp is None else tp
+    embedding = embedding_parameters(m, t)
+    head = m.padded_vocab_size * m.hidden_size // t if m.untie_embeddings_and_output_weights else embedding
+    layers = [layer_parameters(m.hidden_size, m.ffn_hidden_size, t)] * m.num_layers
+    return [embedding] + layers + [2 * m.hidden_size, head]
+
+
+def total_parameters(config: Config) -> int:
+    """Parameters of the dense model (TP = 1), the tied embedding counted once."""
+    per_spec = spec_parameters(config, tp=1)
+    return sum(per_spec) - (0 if config.model.untie_embeddings_and_output_weights else per_spec[-1])
+
+
+def layer_forward_flops(model: ModelConfig, causal: bool) -> float:
+    """Forward FLOPs per token of one transformer layer: QKV, projection and MLP matmuls (2 per
+    multiply-add) plus the two attention matmuls over s keys; `causal` counts the s/2 keys a
+    token attends to on average, otherwise all s (Megatron-LM's accounting)."""
+    h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
+    return 2 * (4 * h * h + 2 * h * f) + (2 if causal else 4) * s * h
+
+
+def head_forward_flops(model: ModelConfig) -> float:
+    """The head matmul (2 h V per token)."""
+    return 2.0 * model.hidden_size * model.padded_vocab_size
+
+
+def training_flops_per_token(model: ModelConfig, recompute: Optional[bool] = None) -> float:
+    """Megatron-LM's count behind TFLOP/s and MFU: 3x the forward (forward, two backward matmuls),
+    one more forward of every layer with activation recompute; attention counted over all s keys."""
+    recompute = model.recompute_activations if recompute is None else recompute
+    v = model.padded_vocab_size or model.vocab_size or 0
+    layers = (3 + int(recompute)) * model.num_layers * layer_forward_flops(model, causal=False)
+    return layers + 3 * 2 * model.hidden_size * v
+
+
+def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:
+    """Forward FLOPs per token and (whole-model) parameters of each spec; with `seconds` (measured
+    by `--pipeline-partition-method profile`) each cost also carries its time."""
+    m = require_vocab(config)
+    h, v = m.hidden_size, m.padded_vocab_size
+    per_spec = spec_parameters(config, tp=1)
+    costs = [SpecCost("EmbeddingPipe", 4.0 * h, per_spec[0], False)]
+    costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True)), per_spec[1], True)
+              for _ in range(m.num_layers)]
+    costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, 2 * h, False))
+    untied = m.untie_embeddings_and_output_weights
+    # Head matmul plus the softmax cross entropy over the vocabulary; a tied head adds no parameters.
+    costs.append(SpecCost("LMHeadPipe" if untied else "EmbeddingPipe", head_forward_flops(m) + 5.0 * v,
+                          per_spec[-1] if untied else 0, False))
+    if seconds is not None:
+        costs = [dataclasses.replace(c, seconds=float(t)) for c, t in zip(costs, seconds)]
+    return costs
+
+
+def stage_bounds(config: Config, seconds: Optional[Sequence[float]] = None, estimate: bool = False) -> List[int]:
+    """Spec boundaries of the pipeline stages: stage i holds specs[bounds[i]:bounds[i + 1]].
+
+    `profile` splits on measured `seconds`, known only once running; with `estimate=True`
+    (memory estimates, the planner) the FLOP cost stands in for them."""
+    p = config.parallel
+    method = p.pipeline_partition_method
+    if method == "profile" and seconds is None:
+        if not estimate:
+            raise ValueError("--pipeline-partition-method profile needs the measured seconds of every spec")
+        method = "cost"
+    require_vocab(config)
+    return list(_bounds(config.model, p.pipeline_model_parallel_size, method,
+                        None if seconds is None else tuple(seconds)))
+
+
+@functools.lru_cache(maxsize=256)
+def _bounds(model: ModelConfig, pp: int, method: str, seconds: Optional[Tuple[float, ...]]) -> Tuple[int, ...]:
+    # The partitioner's exact search is the slow part of a plan; the model config is immutable.
+    return tuple(partition(spec_costs(Config(model=model), seconds), pp, method))
+
+
+def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
+    """Parameters one rank of each stage holds (after the TP split); a stage that holds both the
+    embedding and the tied head holds one module."""
+    per_spec = spec_parameters(config)
+    tied = not config.model.untie_embeddings_and_output_weights
+    totals = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        total = sum(per_spec[a:b])
+        if tied and a == 0 and b == len(per_spec):
+            total -= per_spec[-1]
+        totals.append(total)
+    return totals
+
+
+def transformer_layers_per_stage(config: Config, bounds: Sequence[int]) -> List[int]:
+    """Transformer layers (specs 1..L) on each stage."""
+    L = config.model.num_layers
+    return [sum(1 for k in range(a, b) if 1 <= k <= L) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stage_flops(config: Config, bounds: Sequence[int]) -> List[float]:
+    """Forward FLOPs per token of each stage (the cost partition's measure)."""
+    costs = spec_costs(config)
+    return [sum(c.flops for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

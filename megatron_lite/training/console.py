@@ -1,0 +1,49 @@
+"""The first screen of a run: library log levels, DeepSpeed's start-up lines, our layout summary.
+
+By default (`--log-level warning`) torch's, DeepSpeed's and our loggers show warnings and
+errors only, DeepSpeed's print()ed start-up lines are hidden (deepspeed_compat.quiet_prints),
+and rank 0 prints one line saying how the job is laid out. `--log-level info` shows everything.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from megatron_lite.config import Config
+from megatron_lite.model.arithmetic import total_parameters
+
+
+def select_accelerator() -> None:
+    """Tell DeepSpeed the accelerator it would detect (CUDA if torch sees a GPU, else CPU) unless
+    DS_ACCELERATOR is set already. Why: detecting CPU makes DeepSpeed warn, on every rank, that it
+    found no GPU. Must run before DeepSpeed is first imported."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def configure_logging(level: str) -> None:
+    """Python logging (ours, torch's) and DeepSpeed's logger at `level` (a --log-level choice)."""
+    from megatron_lite import deepspeed_compat
+
+    logging.basicConfig(level=level.upper(), format="[%(levelname)s] %(name)s: %(message)s", force=True)
+    deepspeed_compat.set_log_level(level)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def layout_summary(config: Config, backend: str, device: str) -> str:
+    """One line: processes and their TP x PP x DP grid, ZeRO, precision, batch, model size."""
+    p, b, m = config.parallel, config.batch, config.model
+    return (f"megatron_lite: {p.world_size} processes = TP {p.tensor_model_parallel_size} x PP "
+            f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size} ({backend}, {device}) | ZeRO {p.zero_stage}"
+            f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name} | global batch "
+            f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "
+            f"x DP {p.data_parallel_size} | GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
+            f"heads, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, {_count(total_parameters(config))} "
+            f"parameters")

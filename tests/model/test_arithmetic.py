@@ -1,0 +1,92 @@
+"""model/arithmetic.py against built models: parameters and stage splits at several TP x PP layouts,
+and forward FLOPs against torch's own FLOP counter."""
+import pytest
+import torch
+
+from megatron_lite.model import arithmetic
+from tests.harness import run_distributed
+from tests.model.gpt_layouts import tiny_config
+
+VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "rope": ("--position-embedding-type", "rope"),
+            "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96")}
+
+
+def _built_stage(tp, pp, extra):
+    """This rank's stage of the pipeline module: (pp rank, tp rank, parameters, parts, layers per stage)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from megatron_lite.model.gpt import build
+    from megatron_lite.parallel import state
+
+    config = tiny_config(tp, pp, 1, extra)
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    state.initialize(tp, pp)
+    module = build(config, state.get_topology())
+    parameters = sum(p.numel() for p in module.parameters())
+    return (state.get_pipeline_model_parallel_rank(), state.get_tensor_model_parallel_rank(), parameters,
+            list(module.parts), list(module.layers_per_stage))
+
+
+@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven")] + [  # the other layouts in the full suite only
+    pytest.param(*layout, marks=pytest.mark.slow) for layout in [
+        (1, 1, "tied"), (2, 1, "tied"), (1, 2, "tied"), (2, 2, "tied"), (1, 4, "tied"), (2, 2, "untied"),
+        (1, 2, "rope"), (1, 3, "uneven")]])
+def test_stage_bounds_and_parameters_per_rank_match_the_built_pipeline(tp, pp, variant):
+    config = tiny_config(tp, pp, 1, VARIANTS[variant])
+    bounds = arithmetic.stage_bounds(config)
+    expected = arithmetic.stage_parameters(config, bounds)
+    for stage, tp_rank, parameters, parts, layers in run_distributed(_built_stage, tp * pp, tp, pp, VARIANTS[variant]):
+        assert parts == bounds, f"stage {stage}"
+        assert layers == arithmetic.transformer_layers_per_stage(config, bounds)
+        assert parameters == expected[stage], f"stage {stage} tp rank {tp_rank}: built {parameters}, counted {expected[stage]}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_total_parameters_and_each_spec_match_the_dense_model(variant):
+    from megatron_lite.model.gpt import GPTModel
+
+    config = tiny_config(1, 1, 1, VARIANTS[variant])
+    model = GPTModel(config)
+    assert sum(p.numel() for p in model.parameters()) == arithmetic.total_parameters(config)
+    built = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    per_spec = arithmetic.spec_parameters(config)
+    # model.layers holds the tied embedding once: every spec but a tied head has its own module.
+    assert built == (per_spec if "--untie-embeddings-and-output-weights" in VARIANTS[variant] else per_spec[:-1])
+    assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
+
+
+@pytest.mark.parametrize("variant", ["tied", "uneven"])
+def test_forward_flops_per_token_match_torchs_flop_counter(variant):
+    """Megatron's accounting (attention over all s keys), as torch counts the dense model's matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    config = tiny_config(1, 1, 1, VARIANTS[variant] + ("--attention-backend", "fused"))
+    m = config.model
+    model = GPTModel(config).eval()
+    model_parallel_seed(config.training.seed, m.num_layers)
+    b, s = 2, m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(tokens, torch.arange(s).expand(b, s))
+    counted = counter.get_total_flops() / (b * s)
+    forward = m.num_layers * arithmetic.layer_forward_flops(m, causal=False) + arithmetic.head_forward_flops(m)
+    assert counted == pytest.approx(forward, rel=1e-6)
+    assert arithmetic.training_flops_per_token(m, recompute=False) == pytest.approx(3 * forward)
+    assert arithmetic.training_flops_per_token(m, recompute=True) == pytest.approx(
+        3 * forward + m.num_layers * arithmetic.layer_forward_flops(m, causal=False))
+
+
+def test_profile_needs_measured_seconds_unless_estimating():
+    config = tiny_config(1, 2, 1, ("--pipeline-partition-method", "profile"))
+    with pytest.raises(ValueError, match="profile needs the measured seconds"):
+        arithmetic.stage_bounds(config)
+    assert arithmetic.stage_bounds(config, estimate=True) == arithmetic.stage_bounds(
+        config.replace(parallel__pipeline_partition_method="cost"))
+    # Measured seconds that make the head expensive move layers off the last stage.
+    seconds = [0.0] + [1.0] * config.model.num_layers + [0.0, 10.0]
+    assert arithmetic.stage_bounds(config, seconds) == [0, 4, 7]  # 3 layers, then 1 layer + head
+    assert arithmetic.stage_bounds(config.replace(parallel__pipeline_partition_method="uniform")) == [0, 3, 7]
