@@ -57,6 +57,8 @@ def tokenizer_matches_data(config: Config, notes: List[str]) -> None:
     from megatron_lite.data.sidecar import SidecarError, file_sha256, read_sidecar, sidecar_path
 
     model = config.data.tokenizer_model
+    if not model:  # a NullTokenizer: ids are taken as they are, there is no model to compare
+        return
     ours = None
     for _, prefix in config.data.data_path:
         if not os.path.isfile(sidecar_path(prefix)):
@@ -67,7 +69,7 @@ def tokenizer_matches_data(config: Config, notes: List[str]) -> None:
             recorded = (read_sidecar(prefix).get("tokenizer") or {}).get("model_sha256")
         except SidecarError as e:
             raise ConfigError(f"--data-path: {e}") from None
-        if not recorded or not model:
+        if not recorded:
             continue
         ours = ours or file_sha256(model)
         if recorded != ours:
