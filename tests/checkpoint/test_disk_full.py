@@ -75,7 +75,8 @@ def test_training_saves_on_a_full_disk_and_into_a_read_only_folder(corpus, tmp_p
         result = pretrain_in_one_process(corpus, ["--train-iters", "2", "--eval-iters", "0", "--save", save])
         line = _refusal(result, "pretrain_gpt.py", disk, FULL)
         assert "the last complete checkpoint is kept" in line
-        assert listing(disk) == ["ckpt", "ckpt/.megatron_lite.lock"]  # no tmp-iter_*, no iter_*, no latest
+        # no tmp-iter_*, no iter_*, no latest: only the lock and the run's metrics records
+        assert listing(disk) == ["ckpt", "ckpt/.megatron_lite.lock", "ckpt/metrics", "ckpt/metrics/metrics.jsonl"]
         remount_read_only(disk)
         result = pretrain_in_one_process(corpus, ["--train-iters", "2", "--eval-iters", "0", "--save",
                                                   os.path.join(disk, "other")])
