@@ -32,9 +32,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.arguments import build_parser, config_to_argv, given_fields
+from megatron_lite.atomic import write_text
 from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.model import memory
-from megatron_lite.model.arithmetic import stage_bounds, stage_flops, transformer_layers_per_stage
+from megatron_lite.model.arithmetic import (
+    stage_bounds,
+    stage_flops,
+    transformer_layers_per_stage,
+)
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.training.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
@@ -152,10 +157,7 @@ class Plan:
                 "rejected": self.rejected, "notes": self.notes}
 
     def save(self, path: str) -> None:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+        write_text(path, json.dumps(self.to_dict(), indent=1))
 
 
 def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], world: int, budget: int, device: str,
@@ -257,8 +259,7 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     budget = int(gpu_memory_gb * memory.GIB * (1.0 - memory_margin))
     os.makedirs(workdir, exist_ok=True)
     offload_param_json = os.path.join(workdir, OFFLOAD_PARAM_JSON)
-    with open(offload_param_json, "w") as f:
-        json.dump({"zero_optimization": {"offload_param": {"device": "cpu"}}}, f)
+    write_text(offload_param_json, json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
 
     micro_sizes = [2 ** k for k in range(int(math.log2(max_micro_batch)) + 1)]
     kept, rejected = [], []

@@ -22,6 +22,7 @@ import shlex
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_lite.atomic import atomic_file, write_text
 from megatron_lite.tuning.sweep import collect
 
 COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_rank", "mfu",
@@ -94,7 +95,8 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
     ax.set_title(f"{sort_by} per layout (completed runs)")
     ax.tick_params(axis="x", rotation=60)
     fig.tight_layout()
-    fig.savefig(paths["throughput"], dpi=100)
+    with atomic_file(paths["throughput"]) as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     series[paths["throughput"]] = [r["layout"] for r in ranked]
 
@@ -127,7 +129,7 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
     os.makedirs(out_dir, exist_ok=True)
     ranked = [r for r in rows if r["rank_by_metric"] is not None]
     md_path, csv_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.csv")
-    with open(csv_path, "w", newline="") as f:
+    with atomic_file(csv_path, "w", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
         writer.writeheader()
         for r in rows:
@@ -140,8 +142,7 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
         lines += ["", "Best layout:", "", "```", command, "```"]
     paths, series = _plots(rows, ranked, sort_by, out_dir)
     lines += ["", *(f"![{k}]({os.path.basename(p)})" for k, p in paths.items())]
-    with open(md_path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_text(md_path, "\n".join(lines) + "\n")
     return {"rows": rows, "markdown": md_path, "csv": csv_path, "best_command": command,
             "plots": series, "plot_paths": paths}
 
@@ -175,6 +176,7 @@ def _finish(plt, fig, ax, path: str, rows: List[dict]) -> List[str]:
     if rows:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_file(path) as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     return [r["layout"] for r in rows]

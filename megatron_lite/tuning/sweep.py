@@ -30,6 +30,7 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_lite.atomic import write_text
 from megatron_lite.config import ConfigError
 from megatron_lite.training import records
 from megatron_lite.training.distributed import free_port
@@ -159,17 +160,10 @@ def _read(path: str, default: str = "") -> str:
         return default
 
 
-def _write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
     """Run a command with its output in run_dir/log.txt; kill it at time_limit."""
-    _write(os.path.join(run_dir, "command.txt"), " ".join(shlex.quote(c) for c in cmd) + "\n")
-    _write(os.path.join(run_dir, "status"), "running\n")
+    write_text(os.path.join(run_dir, "command.txt"), " ".join(shlex.quote(c) for c in cmd) + "\n")
+    write_text(os.path.join(run_dir, "status"), "running\n")
     full_env = dict(os.environ, PYTHONUNBUFFERED="1")
     full_env["PYTHONPATH"] = REPO_ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
@@ -212,7 +206,7 @@ def collect(results_dir: str) -> List[Dict[str, Any]]:
         if os.path.isfile(path):
             lines.append(json.loads(_read(path)))
     lines.sort(key=lambda r: r.get("rank") or 0)
-    _write(os.path.join(results_dir, "results.jsonl"), "".join(json.dumps(r) + "\n" for r in lines))
+    write_text(os.path.join(results_dir, "results.jsonl"), "".join(json.dumps(r) + "\n" for r in lines))
     return lines
 
 
@@ -250,8 +244,8 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
         line["pretrain_args"] = pretrain_args(c, fixed)
         line["launcher_args"] = cmd[:cmd.index(script)] if script in cmd else []
         line["script"] = script
-        _write(os.path.join(run_dir, "result.json"), json.dumps(line, indent=1))
-        _write(status_path, status + "\n")
+        write_text(os.path.join(run_dir, "result.json"), json.dumps(line, indent=1))
+        write_text(status_path, status + "\n")
         collect(results_dir)
         counts[status] = counts.get(status, 0) + 1
         rate = f", {measured['tokens_per_s']:.0f} tokens/s" if measured.get("tokens_per_s") else ""
