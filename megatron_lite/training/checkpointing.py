@@ -46,7 +46,7 @@ from megatron_lite.checkpoint.format import (
     write_latest,
     write_metadata,
     zero3_model_states_file,
-    zero_optimizer_files,
+    zero_optimizer_file,
 )
 from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.layout import ModelLayout
@@ -220,16 +220,18 @@ def with_saved_stages(config: Config) -> Config:
 
 def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: bool):
     """(path, check) for every file DeepSpeed reads on this rank when resuming at the same layout."""
+    p = config.parallel
+    dp_rank, bf16 = state.get_data_parallel_rank(), config.precision.bf16
+    # DeepSpeed's own loader reads this DP rank's optimizer partition only (the layout is the saved one).
+    partition = load_optimizer and (p.zero_stage >= 1 or bf16)
     if not engine.pipelined:  # ZeRO 2/3 at PP = 1: one model-states file (one per DP rank at ZeRO 3), partitions
         name = model_states_file(0, 0, 1)
-        if config.parallel.zero_stage == 3:
-            name = zero3_model_states_file(state.get_data_parallel_rank())
+        if p.zero_stage == 3:
+            name = zero3_model_states_file(dp_rank)
         files = [(os.path.join(folder, name), check_model_states)]
-        if load_optimizer:
-            files += [(path, check_zero_state) for path in zero_optimizer_files(
-                folder, 0, 0, 1, config.parallel.data_parallel_size, config.precision.bf16)]
+        if partition:
+            files.append((os.path.join(folder, zero_optimizer_file(dp_rank, 0, 0, 1, bf16)), check_zero_state))
         return files
-    p = config.parallel
     tp, stage, tp_rank = p.tensor_model_parallel_size, state.get_pipeline_model_parallel_rank(), \
         state.get_tensor_model_parallel_rank()
     files = []
@@ -239,9 +241,8 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
         files.append((os.path.join(folder, layer_file(spec, tp_rank)),
                       lambda path, value, expected=expected: check_layer_state(path, value, expected, tp)))
     files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))
-    if load_optimizer:
-        files += [(path, check_zero_state) for path in zero_optimizer_files(
-            folder, stage, tp_rank, tp, p.data_parallel_size, config.precision.bf16)]
+    if partition:
+        files.append((os.path.join(folder, zero_optimizer_file(dp_rank, stage, tp_rank, tp, bf16)), check_zero_state))
     return files
 
 
