@@ -28,6 +28,7 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", "attribute"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule", "self, pipe_schedule"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._aggregate_total_loss", "self"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine.pipeline_enable_backward_allreduce", "attribute"),
 )
 
 
@@ -80,6 +81,18 @@ def skipped_steps(engine) -> int:
     """Optimizer steps DeepSpeed skipped after an fp16 overflow, over the run (the engine's counter,
     saved in its checkpoints)."""
     return int(getattr(engine, "skipped_steps", 0))
+
+
+def skip_gradient_all_reduce(engine) -> None:
+    """Turn off the pipeline engine's ReduceGrads; for a ZeRO-0 engine whose data-parallel group is
+    this rank alone, where the all-reduce is an identity.
+
+    Why: DeepSpeed still flattens every gradient into one buffer, all-reduces it over the group
+    of one and copies it back (measured at TP = PP = DP = 1, 3.7M parameters on 2 CPU cores:
+    4-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; tools/bench_single_peers.py).
+    `pipeline_enable_backward_allreduce` is the engine's own switch for that instruction. Not for
+    ZeRO 1: its reduce_gradients also fills the optimizer's flat partitions."""
+    engine.pipeline_enable_backward_allreduce = False
 
 
 def time_pipeline_instructions(engine, record: Callable[[str, float], None], synchronize: Callable[[], None]) -> None:

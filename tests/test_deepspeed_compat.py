@@ -53,3 +53,34 @@ def test_no_other_module_touches_deepspeed_internals():
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                  if p.name != "deepspeed_compat.py" and private.search(p.read_text())]
     assert offenders == []
+
+
+def _reductions_per_step(dp, zero_stage):
+    """(gradient all-reduces the pipeline engine ran in 2 steps, losses) on this rank."""
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(dp=dp, extra=("--zero-stage", str(zero_stage)))
+    state.initialize(1, 1)
+    engine = Engine(config, with_scheduler=False)
+    calls = []
+    for name in ("buffered_allreduce_fallback", "allreduce_gradients"):
+        method = getattr(engine.engine, name)
+        setattr(engine.engine, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
+    losses = [engine.train_step(data).loss for _ in range(2)]
+    state.destroy()
+    return calls, losses
+
+
+def test_skip_gradient_all_reduce_leaves_out_the_identity_all_reduce_at_dp1_only():
+    from tests.harness import run_distributed
+
+    (calls_dp1, losses_dp1), = run_distributed(_reductions_per_step, 1, 1, 0)
+    assert calls_dp1 == []
+    # DP = 2 still reduces (the same global batch, so the same losses), and so does ZeRO 1 at DP = 1.
+    (calls_dp2, losses_dp2), _ = run_distributed(_reductions_per_step, 2, 2, 0)
+    assert calls_dp2 and losses_dp2 == pytest.approx(losses_dp1, rel=1e-5)
+    (calls_zero1, _), = run_distributed(_reductions_per_step, 1, 1, 1)
+    assert "allreduce_gradients" in calls_zero1

@@ -63,6 +63,8 @@ class Engine:
             model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
             config=deepspeed_config(config),
         )
+        if self.pipelined and config.parallel.zero_stage == 0 and config.parallel.data_parallel_size == 1:
+            deepspeed_compat.skip_gradient_all_reduce(self.engine)
 
     @property
     def device(self) -> torch.device:

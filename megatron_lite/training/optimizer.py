@@ -47,11 +47,8 @@ class ClippedAdamW(torch.optim.AdamW):
         norm = global_grad_norm(params)
         self.last_grad_norm = norm.item()
         # Same coefficient as torch.nn.utils.clip_grad_norm_.
-        coeff = self.clip_grad / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coeff.to(p.grad.dtype))
+        if self.clip_grad / (norm + 1e-6) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)  # multi-tensor scaling
         return super().step(closure)
 
 
