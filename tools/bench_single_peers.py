@@ -32,23 +32,22 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
-import json
 import math
 import os
 import resource
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from statistics import median
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from synthetic_data import random_token_dataset  # noqa: E402
 
 NANOGPT_COMMIT = "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"
 NANOGPT_URL = f"https://raw.githubusercontent.com/karpathy/nanoGPT/{NANOGPT_COMMIT}/model.py"
@@ -98,29 +97,8 @@ def import_file(name: str, path: str):
     return module
 
 
-def synthetic_dataset(cache_dir: str, num_tokens: int = 2_000_000, seed: int = 0) -> str:
-    """Prefix of an indexed dataset of random ids (documents of 100-2000 tokens), written by our
-    own preprocessing tool from a JSONL of whitespace-separated ids (NullTokenizer)."""
-    folder = os.path.join(cache_dir, f"synthetic-v{VOCAB}-{num_tokens}-{seed}")
-    prefix = os.path.join(folder, "data")
-    document = prefix + "_text_document"
-    if os.path.exists(document + ".idx"):
-        return document
-    os.makedirs(folder, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    jsonl = os.path.join(folder, "ids.jsonl")
-    with open(jsonl, "w") as f:
-        written = 0
-        while written < num_tokens:
-            ids = rng.integers(0, VOCAB - 1, size=int(rng.integers(100, 2000)))  # eod (VOCAB-1) appended
-            f.write(json.dumps({"text": " ".join(map(str, ids.tolist()))}) + "\n")
-            written += len(ids)
-    subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", jsonl,
-                    "--output-prefix", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-                    "--append-eod", "--workers", "1", "--log-interval", "1000000"], check=True,
-                   stdout=subprocess.DEVNULL)
-    os.remove(jsonl)
-    return document
+def synthetic_dataset(cache_dir: str) -> str:
+    return random_token_dataset(os.path.join(cache_dir, f"synthetic-v{VOCAB}"), VOCAB, 2_000_000)
 
 
 def our_argv(data_prefix: str, cache_dir: str, num_workers: int | None, backend: str) -> list:
