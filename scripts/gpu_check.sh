@@ -10,6 +10,6 @@
 #   bash scripts/gpu_check.sh --steps b,c,d --resume        #   10-minute command
 #   bash scripts/gpu_check.sh --dry-run                     # on the CPU, tiny sizes (the test suite runs it)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 exec "${PYTHON:-python3}" tools/gpu_check.py "$@"

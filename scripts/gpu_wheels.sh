@@ -71,4 +71,6 @@ print("gpu_wheels: DeepSpeed needs " + ", ".join(needs))
 if missing:
     sys.exit(f"gpu_wheels: error: neither the GPU image nor {dest} has: {', '.join(missing)}")
 EOF
-ls -l "$DEST"/*.whl | awk '{ printf "  %8.1f KiB  %s\n", $5 / 1024, $NF; total += $5 } END { printf "gpu_wheels: %d wheels, %.1f MiB in all (64 MiB may travel)\n", NR, total / 1048576 }'
+find "$DEST" -maxdepth 1 -name '*.whl' -printf '%s %p\n' | sort -k2 |
+    awk '{ printf "  %8.1f KiB  %s\n", $1 / 1024, $2; total += $1 }
+         END { printf "gpu_wheels: %d wheels, %.1f MiB in all (64 MiB may travel)\n", NR, total / 1048576 }'

@@ -15,8 +15,13 @@ rounds (each round: every trainer --iters steps in turn), at each --threads:
 
 All read the same synthetic tokens (random ids made by tools/preprocess_data.py with the
 NullTokenizer). The printed ratio is peer time / our time per round (above 1: ours is faster),
-the median over rounds, with the rounds' min-max. This VM drifts 10-25% within a minute, so only
-same-round ratios mean anything.
+the median over rounds, with the rounds' min-max, and the minor page faults per step (a counter
+that load does not move: each costs ~4.5 us on this VM). This VM drifts 10-25% within a minute, so
+only same-round ratios mean anything; each round starts with the next trainer in turn.
+
+--breakdown adds, in the same rounds, ours with --num-workers 0 and our GPTModel in nanoGPT's plain
+loop (no DeepSpeed, DataLoader or loop), and our engine's time per pipeline instruction (forward,
+backward, reduce, optimizer, load, ...): where the stack around the model spends its time.
 
 nanoGPT's model.py is not part of this repository: it is downloaded at a pinned commit into
 --cache-dir and checked against its SHA-256 (--nanogpt-model PATH or $NANOGPT_MODEL_PY gives a
@@ -24,6 +29,7 @@ local copy instead, checked the same way).
 
     python tools/bench_single_peers.py                     # 1 and 2 threads
     python tools/bench_single_peers.py --threads 2 --rounds 9 --num-workers 0
+    python tools/bench_single_peers.py --breakdown
 """
 from __future__ import annotations
 
@@ -71,6 +77,9 @@ def fetch_nanogpt(cache_dir: str, local: str | None = None) -> str:
     os.makedirs(cache_dir, exist_ok=True)
     partial = target + ".partial"
     if local:
+        if not os.path.isfile(local):
+            raise SystemExit(f"bench_single_peers.py: error: --nanogpt-model {local}: no such file; give nanoGPT's "
+                             f"model.py at commit {NANOGPT_COMMIT[:8]}, or leave the flag out to download it")
         shutil.copyfile(local, partial)
         source = local
     else:
@@ -256,11 +265,10 @@ def main(argv=None):
              "HF GPT2LMHeadModel": huggingface(args, data_prefix)}
     timer = None
     if args.breakdown:
+        from megatron_lite.data.sampler import build_data_iterator
         from megatron_lite.training.stage_timing import COLUMNS, StageTimer
 
         timer = StageTimer(run.engine.engine)
-        from megatron_lite.data.sampler import build_data_iterator
-
         # The same engine, fed by a DataLoader without workers.
         in_process = dataclasses.replace(run, train_iter=build_data_iterator(
             run.train_iter._dataset, 0, MICRO, 0, 1, num_workers=0))
@@ -285,8 +293,12 @@ def main(argv=None):
         faults = {name: 0.0 for name in steps}
         if timer:
             timer.take(0.0)
-        for _ in range(args.rounds):
-            for name, step in steps.items():
+        names = list(steps)
+        for round_index in range(args.rounds):
+            # Each round starts with the next trainer, so none always runs right after the same one.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                step = steps[name]
                 # The engine's instruction timer counts "ours" only (the variant shares its engine).
                 with timer.paused() if timer and name != "ours" else contextlib.nullcontext():
                     seconds, step_faults = timed(step, args.iters)
