@@ -6,8 +6,9 @@
 # when set, else gpu_check_report/. Exits 1 when a step failed; the report says which.
 #
 #   bash scripts/gpu_check.sh                               # all steps (~20 min on one H100)
-#   bash scripts/gpu_check.sh --steps env,install,build,a   # in parts, for machines lent per
-#   bash scripts/gpu_check.sh --steps b,c,d --resume        #   10-minute command
+#   bash scripts/gpu_check.sh --steps env,install,build,a --total-budget 540   # in parts, where one
+#   bash scripts/gpu_check.sh --steps b,c --resume --total-budget 540     # command may run at most
+#   bash scripts/gpu_check.sh --steps d --resume --total-budget 540       # 10 minutes
 #   bash scripts/gpu_check.sh --dry-run                     # on the CPU, tiny sizes (the test suite runs it)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2

@@ -64,3 +64,24 @@ def test_parse_training_log_reads_the_lines_pretrain_gpt_prints():
                                      "tokens_per_s": 40330.0, "tflops": 367.2, "mfu_percent": 37.1,
                                      "mem_peak_gib": 61.25}]
     assert parsed["memory"] == [{"stage": 0, "estimated_gib": 58.1, "measured_gib": 61.25}]
+
+
+def test_device_factories_put_new_tensors_on_the_test_device_and_keep_cpu_generator_draws():
+    """tests/device.py, checked with the meta device (no GPU here): a factory call without a device
+    lands on the test device; one drawing from a CPU generator draws the CPU's values and moves them;
+    an explicit device is kept."""
+    import torch
+
+    from tests.device import DeviceFactories
+
+    expected = torch.randn(3, generator=torch.Generator().manual_seed(5))
+    with DeviceFactories("meta"):
+        made = torch.zeros(2, 2)
+        drawn = torch.randn(3, generator=torch.Generator().manual_seed(5))
+        kept = torch.ones(2, device="cpu")
+        layer = torch.nn.Linear(4, 4)
+    assert made.device.type == "meta" and layer.weight.device.type == "meta"
+    assert drawn.device.type == "meta" and drawn.shape == expected.shape
+    assert kept.device.type == "cpu"
+    with DeviceFactories("cpu"):
+        assert torch.equal(torch.randn(3, generator=torch.Generator().manual_seed(5)), expected)

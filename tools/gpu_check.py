@@ -19,8 +19,9 @@ into --report-dir (default: $OUT when set, else gpu_check_report/), and results 
 across calls, so the steps can be spread over several shorter commands (--steps a,b --resume).
 
     bash scripts/gpu_check.sh                          # everything (about 20 minutes on one H100)
-    bash scripts/gpu_check.sh --steps env,install,build,a
-    bash scripts/gpu_check.sh --steps b,c,d --resume   # adds to the report of the first call
+    bash scripts/gpu_check.sh --steps env,install,build,a --total-budget 540   # under a 10-minute limit
+    bash scripts/gpu_check.sh --steps b,c --resume --total-budget 540     # adds to the first call's report
+    bash scripts/gpu_check.sh --steps d --resume --total-budget 540
     bash scripts/gpu_check.sh --dry-run                # on the CPU, tiny sizes (CI runs this)
 """
 from __future__ import annotations
@@ -163,6 +164,23 @@ def load_previous(report_dir: str) -> List[Result]:
         return [Result(**r) for r in json.load(f)["results"]]
 
 
+def missing_prerequisites(ctx: Context, wanted: List[str]) -> List[str]:
+    """install and build, when a later step is wanted and a fresh machine lacks what they leave
+    (a machine given back between calls keeps nothing)."""
+    from gpu_check_steps import extension_has_cuda
+
+    if ctx.dry_run or not set(wanted) & {"a", "b", "c", "d"}:
+        return []
+    extra = []
+    if "install" not in wanted and not os.path.isdir(os.path.join(ctx.work_dir, "site")):
+        extra.append("install")
+    if "build" not in wanted and not extension_has_cuda(ctx):
+        extra.append("build")
+    if extra:
+        print(f"gpu_check: this machine lacks what {' and '.join(extra)} leave: running them first", flush=True)
+    return extra
+
+
 def main(argv=None) -> int:
     from gpu_check_steps import STEPS, environment_header
 
@@ -172,10 +190,16 @@ def main(argv=None) -> int:
                         help="comma-separated steps to run, in the order above (default: all)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the results of earlier calls in the report (a step run again replaces its row)")
+    parser.add_argument("--previous", default=None,
+                        help="a folder holding an earlier call's gpu_check.json (from a machine since given back) "
+                             "whose results the report keeps, as --resume does for this machine's own")
     parser.add_argument("--report-dir", default=None, help="default: $OUT when set, else gpu_check_report/")
     parser.add_argument("--work-dir", default=os.path.join(REPO, "gpu_check_work"),
                         help="data, installed wheels and step scratch; kept between calls")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every step's budget")
+    parser.add_argument("--total-budget", type=float, default=None,
+                        help="seconds for this whole call: a step gets at most what is left, and steps that would "
+                             "start with under 30 s left are recorded as skipped (fit a per-command time limit)")
     args = parser.parse_args(argv)
 
     report_dir = args.report_dir or os.environ.get("OUT") or os.path.join(REPO, "gpu_check_report")
@@ -186,15 +210,22 @@ def main(argv=None) -> int:
         parser.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(k for k, *_ in STEPS)}")
     ctx = Context(dry_run=args.dry_run, work_dir=args.work_dir)
     os.makedirs(ctx.work_dir, exist_ok=True)
-    results = load_previous(state_dir) if args.resume else []
+    wanted += missing_prerequisites(ctx, wanted)
+    results = load_previous(args.previous or state_dir) if args.resume or args.previous else []
     if args.resume and os.path.exists(os.path.join(state_dir, "gpu_check.log")):
         with open(os.path.join(state_dir, "gpu_check.log")) as f:
             ctx.log.append(f.read())
+    call_deadline = time.monotonic() + (args.total_budget or float("inf"))
     header = environment_header(ctx)
     for key, title, budget, dry_budget, fn in STEPS:
         if key not in wanted:
             continue
-        result = run_step(ctx, key, title, (dry_budget if args.dry_run else budget) * args.time_scale, fn)
+        budget = min((dry_budget if args.dry_run else budget) * args.time_scale, call_deadline - time.monotonic())
+        if budget < 30:
+            result = Result(key, title, "skip", 0.0, 0.0, "not started: --total-budget spent; run it with --steps "
+                            f"{key} --resume")
+        else:
+            result = run_step(ctx, key, title, budget, fn)
         results = [r for r in results if r.step != key] + [result]
         order = [k for k, *_ in STEPS]
         results.sort(key=lambda r: order.index(r.step))
