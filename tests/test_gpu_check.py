@@ -18,7 +18,7 @@ import gpu_check_steps  # noqa: E402
 @pytest.mark.slow
 def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_first(tmp_path):
     report = tmp_path / "report"
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable}
     done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--work-dir", str(tmp_path / "work"),
                            "--report-dir", str(report)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
