@@ -164,6 +164,9 @@ def load_previous(report_dir: str) -> List[Result]:
         return [Result(**r) for r in json.load(f)["results"]]
 
 
+EXTRA_WHAT = {"install": "installed wheels", "build": "CUDA build of megatron_lite._C"}
+
+
 def missing_prerequisites(ctx: Context, wanted: List[str]) -> List[str]:
     """install and build, when a later step is wanted and a fresh machine lacks what they leave
     (a machine given back between calls keeps nothing)."""
@@ -177,7 +180,8 @@ def missing_prerequisites(ctx: Context, wanted: List[str]) -> List[str]:
     if "build" not in wanted and not extension_has_cuda(ctx):
         extra.append("build")
     if extra:
-        print(f"gpu_check: this machine lacks what {' and '.join(extra)} leave: running them first", flush=True)
+        print(f"gpu_check: this machine has no {' and no '.join(EXTRA_WHAT[e] for e in extra)} yet: running "
+              f"{' and '.join(extra)} first", flush=True)
     return extra
 
 
@@ -239,4 +243,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the module `gpu_check`, the one gpu_check_steps imports (its StepFailed is this one).
+    import gpu_check
+
+    sys.exit(gpu_check.main())
