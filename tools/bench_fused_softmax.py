@@ -171,7 +171,7 @@ def main(argv=None):
         try:
             r = measure(args, seq, DTYPES[dtype_name], mask_type, device)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # out of memory, a missing kernel: record, go on
-            rows.append({**key, "error": str(e).splitlines()[0]})
+            rows.append({**key, "error": (str(e).splitlines() or [type(e).__name__])[0]})
             lines.append(f"| {seq} | {dtype_name} | {mask_type} | failed: {rows[-1]['error'][:100]} |")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -190,6 +190,10 @@ def main(argv=None):
             line += (f" {r['attention_fused_fwd_bwd']:.2f} | {r['attention_sdpa_fwd_bwd']:.2f} "
                      f"| {r['attention_winner']} |")
         lines.append(line)
+        print(line, file=sys.stderr, flush=True)
+        if args.json:  # after every row: a run stopped early still leaves what it measured
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     print(f"b={args.batch} heads={args.heads} device={device} threads={torch.get_num_threads()} "
           f"fastest of {args.repeats} runs")
     print("\n".join(lines))

@@ -59,6 +59,14 @@ class StepFailed(Exception):
     """A step's own verdict: its summary line says what failed."""
 
 
+class OutOfTime(TimeoutError):
+    """A command ran past the step's deadline and was killed; `output` is what it printed so far."""
+
+    def __init__(self, message: str, output: str):
+        super().__init__(message)
+        self.output = output
+
+
 @dataclass
 class Context:
     dry_run: bool
@@ -92,7 +100,7 @@ class Context:
         self.log.append(f"$ {' '.join(cmd)}\n# exit {done.returncode}{' (out of time)' if timed_out else ''} after "
                         f"{done.seconds:.0f}s\n{tail(output, 12000)}\n")
         if timed_out:
-            raise TimeoutError(f"`{' '.join(cmd[:4])} ...` ran out of time after {done.seconds:.0f}s")
+            raise OutOfTime(f"`{' '.join(cmd[:4])} ...` ran out of time after {done.seconds:.0f}s", output)
         if check and done.returncode != 0:
             raise StepFailed(f"`{' '.join(cmd[:4])} ...` exited {done.returncode}: {last_line(output)}")
         return done

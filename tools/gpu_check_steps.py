@@ -10,7 +10,7 @@ import re
 from statistics import mean
 from typing import Dict, List, Tuple
 
-from gpu_check import REPO, Context, StepFailed, last_line
+from gpu_check import REPO, Context, OutOfTime, StepFailed, last_line
 
 TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
 
@@ -90,24 +90,42 @@ def build(ctx: Context):
 
 
 def pytest_counts(output: str) -> Dict[str, int]:
-    summary = next((line for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", line)),
-                   "")
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    """The counts of pytest's closing line; of a run killed before it, the PASSED/FAILED/... lines
+    that -v printed so far."""
+    summary = next((line for line in reversed(output.splitlines())
+                    if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", line) and " in " in line), "")
+    if summary:
+        return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    words = re.findall(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", output)
+    return {w.lower(): words.count(w) for w in set(words)}
 
 
 def failed_tests(output: str) -> List[str]:
-    return [line[:200] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    lines = [line[:200] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if lines:
+        return lines
+    return sorted({m.group(1)[:200] for m in re.finditer(r"(tests/\S+::\S+) (?:FAILED|ERROR)", output)})
 
 
 def run_pytest(ctx: Context, args: List[str], env: Dict[str, str] = None, budget: float = None):
-    """(counts, failed test lines, passed cleanly, note); running out of time is a note, not the end
-    of the step, so the next pytest run still happens."""
+    """(counts, failed test lines, passed cleanly, note). Running out of time is a note with the
+    counts so far (-v names every test as it ends), not the end of the step."""
+    command = [ctx.python, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", *args]
     try:
-        done = ctx.run([ctx.python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *args], env=env,
-                       budget=budget)
-    except TimeoutError as e:
-        return {}, [], False, str(e)
+        done = ctx.run(command, env=env, budget=budget)
+    except OutOfTime as e:
+        counts = pytest_counts(e.output)
+        return counts, failed_tests(e.output), False, f"{e}; so far {counts}"
     return pytest_counts(done.output), failed_tests(done.output), done.returncode == 0, ""
+
+
+def parallel_workers(ctx: Context) -> List[str]:
+    """pytest-xdist's -n 4 where it is installed (the GPU image has it) and not in a dry run: the
+    model and parallel tests spawn their own gloo worlds, which share the GPU."""
+    if ctx.dry_run:
+        return []
+    probe = ctx.run([ctx.python, "-c", "import xdist"], budget=60)
+    return ["-n", "4"] if probe.returncode == 0 else []
 
 
 def tests(ctx: Context):
@@ -118,7 +136,8 @@ def tests(ctx: Context):
     c1, f1, ok1, note1 = run_pytest(ctx, ["-m", "cuda", *marked], budget=ctx.remaining() * 0.3)
     device = "cpu" if ctx.dry_run else "cuda"
     targets = ["tests/parallel/test_mappings.py"] if ctx.dry_run else ["tests/model", "tests/parallel"]
-    c2, f2, ok2, note2 = run_pytest(ctx, ["-m", "not slow and not cuda", *targets], env={TEST_DEVICE_VARIABLE: device})
+    c2, f2, ok2, note2 = run_pytest(ctx, [*parallel_workers(ctx), "-m", "not slow and not cuda", *targets],
+                                    env={TEST_DEVICE_VARIABLE: device})
     details = (f"a1 `pytest -m cuda {' '.join(marked)}`: {c1 or note1}\n\n"
                f"a2 `{TEST_DEVICE_VARIABLE}={device} pytest -m 'not slow and not cuda' {' '.join(targets)}`: "
                f"{c2 or note2}\n")
@@ -142,14 +161,22 @@ def softmax(ctx: Context):
     else:
         sizes = ["--device", "cuda", "--dtype", "fp16", "bf16", "--seq", "512", "1024", "2048", "4096", "8192",
                  "--batch", "1", "--heads", "16", "--repeats", "5"]
-    done = ctx.run([ctx.python, "tools/bench_fused_softmax.py", *sizes, "--mask", "causal", "padding", "--compile",
-                    "--attention", "--json", out], check=True)
-    with open(out) as f:
-        rows = json.load(f)
-    table = "\n".join(line for line in done.output.splitlines() if line.startswith("|"))
+    if os.path.exists(out):
+        os.remove(out)
+    timed_out = ""
+    try:
+        output = ctx.run([ctx.python, "tools/bench_fused_softmax.py", *sizes, "--mask", "causal", "padding",
+                          "--compile", "--attention", "--json", out]).output
+    except OutOfTime as e:  # the rows measured so far are in the JSON (written after every row)
+        timed_out, output = str(e), e.output
+    rows = []
+    if os.path.exists(out):
+        with open(out) as f:
+            rows = json.load(f)
+    table = softmax_table(rows)
     good = [r for r in rows if "error" not in r]
     if not good:
-        raise StepFailed(f"every configuration failed: {rows[0].get('error') if rows else 'no rows'}")
+        raise StepFailed(timed_out or f"every configuration failed: {rows[0].get('error') if rows else last_line(output)}")
     auto_now = json.loads(last_line(ctx.run([ctx.python, "-c", (
         "import json; from megatron_lite.model.transformer import AUTO_ATTENTION_BACKEND as A; print(json.dumps(A))")],
         check=True).output))["cpu" if ctx.dry_run else "cuda"]
@@ -171,11 +198,33 @@ def softmax(ctx: Context):
         summary += f" -> set AUTO_ATTENTION_BACKEND['cuda'] = {measured!r}"
     if failed:
         summary += f"; {failed} configurations failed (see the table)"
-    details = (f"{table}\n\nWhole causal attention, faster backend per row: {winners}.\n"
-               f"`--attention-backend auto` takes `{auto_now}` here "
-               f"(megatron_lite/model/transformer.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
-    return ("pass" if agree and not failed else "fail"), summary, details, {"rows": rows, "auto": auto_now,
-                                                                            "measured_winner": measured}
+    if timed_out:
+        summary += f"; {timed_out} after {len(rows)} configurations"
+        return "timeout", summary, details_for(table, winners, auto_now, measured), {"rows": rows}
+    return (("pass" if agree and not failed else "fail"), summary, details_for(table, winners, auto_now, measured),
+            {"rows": rows, "auto": auto_now, "measured_winner": measured})
+
+
+def softmax_table(rows: List[dict]) -> str:
+    """Milliseconds per row of tools/bench_fused_softmax.py's JSON, and the ratios that matter."""
+    lines = ["| s | dtype | mask | copy (floor) ms | copy GB/s | fused fwd ms | fwd / floor | fused fwd+bwd ms "
+             "| eager fwd+bwd ms | torch.compile fwd+bwd ms | attention: fused ms | attention: SDPA ms | winner |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['seq']} | {r['dtype']} | {r['mask']} | failed: {r['error'][:120]} |")
+            continue
+        lines.append(f"| {r['seq']} | {r['dtype']} | {r['mask']} | {r['copy']:.3f} | {r['copy_gb_per_s']:.0f} "
+                     f"| {r['kernel_fwd']:.3f} | {r['kernel_fwd'] / r['copy']:.2f}x | {r['kernel_fwd_bwd']:.3f} "
+                     f"| {r['eager_fwd_bwd']:.3f} | {r['compiled_fwd_bwd']:.3f} | {r['attention_fused_fwd_bwd']:.3f} "
+                     f"| {r['attention_sdpa_fwd_bwd']:.3f} | {r['attention_winner']} |")
+    return "\n".join(lines)
+
+
+def details_for(table: str, winners: str, auto_now: str, measured: str) -> str:
+    return (f"{table}\n\nWhole causal attention, faster backend per row: {winners}.\n"
+            f"`--attention-backend auto` takes `{auto_now}` here "
+            f"(megatron_lite/model/transformer.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
 
 
 def parse_training_log(text: str) -> Dict[str, list]:
