@@ -19,9 +19,10 @@ the median over rounds, with the rounds' min-max, and the minor page faults per 
 that load does not move: each costs ~4.5 us on this VM). This VM drifts 10-25% within a minute, so
 only same-round ratios mean anything; each round starts with the next trainer in turn.
 
---breakdown adds, in the same rounds, ours with --num-workers 0 and our GPTModel in nanoGPT's plain
-loop (no DeepSpeed, DataLoader or loop), and our engine's time per pipeline instruction (forward,
-backward, reduce, optimizer, load, ...): where the stack around the model spends its time.
+--breakdown adds, in the same rounds, ours with --num-workers 0, our GPTModel in nanoGPT's plain
+loop (no DeepSpeed, DataLoader or loop), our GPTModel under DeepSpeed's ordinary engine (ZeRO 0),
+and our engine's time per pipeline instruction (forward, backward, reduce, optimizer, load, ...):
+where the stack around the model spends its time.
 
 nanoGPT's model.py is not part of this repository: it is downloaded at a pinned commit into
 --cache-dir and checked against its SHA-256 (--nanogpt-model PATH or $NANOGPT_MODEL_PY gives a
@@ -230,6 +231,34 @@ def our_model_plain_loop(args, data_prefix: str, config):
     return step
 
 
+def our_model_plain_engine(data_prefix: str, config):
+    """--breakdown only: our GPTModel under DeepSpeed's ordinary engine (ZeRO 0, no pipeline), the
+    engine pretrain_gpt.py does not use at PP = 1 (its checkpoints are the pipeline engine's
+    per-layer files): what the pipeline engine's instructions cost against it."""
+    import deepspeed
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel import state
+    from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+    from megatron_lite.training.optimizer import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    optimizer = build_optimizer(model, config.optimizer, clip_in_optimizer=clips_in_optimizer(config))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=state.ModelParallelUnit(),
+                                      config=deepspeed_config(config))
+    get_batch = MemmapBatches(data_prefix, seed=4)
+    position_ids, loss_mask = torch.arange(SEQ).expand(MICRO, SEQ), torch.ones(MICRO, SEQ)
+
+    def step():
+        x, y = get_batch()
+        loss = engine(x, position_ids, y, loss_mask)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step
+
+
 def timed(step, iters: int):
     """(seconds per step, minor page faults per step) over `iters` steps."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -274,6 +303,7 @@ def main(argv=None):
             run.train_iter._dataset, 0, MICRO, 0, 1, num_workers=0))
         steps["ours, --num-workers 0"] = our_step(in_process)
         steps["our GPTModel, plain loop"] = our_model_plain_loop(args, data_prefix, run.config)
+        steps["our GPTModel, DeepSpeed's plain engine"] = our_model_plain_engine(data_prefix, run.config)
     print(f"# single-process training step: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro batch "
           f"{MICRO}, vocabulary {VOCAB}, fp32, AdamW, clip {CLIP}, no dropout\n"
           f"# ours: pretrain_gpt.py's stack, --attention-backend {args.attention_backend}, --num-workers "
