@@ -27,8 +27,8 @@ def environment_header(ctx: Context) -> str:
     use_installed_wheels(ctx)
     probe = ("import platform, torch; c = torch.cuda.is_available(); "
              "print(f'Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-             "' + (f'{torch.cuda.get_device_name()}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB'"
-             " if c else 'no CUDA device'))")
+             "' + (f'{torch.cuda.get_device_name()}, "
+             "{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB' if c else 'no CUDA device'))")
     ctx.deadline = float("inf")
     done = ctx.run([ctx.python, "-c", probe], budget=120)
     mode = "dry run on the CPU (tiny sizes)" if ctx.dry_run else "full run"
@@ -176,7 +176,8 @@ def softmax(ctx: Context):
     table = softmax_table(rows)
     good = [r for r in rows if "error" not in r]
     if not good:
-        raise StepFailed(timed_out or f"every configuration failed: {rows[0].get('error') if rows else last_line(output)}")
+        first = rows[0].get("error") if rows else last_line(output)
+        raise StepFailed(timed_out or f"every configuration failed: {first}")
     auto_now = json.loads(last_line(ctx.run([ctx.python, "-c", (
         "import json; from megatron_lite.model.transformer import AUTO_ATTENTION_BACKEND as A; print(json.dumps(A))")],
         check=True).output))["cpu" if ctx.dry_run else "cuda"]

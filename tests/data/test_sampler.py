@@ -64,7 +64,8 @@ def test_a_worker_hands_over_the_same_micro_batches_as_tensors_without_shared_me
     from torch.multiprocessing import reductions
 
     prefix = write_positional_dataset(tmp_path / "d_text_document").prefix
-    train, _, _ = build_train_valid_test_datasets(((1.0, prefix),), (1, 0, 0), 8, (40, 0, 0), 7, str(tmp_path / "c"), -1, False)
+    train, _, _ = build_train_valid_test_datasets(((1.0, prefix),), (1, 0, 0), 8, (40, 0, 0), 7, str(tmp_path / "c"),
+                                                  -1, False)
     in_process = list(build_data_iterator(train, 0, MICRO, 0, 1, num_workers=0))
     workers = build_data_iterator(train, 0, MICRO, 0, 1, num_workers=1)
     received = []  # storages the trainer rebuilt from a worker's shared memory
