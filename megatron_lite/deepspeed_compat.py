@@ -28,7 +28,8 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.engine.PipelineEngine._INSTRUCTION_MAP", "attribute"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule", "self, pipe_schedule"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._aggregate_total_loss", "self"),
-    ("deepspeed.runtime.pipe.engine.PipelineEngine.pipeline_enable_backward_allreduce", "attribute"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_grads", "self"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.allreduce_gradients", "attribute"),  # wrapped: (*args, **kwargs)
 )
 
 
@@ -84,15 +85,22 @@ def skipped_steps(engine) -> int:
 
 
 def skip_gradient_all_reduce(engine) -> None:
-    """Turn off the pipeline engine's ReduceGrads; for a ZeRO-0 engine whose data-parallel group is
-    this rank alone, where the all-reduce is an identity.
+    """Replace the pipeline engine's gradient all-reduce with its one other effect; for a ZeRO-0
+    engine whose data-parallel group is this rank alone, where the all-reduce is an identity.
 
     Why: DeepSpeed still flattens every gradient into one buffer, all-reduces it over the group
     of one and copies it back (measured at TP = PP = DP = 1, 3.7M parameters on 2 CPU cores:
-    4-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; tools/bench_single_peers.py).
-    `pipeline_enable_backward_allreduce` is the engine's own switch for that instruction. Not for
-    ZeRO 1: its reduce_gradients also fills the optimizer's flat partitions."""
-    engine.pipeline_enable_backward_allreduce = False
+    3-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; tools/bench_single_peers.py).
+    Its other effect is kept: a parameter without a gradient (the last stage's copy of the tied
+    embedding module holds an unused position table) gets a zero gradient, so AdamW keeps moments
+    for it and decays it exactly as at DP > 1, and checkpoints hold the same optimizer states.
+    ZeRO 0 only: ZeRO 1's reduce_gradients also fills the optimizer's flat partitions."""
+    def zero_missing_gradients(bucket_size=None):
+        for param in engine.module.parameters():
+            if param.requires_grad and param.numel() and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    engine.allreduce_gradients = zero_missing_gradients
 
 
 def time_pipeline_instructions(engine, record: Callable[[str, float], None], synchronize: Callable[[], None]) -> None:

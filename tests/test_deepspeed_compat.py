@@ -3,6 +3,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 from megatron_lite import deepspeed_compat
 
@@ -49,38 +50,49 @@ def test_no_other_module_touches_deepspeed_internals():
 
     package = pathlib.Path(deepspeed_compat.__file__).parent
     private = re.compile(r"\b(_partition_layers|_set_bounds|_synchronize_tied_weights|_topo|ds_pipe_replicated|"
-                         r"cur_scale|loss_scale_config|_exec_schedule|_INSTRUCTION_MAP|pipeline_enable_backward_allreduce)\b")
+                         r"cur_scale|loss_scale_config|_exec_schedule|_INSTRUCTION_MAP)\b")
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
                  if p.name != "deepspeed_compat.py" and private.search(p.read_text())]
     assert offenders == []
 
 
-def _reductions_per_step(dp, zero_stage):
-    """(gradient all-reduces the pipeline engine ran in 2 steps, losses) on this rank."""
+def _two_steps(pp, dp, hooked):
+    """(flattening all-reduces DeepSpeed ran, losses, parameters, optimizer state sizes) on this rank
+    after 2 steps, with skip_gradient_all_reduce applied where the engine applies it, or never."""
     from megatron_lite.parallel import state
-    from megatron_lite.training.engine import Engine
+    from megatron_lite.training import engine as engine_module
     from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
-    config = tiny_config(dp=dp, extra=("--zero-stage", str(zero_stage)))
-    state.initialize(1, 1)
-    engine = Engine(config, with_scheduler=False)
+    config = tiny_config(pp=pp, dp=dp)
+    state.initialize(1, pp)
+    original = deepspeed_compat.skip_gradient_all_reduce
+    if not hooked:
+        engine_module.deepspeed_compat.skip_gradient_all_reduce = lambda engine: None
+    try:
+        engine = engine_module.Engine(config, with_scheduler=False)
+    finally:
+        engine_module.deepspeed_compat.skip_gradient_all_reduce = original
     calls = []
-    for name in ("buffered_allreduce_fallback", "allreduce_gradients"):
-        method = getattr(engine.engine, name)
-        setattr(engine.engine, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    fallback = engine.engine.buffered_allreduce_fallback
+    engine.engine.buffered_allreduce_fallback = lambda *a, **k: (calls.append(1), fallback(*a, **k))[1]
     data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
     losses = [engine.train_step(data).loss for _ in range(2)]
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    moments = sorted(len(s) for s in engine.optimizer.state.values())
     state.destroy()
-    return calls, losses
+    return len(calls), losses, params, moments
 
 
-def test_skip_gradient_all_reduce_leaves_out_the_identity_all_reduce_at_dp1_only():
+def test_skip_gradient_all_reduce_at_dp1_trains_and_decays_exactly_as_the_all_reduce_did():
     from tests.harness import run_distributed
 
-    (calls_dp1, losses_dp1), = run_distributed(_reductions_per_step, 1, 1, 0)
-    assert calls_dp1 == []
-    # DP = 2 still reduces (the same global batch, so the same losses), and so does ZeRO 1 at DP = 1.
-    (calls_dp2, losses_dp2), _ = run_distributed(_reductions_per_step, 2, 2, 0)
-    assert calls_dp2 and losses_dp2 == pytest.approx(losses_dp1, rel=1e-5)
-    (calls_zero1, _), = run_distributed(_reductions_per_step, 1, 1, 1)
-    assert "allreduce_gradients" in calls_zero1
+    hooked = run_distributed(_two_steps, 2, 2, 1, True)
+    plain = run_distributed(_two_steps, 2, 2, 1, False)
+    for (calls, losses, params, moments), (calls_plain, losses_plain, params_plain, moments_plain) in zip(hooked, plain):
+        assert calls == 0 and calls_plain > 0
+        assert losses == losses_plain and moments == moments_plain
+        # Every parameter bit for bit, the last stage's unused position table (zero gradient, decayed) too.
+        assert params.keys() == params_plain.keys()
+        assert all(torch.equal(params[k], params_plain[k]) for k in params)
+    # Where the data-parallel group has two ranks the all-reduce stays.
+    assert all(calls > 0 for calls, *_ in run_distributed(_two_steps, 2, 1, 2, True))
