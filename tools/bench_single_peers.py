@@ -16,7 +16,10 @@ rounds (each round: every trainer --iters steps in turn), at each --threads:
 All read the same synthetic tokens (random ids made by tools/preprocess_data.py with the
 NullTokenizer). The printed ratio is peer time / our time per round (above 1: ours is faster),
 the median over rounds, with the rounds' min-max, and the minor page faults per step (a counter
-that load does not move: each costs ~4.5 us on this VM). This VM drifts 10-25% within a minute, so
+that load does not move: each costs ~4.5 us on this VM). The last columns time the main thread's
+CPU instead of the wall clock: at --threads 1 it does all the compute and, unlike the wall
+clock, does not count time other processes held the core (our data worker runs in its own
+process and is not counted: the wall-clock ratio is the result, this one a check under load). This VM drifts 10-25% within a minute, so
 only same-round ratios mean anything; each round starts with the next trainer in turn.
 
 --breakdown adds, in the same rounds, ours with --num-workers 0, our GPTModel in nanoGPT's plain
@@ -260,13 +263,13 @@ def our_model_plain_engine(data_prefix: str, config):
 
 
 def timed(step, iters: int):
-    """(seconds per step, minor page faults per step) over `iters` steps."""
+    """(seconds per step, this thread's CPU seconds per step, minor page faults per step) over `iters` steps."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(iters):
         step()
-    seconds = (time.perf_counter() - start) / iters
-    return seconds, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / iters
+    seconds, cpu = (time.perf_counter() - start) / iters, (time.thread_time() - cpu) / iters
+    return seconds, cpu, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / iters
 
 
 def main(argv=None):
@@ -313,13 +316,15 @@ def main(argv=None):
           f"# median over {args.rounds} interleaved rounds of {args.iters} steps each; ratio = its time / our time "
           f"(> 1: ours faster)")
     print("| threads | trainer | ms/step (median) | tokens/s | ours vs it (median of rounds) | min-max of rounds "
-          "| minor page faults/step |\n|---|---|---|---|---|---|---|")
+          "| minor page faults/step | main-thread CPU ms/step | ours vs it, CPU time |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for step in steps.values():
             for _ in range(args.warmup):
                 step()
         times = {name: [] for name in steps}
+        cpu_times = {name: [] for name in steps}
         faults = {name: 0.0 for name in steps}
         if timer:
             timer.take(0.0)
@@ -331,19 +336,22 @@ def main(argv=None):
                 step = steps[name]
                 # The engine's instruction timer counts "ours" only (the variant shares its engine).
                 with timer.paused() if timer and name != "ours" else contextlib.nullcontext():
-                    seconds, step_faults = timed(step, args.iters)
+                    seconds, cpu, step_faults = timed(step, args.iters)
                 times[name].append(seconds)
+                cpu_times[name].append(cpu)
                 faults[name] += step_faults / args.rounds
         for name, seconds in times.items():
             ratios = [t / o for t, o in zip(seconds, times["ours"])]
+            cpu_ratios = [t / o for t, o in zip(cpu_times[name], cpu_times["ours"])]
             print(f"| {threads} | {name} | {median(seconds) * 1e3:.1f} | {MICRO * SEQ / median(seconds):.0f} | "
-                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {faults[name]:.0f} |", flush=True)
+                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {faults[name]:.0f} | "
+                  f"{median(cpu_times[name]) * 1e3:.1f} | {median(cpu_ratios):.3f} |", flush=True)
         if timer:
             sums = timer.take(sum(times["ours"]) * args.iters)
             n = args.rounds * args.iters
             print(f"| {threads} | ours, per engine instruction (ms/step, mean) | "
                   + ", ".join(f"{c} {1e3 * sums.get(c, 0.0) / n:.2f}" for c in COLUMNS)
-                  + f", step {1e3 * sums['step'] / n:.1f} | | | | |", flush=True)
+                  + f", step {1e3 * sums['step'] / n:.1f} | | | | | | |", flush=True)
 
 
 if __name__ == "__main__":
