@@ -51,6 +51,8 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
      "self, flat_hp_partition, optim_fragment"),
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_grads", "self"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.allreduce_gradients", "attribute"),  # wrapped: (*args, **kwargs)
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -129,6 +131,25 @@ def skipped_steps(engine) -> int:
     """Optimizer steps DeepSpeed skipped after an fp16 overflow, over the run (the engine's counter,
     saved in its checkpoints)."""
     return int(getattr(engine, "skipped_steps", 0))
+
+
+def skip_gradient_all_reduce(engine) -> None:
+    """Replace the pipeline engine's gradient all-reduce with its one other effect; for a ZeRO-0
+    engine whose data-parallel group is this rank alone, where the all-reduce is an identity.
+
+    Why: DeepSpeed still flattens every gradient into one buffer, all-reduces it over the group
+    of one and copies it back (measured at TP = PP = DP = 1, 3.7M parameters on 2 CPU cores:
+    3-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; tools/bench_single_peers.py).
+    Its other effect is kept: a parameter without a gradient (the last stage's copy of the tied
+    embedding module holds an unused position table) gets a zero gradient, so AdamW keeps moments
+    for it and decays it exactly as at DP > 1, and checkpoints hold the same optimizer states.
+    ZeRO 0 only: ZeRO 1's reduce_gradients also fills the optimizer's flat partitions."""
+    def zero_missing_gradients(bucket_size=None):
+        for param in engine.module.parameters():
+            if param.requires_grad and param.numel() and param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    engine.allreduce_gradients = zero_missing_gradients
 
 
 def time_pipeline_instructions(engine, record: Callable[[str, float], None], synchronize: Callable[[], None]) -> None:
@@ -279,7 +300,9 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
     holds the parameters themselves."""
     optimizer = engine.optimizer
     lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
-    step_tensor = torch.tensor(float(step), dtype=torch.float32)
+
+    def step_on(device):  # torch's fused AdamW keeps its step on the parameter's device
+        return torch.tensor(float(step), dtype=torch.float32, device=device)
     with torch.no_grad():
         for param, value in values.items():
             param.data.copy_(value["fp32"].to(param.dtype))
@@ -287,8 +310,9 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
             inner = optimizer
             for param, value in values.items():
                 if value["exp_avg"] is not None:
-                    inner.state[param] = {"step": step_tensor.clone(), "exp_avg": value["exp_avg"].clone(),
-                                          "exp_avg_sq": value["exp_avg_sq"].clone()}
+                    inner.state[param] = {"step": step_on(param.device),
+                                          "exp_avg": value["exp_avg"].to(param.device, torch.float32, copy=True),
+                                          "exp_avg_sq": value["exp_avg_sq"].to(param.device, torch.float32, copy=True)}
             return
         inner = optimizer.optimizer
         for group, lps in zip(inner.param_groups, lp_groups):
@@ -306,7 +330,7 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
                     if value[key] is not None:
                         buffer.narrow(0, dst.start, dst.numel).copy_(
                             value[key].flatten().narrow(0, src.start, src.numel))
-            inner.state[flat] = {"step": step_tensor.clone(), **moments}
+            inner.state[flat] = {"step": step_on(flat.device), **moments}
             for lp in lps:
                 if lp._hp_mapping is not None:
                     lp._hp_mapping.set_optim_state_fragment(flat, inner.state[flat])

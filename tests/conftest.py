@@ -7,6 +7,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from tests.device import enter_test_device  # noqa: E402
+
+enter_test_device()  # MEGATRON_LITE_TEST_DEVICE=cuda: the tests' tensors on the GPU (tests/device.py)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _shutdown_worker_pools():

@@ -50,13 +50,18 @@ def _release_process_groups() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    from tests.device import enter_test_device, local_rank_for
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank_for(rank)),
+                      LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # gloo on every device: on one GPU the ranks share it, which NCCL refuses (tests/device.py).
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    enter_test_device()
     while True:
         task = tasks.get()
         if task is None:

@@ -3,6 +3,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 from megatron_lite import deepspeed_compat
 
@@ -104,3 +105,43 @@ def test_set_log_level_sets_deepspeeds_logger_and_its_handler():
         logger.setLevel(before)
         for h in logger.handlers:
             h.setLevel(before)
+def _two_steps(pp, dp, hooked):
+    """(flattening all-reduces DeepSpeed ran, losses, parameters, optimizer state sizes) on this rank
+    after 2 steps, with skip_gradient_all_reduce applied where the engine applies it, or never."""
+    from megatron_lite.parallel import state
+    from megatron_lite.training import engine as engine_module
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(pp=pp, dp=dp)
+    state.initialize(1, pp)
+    original = deepspeed_compat.skip_gradient_all_reduce
+    if not hooked:
+        engine_module.deepspeed_compat.skip_gradient_all_reduce = lambda engine: None
+    try:
+        engine = engine_module.Engine(config, with_scheduler=False)
+    finally:
+        engine_module.deepspeed_compat.skip_gradient_all_reduce = original
+    calls = []
+    fallback = engine.engine.buffered_allreduce_fallback
+    engine.engine.buffered_allreduce_fallback = lambda *a, **k: (calls.append(1), fallback(*a, **k))[1]
+    data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
+    losses = [engine.train_step(data).loss for _ in range(2)]
+    params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    moments = sorted(len(s) for s in engine.optimizer.state.values())
+    state.destroy()
+    return len(calls), losses, params, moments
+
+
+def test_skip_gradient_all_reduce_at_dp1_trains_and_decays_exactly_as_the_all_reduce_did():
+    from tests.harness import run_distributed
+
+    hooked = run_distributed(_two_steps, 2, 2, 1, True)
+    plain = run_distributed(_two_steps, 2, 2, 1, False)
+    for (calls, losses, params, moments), (calls_plain, losses_plain, params_plain, moments_plain) in zip(hooked, plain):
+        assert calls == 0 and calls_plain > 0
+        assert losses == losses_plain and moments == moments_plain
+        # Every parameter bit for bit, the last stage's unused position table (zero gradient, decayed) too.
+        assert params.keys() == params_plain.keys()
+        assert all(torch.equal(params[k], params_plain[k]) for k in params)
+    # Where the data-parallel group has two ranks the all-reduce stays.
+    assert all(calls > 0 for calls, *_ in run_distributed(_two_steps, 2, 1, 2, True))

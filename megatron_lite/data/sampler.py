@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import signal
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -44,12 +44,45 @@ class PretrainingSampler:
             yield list(range(first, first + self.micro_batch_size))
 
 
-def collate(samples: Sequence[Dict[str, np.ndarray]]):
-    """Dataset items -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine takes them."""
-    def stack(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.stack([s[key] for s in samples]))
+BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask")
 
-    return (stack("tokens"), stack("position_ids")), (stack("labels"), stack("loss_mask"))
+
+def collate_arrays(samples: Sequence[Dict[str, np.ndarray]]) -> Tuple[np.ndarray, ...]:
+    """Dataset items -> the four stacked arrays [micro, seq] of BATCH_KEYS."""
+    return tuple(np.stack([s[key] for s in samples]) for key in BATCH_KEYS)
+
+
+def as_batch(arrays: Sequence[np.ndarray]):
+    """The four arrays -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine
+    takes them (tensors sharing the arrays' memory)."""
+    tokens, position_ids, labels, loss_mask = (torch.from_numpy(a) for a in arrays)
+    return (tokens, position_ids), (labels, loss_mask)
+
+
+def collate(samples: Sequence[Dict[str, np.ndarray]]):
+    """Dataset items -> ((tokens, position_ids), (labels, loss_mask))."""
+    return as_batch(collate_arrays(samples))
+
+
+class _ArrayBatches:
+    """A worker-fed DataLoader iterator whose micro-batches arrive as arrays (collate_arrays) and
+    leave as tensors. Every other attribute, read or set, is the DataLoader iterator's (its
+    worker shutdown, which tests and the exit hook below rely on)."""
+
+    def __init__(self, iterator) -> None:
+        object.__setattr__(self, "_iterator", iterator)
+
+    def __iter__(self) -> "_ArrayBatches":
+        return self
+
+    def __next__(self):
+        return as_batch(next(self._iterator))
+
+    def __getattr__(self, name: str):
+        return getattr(self._iterator, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._iterator, name, value)
 
 
 # The signals the trainer turns into "save and stop" (training/loop.py, --exit-signal-handler).
@@ -95,8 +128,14 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # A private generator: starting a DataLoader iterator otherwise draws from the global torch
     # generator, and a resumed run (which starts its iterator after restoring the RNG states)
     # would then see different dropout masks than the run it continues.
+    # Workers hand over numpy arrays, which travel pickled through the worker's pipe (a micro-batch
+    # is a few KiB). A tensor would travel as shared memory: one file descriptor per tensor, each
+    # fetched from the worker's fd-server thread, four round trips per micro-batch through a
+    # process that competes with the compute threads for the cores (measured on 2 cores:
+    # 2.5-3 ms per micro-batch against 0.5 ms; tools/bench_single_peers.py).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate, persistent_workers=num_workers > 0,
+                                         collate_fn=collate_arrays if num_workers else collate,
+                                         persistent_workers=num_workers > 0,
                                          worker_init_fn=ignore_trainer_signals,
                                          generator=torch.Generator().manual_seed(data_parallel_rank))
     if not num_workers:
@@ -113,4 +152,4 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # before the hooks torch and multiprocessing registered earlier). The worker list is held
     # strongly: an iterator that is gone may have left a worker behind.
     atexit.register(_stop_workers, weakref.ref(iterator), list(getattr(iterator, "_workers", ())))
-    return iterator
+    return _ArrayBatches(iterator)

@@ -49,14 +49,22 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# What `--attention-backend auto` takes per kind of device; the one place that rule lives.
+#   cpu:  sdpa, measured faster in whole training steps (tools/bench_training.py --part single,
+#         README "Benchmarks").
+#   cuda: fused, NOT measured yet: scripts/gpu_check.sh step b times whole causal attention (our
+#         fused softmax between two matmuls vs SDPA) for fp16/bf16 at s = 512..8192, names the
+#         winner, and fails while this entry disagrees with it; its report is the table to cite here.
+AUTO_ATTENTION_BACKEND = {"cpu": "sdpa", "cuda": "fused"}
+
+
 def resolve_attention_backend(backend: str, device_type: Optional[str] = None) -> str:
-    """`auto` -> the backend measured faster on this kind of device (tools/bench_training.py):
-    SDPA on CPU; the fused softmax on CUDA until it is measured there."""
+    """`auto` -> AUTO_ATTENTION_BACKEND for this kind of device; another backend as given."""
     if backend != "auto":
         return backend
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return "fused" if device_type == "cuda" else "sdpa"
+    return AUTO_ATTENTION_BACKEND.get(device_type, "sdpa")
 
 
 class ParallelAttention(nn.Module):

@@ -30,9 +30,9 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], group=None) -> torch.Te
     params = list(parameters)
     device = params[0].device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None and counts_toward_grad_norm(p)]
-    squared = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squared += torch.linalg.vector_norm(grad.float()) ** 2
+    # One multi-tensor norm (torch's clip_grad_norm_ does the same), in fp32 whatever the grads' dtype.
+    squared = (torch.nn.utils.get_total_norm([g.float() for g in grads]).to(device) ** 2 if grads
+               else torch.zeros((), dtype=torch.float32, device=device))
     if group is None and state.is_initialized():
         group = state.get_model_parallel_group()
     if group is not None:

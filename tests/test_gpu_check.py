@@ -1,0 +1,87 @@
+"""scripts/gpu_check.sh: its dry run on the CPU (so the GPU check cannot rot between GPU sessions),
+its budgets, and the one function that reads pretrain_gpt.py's console lines."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO_ROOT
+
+sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
+
+import gpu_check  # noqa: E402
+import gpu_check_steps  # noqa: E402
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_first(tmp_path):
+    report = tmp_path / "report"
+    env = {**{k: v for k, v in os.environ.items() if k != "OUT"}, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--work-dir", str(tmp_path / "work"),
+                           "--report-dir", str(report)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((report / "gpu_check.json").read_text())["results"]
+    assert [r["step"] for r in results] == [key for key, *_ in gpu_check_steps.STEPS]
+    assert {r["step"]: r["status"] for r in results} == {"env": "pass", "install": "skip", "build": "pass",
+                                                          "a": "pass", "b": "pass", "c": "pass", "d": "pass"}
+    markdown = (report / "gpu_check.md").read_text()
+    table_start = markdown.index("| step | what | status |")
+    assert all(markdown.index(f"\n## {key}:") > table_start for key in ("a", "b", "c", "d"))
+    assert results[5]["numbers"]["full"]["tokens_per_s"] > 0  # c ran with --recompute-activations too
+
+
+def test_a_step_out_of_time_is_recorded_and_the_next_step_still_runs(tmp_path):
+    ctx = gpu_check.Context(dry_run=True, work_dir=str(tmp_path))
+
+    def sleeper(c):
+        c.run(["sleep", "30"])
+        return "pass", "", "", {}
+
+    def quick(c):
+        said = gpu_check.last_line(c.run(["echo", "fine"], check=True).output)
+        return "pass", said, "", {"said": said}
+
+    slow = gpu_check.run_step(ctx, "x", "sleeps past its budget", 1.0, sleeper)
+    fast = gpu_check.run_step(ctx, "y", "echoes", 30.0, quick)
+    assert slow.status == "timeout" and slow.seconds < 10 and fast.status == "pass" and fast.summary == "fine"
+    gpu_check.write_report([slow, fast], str(tmp_path / "r"), "header", ctx.log)
+    assert "| x | sleeps past its budget | timeout |" in (tmp_path / "r" / "gpu_check.md").read_text()
+
+
+def test_parse_training_log_reads_the_lines_pretrain_gpt_prints():
+    from megatron_lite.training.metrics import format_line
+
+    line = format_line(30, 30, {"consumed_samples": 480, "global_batch_size": 16, "loss": 7.25, "lr": 1e-4,
+                                "grad_norm": 1.5, "ms_per_iteration": 812.5, "samples_per_s": 19.7,
+                                "tokens_per_s": 40330.0, "tflops_per_rank": 367.2, "mfu": 0.371,
+                                "mem_allocated_gib": 30.1, "mem_peak_gib": 61.25})
+    text = f"noise\n{line}\nmemory stage 0: estimated 58.1000 GiB, measured peak 61.2500 GiB (torch.cuda...)\n"
+    parsed = gpu_check_steps.parse_training_log(text)
+    assert parsed["iterations"] == [{"iteration": 30, "loss": 7.25, "ms_per_iteration": 812.5,
+                                     "tokens_per_s": 40330.0, "tflops": 367.2, "mfu_percent": 37.1,
+                                     "mem_peak_gib": 61.25}]
+    assert parsed["memory"] == [{"stage": 0, "estimated_gib": 58.1, "measured_gib": 61.25}]
+
+
+def test_device_factories_put_new_tensors_on_the_test_device_and_keep_cpu_generator_draws():
+    """tests/device.py, checked with the meta device (no GPU here): a factory call without a device
+    lands on the test device; one drawing from a CPU generator draws the CPU's values and moves them;
+    an explicit device is kept."""
+    import torch
+
+    from tests.device import DeviceFactories
+
+    expected = torch.randn(3, generator=torch.Generator().manual_seed(5))
+    with DeviceFactories("meta"):
+        made = torch.zeros(2, 2)
+        drawn = torch.randn(3, generator=torch.Generator().manual_seed(5))
+        kept = torch.ones(2, device="cpu")
+        layer = torch.nn.Linear(4, 4)
+    assert made.device.type == "meta" and layer.weight.device.type == "meta"
+    assert drawn.device.type == "meta" and drawn.shape == expected.shape
+    assert kept.device.type == "cpu"
+    with DeviceFactories("cpu"):
+        assert torch.equal(torch.randn(3, generator=torch.Generator().manual_seed(5)), expected)

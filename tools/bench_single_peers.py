@@ -1,0 +1,358 @@
+"""Our single-process training step against what a single-machine user would pick instead.
+
+Three trainers of the same GPT (4 layers, hidden 256, 8 heads, seq 256, micro batch 4,
+vocabulary 2048, fp32, AdamW, clip 1.0, no dropout) in one process, timed in interleaved
+rounds (each round: every trainer --iters steps in turn), at each --threads:
+
+  ours      pretrain_gpt.py's stack: flags -> validate -> training.loop.setup (DeepSpeed pipeline
+            engine at TP = PP = DP = 1, the DataLoader with --num-workers workers over an indexed
+            dataset) -> per step what training.loop.pretrain does per iteration (train step,
+            the stop/non-finite agreement, the log/evaluate/save checks)
+  nanoGPT   karpathy/nanoGPT's model.py at a pinned commit, as its train.py drives it: get_batch
+            from a memory-mapped .bin, model(X, Y), backward, clip_grad_norm_, its own AdamW groups
+  HF        transformers' GPT2LMHeadModel (attn_implementation="sdpa", activation "gelu" as ours),
+            model(input_ids, labels=...), backward, clip_grad_norm_, AdamW (no decay on 1-D)
+
+All read the same synthetic tokens (random ids made by tools/preprocess_data.py with the
+NullTokenizer). The printed ratio is peer time / our time per round (above 1: ours is faster),
+the median over rounds, with the rounds' min-max, and the minor page faults per step (a counter
+that load does not move: each costs ~4.5 us on this VM). The last columns time the main thread's
+CPU instead of the wall clock: at --threads 1 it does all the compute and, unlike the wall
+clock, does not count time other processes held the core (our data worker runs in its own
+process and is not counted: the wall-clock ratio is the result, this one a check under load). This VM drifts 10-25% within a minute, so
+only same-round ratios mean anything; each round starts with the next trainer in turn.
+
+--breakdown adds, in the same rounds, ours with --num-workers 0, our GPTModel in nanoGPT's plain
+loop (no DeepSpeed, DataLoader or loop), our GPTModel under DeepSpeed's ordinary engine (ZeRO 0),
+and our engine's time per pipeline instruction (forward, backward, reduce, optimizer, load, ...):
+where the stack around the model spends its time.
+
+nanoGPT's model.py is not part of this repository: it is downloaded at a pinned commit into
+--cache-dir and checked against its SHA-256 (--nanogpt-model PATH or $NANOGPT_MODEL_PY gives a
+local copy instead, checked the same way).
+
+    python tools/bench_single_peers.py                     # 1 and 2 threads
+    python tools/bench_single_peers.py --threads 2 --rounds 9 --num-workers 0
+    python tools/bench_single_peers.py --breakdown
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+import urllib.request
+from statistics import median
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from synthetic_data import random_token_dataset  # noqa: E402
+
+NANOGPT_COMMIT = "3adf61e154c3fe3fca428ad6bc3818b27a3b8291"
+NANOGPT_URL = f"https://raw.githubusercontent.com/karpathy/nanoGPT/{NANOGPT_COMMIT}/model.py"
+NANOGPT_SHA256 = "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d11c"
+
+LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 4, 256, 8, 256, 4, 2048
+LR, CLIP, WEIGHT_DECAY = 1e-4, 1.0, 0.01
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def fetch_nanogpt(cache_dir: str, local: str | None = None) -> str:
+    """Path of nanoGPT's model.py at NANOGPT_COMMIT in cache_dir: copied from `local`, or downloaded.
+    Either way its SHA-256 must match the pinned one (the file is imported, i.e. executed)."""
+    target = os.path.join(cache_dir, f"nanogpt-{NANOGPT_COMMIT[:8]}-model.py")
+    if os.path.exists(target) and _sha256(target) == NANOGPT_SHA256:
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    partial = target + ".partial"
+    if local:
+        if not os.path.isfile(local):
+            raise SystemExit(f"bench_single_peers.py: error: --nanogpt-model {local}: no such file; give nanoGPT's "
+                             f"model.py at commit {NANOGPT_COMMIT[:8]}, or leave the flag out to download it")
+        shutil.copyfile(local, partial)
+        source = local
+    else:
+        try:
+            with urllib.request.urlopen(NANOGPT_URL, timeout=30) as response, open(partial, "wb") as f:
+                f.write(response.read())
+        except OSError as e:
+            raise SystemExit(f"bench_single_peers.py: error: could not download {NANOGPT_URL} ({e}); give a copy "
+                             f"of model.py at commit {NANOGPT_COMMIT[:8]} with --nanogpt-model PATH") from None
+        source = NANOGPT_URL
+    digest = _sha256(partial)
+    if digest != NANOGPT_SHA256:
+        os.remove(partial)
+        raise SystemExit(f"bench_single_peers.py: error: {source} has SHA-256 {digest}, not nanoGPT "
+                         f"{NANOGPT_COMMIT[:8]}'s model.py ({NANOGPT_SHA256})")
+    os.replace(partial, target)
+    return target
+
+
+def import_file(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_dataset(cache_dir: str) -> str:
+    return random_token_dataset(os.path.join(cache_dir, f"synthetic-v{VOCAB}"), VOCAB, 2_000_000)
+
+
+def our_argv(data_prefix: str, cache_dir: str, num_workers: int | None, backend: str) -> list:
+    argv = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+            "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size", str(MICRO),
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--data-path", data_prefix,
+            "--data-cache-path", os.path.join(cache_dir, "indices"), "--split", "100,0,0",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", str(LR), "--clip-grad", str(CLIP),
+            "--weight-decay", str(WEIGHT_DECAY), "--lr-decay-style", "constant", "--attention-backend", backend,
+            "--train-iters", "100000", "--log-interval", "1000000", "--eval-interval", "1000000",
+            "--eval-iters", "0"]
+    if num_workers is not None:
+        argv += ["--num-workers", str(num_workers)]
+    return argv
+
+
+def ours(args, data_prefix: str):
+    """(step function, run) of our stack as pretrain_gpt.py builds it."""
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.training import loop
+
+    config, _ = parse_args(our_argv(data_prefix, args.cache_dir, args.num_workers, args.attention_backend),
+                           world_size=1)
+    run = loop.setup(config)
+    return our_step(run), run
+
+
+def our_step(run):
+    from megatron_lite.training import loop
+
+    def step():
+        # What loop.pretrain does per iteration (log, evaluate and save are never due here).
+        stats = loop.train_step(run)
+        stop_signal, _ = loop._agree([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
+        loop.maybe_log(run, stats)
+        loop.maybe_evaluate(run)
+        loop.maybe_save_or_exit(run, stop_signal)
+        return stats.loss
+    return step
+
+
+class MemmapBatches:
+    """nanoGPT's train.py get_batch on CPU: random offsets into the token file, int64 tensors."""
+
+    def __init__(self, data_prefix: str, seed: int):
+        self.data = np.memmap(data_prefix + ".bin", dtype=np.uint16, mode="r")
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self):
+        ix = torch.randint(len(self.data) - SEQ, (MICRO,), generator=self.generator)
+        x = torch.stack([torch.from_numpy(self.data[i:i + SEQ].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(self.data[i + 1:i + 1 + SEQ].astype(np.int64)) for i in ix])
+        return x, y
+
+
+def nanogpt(args, data_prefix: str):
+    module = import_file("nanogpt_model", fetch_nanogpt(args.cache_dir, args.nanogpt_model))
+    torch.manual_seed(0)
+    model = module.GPT(module.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS,
+                                        n_embd=HIDDEN, dropout=0.0, bias=True))
+    optimizer = model.configure_optimizers(WEIGHT_DECAY, LR, (0.9, 0.999), "cpu")
+    get_batch = MemmapBatches(data_prefix, seed=1)
+
+    def step():
+        x, y = get_batch()
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def huggingface(args, data_prefix: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from megatron_lite.training.optimizer import parameter_groups
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu",
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    model.train()
+    optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
+    get_batch = MemmapBatches(data_prefix, seed=2)
+
+    def step():
+        x, _ = get_batch()
+        loss = model(input_ids=x, labels=x).loss  # shifts the labels inside
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def our_model_plain_loop(args, data_prefix: str, config):
+    """--breakdown only: our GPTModel (same layers, same loss) in nanoGPT's loop, without DeepSpeed,
+    the DataLoader or the training loop: what the stack around the model costs."""
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.training.optimizer import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    optimizer = build_optimizer(model, config.optimizer)
+    get_batch = MemmapBatches(data_prefix, seed=3)
+    position_ids, loss_mask = torch.arange(SEQ).expand(MICRO, SEQ), torch.ones(MICRO, SEQ)
+
+    def step():
+        x, y = get_batch()
+        loss = model(x, position_ids, y, loss_mask)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def our_model_plain_engine(data_prefix: str, config):
+    """--breakdown only: our GPTModel under DeepSpeed's ordinary engine (ZeRO 0, no pipeline), the
+    engine pretrain_gpt.py does not use at PP = 1 (its checkpoints are the pipeline engine's
+    per-layer files): what the pipeline engine's instructions cost against it."""
+    import deepspeed
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel import state
+    from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+    from megatron_lite.training.optimizer import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    optimizer = build_optimizer(model, config.optimizer, clip_in_optimizer=clips_in_optimizer(config))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, mpu=state.ModelParallelUnit(),
+                                      config=deepspeed_config(config))
+    get_batch = MemmapBatches(data_prefix, seed=4)
+    position_ids, loss_mask = torch.arange(SEQ).expand(MICRO, SEQ), torch.ones(MICRO, SEQ)
+
+    def step():
+        x, y = get_batch()
+        loss = engine(x, position_ids, y, loss_mask)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step
+
+
+def timed(step, iters: int):
+    """(seconds per step, this thread's CPU seconds per step, minor page faults per step) over `iters` steps."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(iters):
+        step()
+    seconds, cpu = (time.perf_counter() - start) / iters, (time.thread_time() - cpu) / iters
+    return seconds, cpu, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / iters
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch intra-op threads, in turn")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--iters", type=int, default=4, help="steps per trainer per round")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per trainer before each thread count")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="our DataLoader workers (default: pretrain_gpt.py's --num-workers default)")
+    parser.add_argument("--attention-backend", default="auto", help="ours: pretrain_gpt.py's --attention-backend")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time our engine's instructions, ours with --num-workers 0, and our model in a "
+                             "plain loop without DeepSpeed (in the same rounds)")
+    parser.add_argument("--cache-dir", default=os.path.join(REPO, "cache", "bench_single_peers"),
+                        help="nanoGPT's model.py, the synthetic dataset and its sample indices")
+    parser.add_argument("--nanogpt-model", default=os.environ.get("NANOGPT_MODEL_PY"),
+                        help="a local copy of nanoGPT's model.py at the pinned commit (default: $NANOGPT_MODEL_PY, "
+                             "else download)")
+    args = parser.parse_args(argv)
+
+    data_prefix = synthetic_dataset(args.cache_dir)
+    ours_step, run = ours(args, data_prefix)
+    steps = {"ours": ours_step, "nanoGPT": nanogpt(args, data_prefix),
+             "HF GPT2LMHeadModel": huggingface(args, data_prefix)}
+    timer = None
+    if args.breakdown:
+        from megatron_lite.data.sampler import build_data_iterator
+        from megatron_lite.training.stage_timing import COLUMNS, StageTimer
+
+        timer = StageTimer(run.engine.engine)
+        # The same engine, fed by a DataLoader without workers.
+        in_process = dataclasses.replace(run, train_iter=build_data_iterator(
+            run.train_iter._dataset, 0, MICRO, 0, 1, num_workers=0))
+        steps["ours, --num-workers 0"] = our_step(in_process)
+        steps["our GPTModel, plain loop"] = our_model_plain_loop(args, data_prefix, run.config)
+        steps["our GPTModel, DeepSpeed's plain engine"] = our_model_plain_engine(data_prefix, run.config)
+    print(f"# single-process training step: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro batch "
+          f"{MICRO}, vocabulary {VOCAB}, fp32, AdamW, clip {CLIP}, no dropout\n"
+          f"# ours: pretrain_gpt.py's stack, --attention-backend {args.attention_backend}, --num-workers "
+          f"{run.config.data.num_workers}; nanoGPT {NANOGPT_COMMIT[:8]} model.py; transformers "
+          f"{__import__('transformers').__version__} GPT2LMHeadModel (sdpa); torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start\n"
+          f"# median over {args.rounds} interleaved rounds of {args.iters} steps each; ratio = its time / our time "
+          f"(> 1: ours faster)")
+    print("| threads | trainer | ms/step (median) | tokens/s | ours vs it (median of rounds) | min-max of rounds "
+          "| minor page faults/step | main-thread CPU ms/step | ours vs it, CPU time |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for step in steps.values():
+            for _ in range(args.warmup):
+                step()
+        times = {name: [] for name in steps}
+        cpu_times = {name: [] for name in steps}
+        faults = {name: 0.0 for name in steps}
+        if timer:
+            timer.take(0.0)
+        names = list(steps)
+        for round_index in range(args.rounds):
+            # Each round starts with the next trainer, so none always runs right after the same one.
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                step = steps[name]
+                # The engine's instruction timer counts "ours" only (the variant shares its engine).
+                with timer.paused() if timer and name != "ours" else contextlib.nullcontext():
+                    seconds, cpu, step_faults = timed(step, args.iters)
+                times[name].append(seconds)
+                cpu_times[name].append(cpu)
+                faults[name] += step_faults / args.rounds
+        for name, seconds in times.items():
+            ratios = [t / o for t, o in zip(seconds, times["ours"])]
+            cpu_ratios = [t / o for t, o in zip(cpu_times[name], cpu_times["ours"])]
+            print(f"| {threads} | {name} | {median(seconds) * 1e3:.1f} | {MICRO * SEQ / median(seconds):.0f} | "
+                  f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {faults[name]:.0f} | "
+                  f"{median(cpu_times[name]) * 1e3:.1f} | {median(cpu_ratios):.3f} |", flush=True)
+        if timer:
+            sums = timer.take(sum(times["ours"]) * args.iters)
+            n = args.rounds * args.iters
+            print(f"| {threads} | ours, per engine instruction (ms/step, mean) | "
+                  + ", ".join(f"{c} {1e3 * sums.get(c, 0.0) / n:.2f}" for c in COLUMNS)
+                  + f", step {1e3 * sums['step'] / n:.1f} | | | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""The steps of tools/gpu_check.py. Each takes the Context and returns (status, summary, details,
+numbers), or raises StepFailed / TimeoutError; each runs its work as subprocesses within the
+step's budget (Context.run). --dry-run sizes are tiny and run on the CPU."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from statistics import mean
+from typing import Dict, List, Tuple
+
+from gpu_check import REPO, Context, OutOfTime, StepFailed, last_line
+
+TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
+
+
+def use_installed_wheels(ctx: Context) -> None:
+    """Put the wheels installed by an earlier install step (this call or an earlier one) on the path."""
+    site = os.path.join(ctx.work_dir, "site")
+    if os.path.isdir(site):
+        paths = [site, REPO] + [p for p in ctx.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ctx.env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+def environment_header(ctx: Context) -> str:
+    use_installed_wheels(ctx)
+    probe = ("import platform, torch; c = torch.cuda.is_available(); "
+             "print(f'Python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+             "' + (f'{torch.cuda.get_device_name()}, "
+             "{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB' if c else 'no CUDA device'))")
+    ctx.deadline = float("inf")
+    done = ctx.run([ctx.python, "-c", probe], budget=120)
+    mode = "dry run on the CPU (tiny sizes)" if ctx.dry_run else "full run"
+    return f"{mode}; {last_line(done.output)}"
+
+
+def env(ctx: Context):
+    lines = []
+    for cmd in (["nvidia-smi", "-L"], ["nvcc", "--version"]):
+        try:
+            lines.append(last_line(ctx.run(cmd, budget=30).output))
+        except FileNotFoundError:
+            lines.append(f"{cmd[0]}: not found")
+    probe = ctx.run([ctx.python, "-c", "import torch; print(torch.cuda.is_available())"], budget=60, check=True)
+    has_cuda = last_line(probe.output) == "True"
+    if not ctx.dry_run and not has_cuda:
+        raise StepFailed("torch sees no CUDA device; " + "; ".join(lines))
+    return "pass", "; ".join(lines), "", {"cuda": has_cuda}
+
+
+def install(ctx: Context):
+    if ctx.dry_run:
+        return "skip", "dry run: uses the DeepSpeed installed here", "", {}
+    wheels = sorted(glob.glob(os.path.join(REPO, ".whl", "*.whl")))
+    if not wheels:
+        raise StepFailed("no wheels in .whl/: run `bash scripts/gpu_wheels.sh` where PyPI is reachable and carry .whl")
+    site = os.path.join(ctx.work_dir, "site")
+    ctx.run([ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+             "--upgrade", "--target", site, *wheels], check=True)
+    use_installed_wheels(ctx)
+    probe = ("import importlib.metadata as m; import deepspeed, pydantic, zstandard, typing_extensions; "
+             "print(', '.join(f'{n} {m.version(n)}' for n in ('deepspeed', 'pydantic', 'zstandard', "
+             "'typing_extensions')))")
+    versions = last_line(ctx.run([ctx.python, "-c", probe], check=True).output)
+    return "pass", f"{len(wheels)} wheels into {os.path.relpath(site, REPO)}: {versions}", "", {}
+
+
+EXTENSION_PROBE = "import torch; from megatron_lite import _C; print(_C.with_cuda)"
+
+
+def extension_has_cuda(ctx: Context) -> bool:
+    ctx.deadline = float("inf")
+    done = ctx.run([ctx.python, "-c", EXTENSION_PROBE], budget=120)
+    return done.returncode == 0 and last_line(done.output) == "True"
+
+
+def build(ctx: Context):
+    probe = [ctx.python, "-c", EXTENSION_PROBE]
+    if ctx.dry_run:
+        with_cuda = last_line(ctx.run(probe, check=True).output)
+        return "pass", f"dry run: the CPU build from scripts/test.sh imports (CUDA kernels: {with_cuda})", "", {}
+    # setup.py builds the CUDA sources when torch has CUDA and nvcc is found; for the visible GPU's
+    # architecture unless TORCH_CUDA_ARCH_LIST says otherwise.
+    done = ctx.run([ctx.python, "setup.py", "build_ext", "--inplace"],
+                   env={"MAX_JOBS": str(os.cpu_count() or 4)}, check=True)
+    if last_line(ctx.run(probe, check=True).output) != "True":
+        raise StepFailed("megatron_lite._C was built without CUDA kernels (is nvcc on PATH? CUDA_HOME?)")
+    return "pass", f"megatron_lite._C with CUDA kernels in {done.seconds:.0f}s", "", {"build_seconds": done.seconds}
+
+
+def pytest_counts(output: str) -> Dict[str, int]:
+    """The counts of pytest's closing line; of a run killed before it, the PASSED/FAILED/... lines
+    that -v printed so far."""
+    summary = next((line for line in reversed(output.splitlines())
+                    if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", line) and " in " in line), "")
+    if summary:
+        return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+    words = re.findall(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", output)
+    return {w.lower(): words.count(w) for w in set(words)}
+
+
+def failed_tests(output: str) -> List[str]:
+    lines = [line[:200] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if lines:
+        return lines
+    return sorted({m.group(1)[:200] for m in re.finditer(r"(tests/\S+::\S+) (?:FAILED|ERROR)", output)})
+
+
+def run_pytest(ctx: Context, args: List[str], env: Dict[str, str] = None, budget: float = None):
+    """(counts, failed test lines, passed cleanly, note). Running out of time is a note with the
+    counts so far (-v names every test as it ends), not the end of the step."""
+    command = [ctx.python, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", *args]
+    try:
+        done = ctx.run(command, env=env, budget=budget)
+    except OutOfTime as e:
+        counts = pytest_counts(e.output)
+        return counts, failed_tests(e.output), False, f"{e}; so far {counts}"
+    return pytest_counts(done.output), failed_tests(done.output), done.returncode == 0, ""
+
+
+def parallel_workers(ctx: Context) -> List[str]:
+    """pytest-xdist's -n 4 where it is installed (the GPU image has it) and not in a dry run: the
+    model and parallel tests spawn their own gloo worlds, which share the GPU."""
+    if ctx.dry_run:
+        return []
+    probe = ctx.run([ctx.python, "-c", "import xdist"], budget=60)
+    return ["-n", "4"] if probe.returncode == 0 else []
+
+
+def tests(ctx: Context):
+    # The modules that mark tests `cuda` (collecting the whole tree for -m cuda costs a minute).
+    marked = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "tests", "**", "test_*.py"),
+                                                                 recursive=True)
+                    if "mark.cuda" in open(p).read())
+    c1, f1, ok1, note1 = run_pytest(ctx, ["-m", "cuda", *marked], budget=ctx.remaining() * 0.3)
+    device = "cpu" if ctx.dry_run else "cuda"
+    targets = ["tests/parallel/test_mappings.py"] if ctx.dry_run else ["tests/model", "tests/parallel"]
+    c2, f2, ok2, note2 = run_pytest(ctx, [*parallel_workers(ctx), "-m", "not slow and not cuda", *targets],
+                                    env={TEST_DEVICE_VARIABLE: device})
+    details = (f"a1 `pytest -m cuda {' '.join(marked)}`: {c1 or note1}\n\n"
+               f"a2 `{TEST_DEVICE_VARIABLE}={device} pytest -m 'not slow and not cuda' {' '.join(targets)}`: "
+               f"{c2 or note2}\n")
+    if f1 + f2:
+        details += "\nFailed:\n\n" + "\n".join(f"- `{f}`" for f in f1 + f2) + "\n"
+    ok = ok1 and ok2 and (ctx.dry_run or c1.get("passed", 0) > 0)
+
+    def counts(c, note):
+        failed = c.get("failed", 0) + c.get("error", 0) + c.get("errors", 0)
+        return note or f"{c.get('passed', 0)} passed, {failed} failed, {c.get('skipped', 0)} skipped"
+
+    summary = f"a1 (CUDA-only tests): {counts(c1, note1)}; a2 (model/parallel tests on {device}): {counts(c2, note2)}"
+    return ("pass" if ok else "fail"), summary, details, {"a1": c1, "a2": c2, "failed": f1 + f2}
+
+
+def softmax(ctx: Context):
+    out = os.path.join(ctx.work_dir, "softmax.json")
+    if ctx.dry_run:
+        sizes = ["--device", "cpu", "--dtype", "bf16", "--seq", "64", "128", "--batch", "1", "--heads", "2",
+                 "--repeats", "1"]
+    else:
+        sizes = ["--device", "cuda", "--dtype", "fp16", "bf16", "--seq", "512", "1024", "2048", "4096", "8192",
+                 "--batch", "1", "--heads", "16", "--repeats", "5"]
+    if os.path.exists(out):
+        os.remove(out)
+    timed_out = ""
+    try:
+        output = ctx.run([ctx.python, "tools/bench_fused_softmax.py", *sizes, "--mask", "causal", "padding",
+                          "--compile", "--attention", "--json", out]).output
+    except OutOfTime as e:  # the rows measured so far are in the JSON (written after every row)
+        timed_out, output = str(e), e.output
+    rows = []
+    if os.path.exists(out):
+        with open(out) as f:
+            rows = json.load(f)
+    table = softmax_table(rows)
+    good = [r for r in rows if "error" not in r]
+    if not good:
+        first = rows[0].get("error") if rows else last_line(output)
+        raise StepFailed(timed_out or f"every configuration failed: {first}")
+    auto_now = json.loads(last_line(ctx.run([ctx.python, "-c", (
+        "import json; from megatron_lite.model.transformer import AUTO_ATTENTION_BACKEND as A; print(json.dumps(A))")],
+        check=True).output))["cpu" if ctx.dry_run else "cuda"]
+    # GPT training is causal: the backend that wins whole attention in most causal rows is what auto should take.
+    causal = [r for r in good if r["mask"] == "causal"]
+    wins = {b: sum(r["attention_winner"] == b for r in causal) for b in ("fused", "sdpa")}
+    measured = max(wins, key=wins.get)
+    winners = ", ".join(f"{r['dtype']} s={r['seq']}: {r['attention_winner']}" for r in causal)
+    speedup = [r["eager_fwd_bwd"] / r["kernel_fwd_bwd"] for r in good]
+    floor = [r["kernel_fwd"] / r["copy"] for r in good]
+    compiled = [r["compiled_fwd_bwd"] / r["kernel_fwd_bwd"] for r in good]
+    summary = (f"fused fwd+bwd {min(speedup):.2f}-{max(speedup):.2f}x eager, {min(compiled):.2f}-{max(compiled):.2f}x "
+               f"torch.compile; fwd {min(floor):.2f}-{max(floor):.2f}x the copy floor; whole causal attention: "
+               f"{measured} wins {wins[measured]}/{len(causal)}; auto picks {auto_now}")
+    failed = len(rows) - len(good)
+    # The dry run's sizes say nothing about the CPU rule (measured in whole training steps).
+    agree = ctx.dry_run or auto_now == measured
+    if not agree:
+        summary += f" -> set AUTO_ATTENTION_BACKEND['cuda'] = {measured!r}"
+    if failed:
+        summary += f"; {failed} configurations failed (see the table)"
+    if timed_out:
+        summary += f"; {timed_out} after {len(rows)} configurations"
+        return "timeout", summary, details_for(table, winners, auto_now, measured), {"rows": rows}
+    return (("pass" if agree and not failed else "fail"), summary, details_for(table, winners, auto_now, measured),
+            {"rows": rows, "auto": auto_now, "measured_winner": measured})
+
+
+def softmax_table(rows: List[dict]) -> str:
+    """Milliseconds per row of tools/bench_fused_softmax.py's JSON, and the ratios that matter."""
+    lines = ["| s | dtype | mask | copy (floor) ms | copy GB/s | fused fwd ms | fwd / floor | fused fwd+bwd ms "
+             "| eager fwd+bwd ms | torch.compile fwd+bwd ms | attention: fused ms | attention: SDPA ms | winner |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['seq']} | {r['dtype']} | {r['mask']} | failed: {r['error'][:120]} |")
+            continue
+        lines.append(f"| {r['seq']} | {r['dtype']} | {r['mask']} | {r['copy']:.3f} | {r['copy_gb_per_s']:.0f} "
+                     f"| {r['kernel_fwd']:.3f} | {r['kernel_fwd'] / r['copy']:.2f}x | {r['kernel_fwd_bwd']:.3f} "
+                     f"| {r['eager_fwd_bwd']:.3f} | {r['compiled_fwd_bwd']:.3f} | {r['attention_fused_fwd_bwd']:.3f} "
+                     f"| {r['attention_sdpa_fwd_bwd']:.3f} | {r['attention_winner']} |")
+    return "\n".join(lines)
+
+
+def details_for(table: str, winners: str, auto_now: str, measured: str) -> str:
+    return (f"{table}\n\nWhole causal attention, faster backend per row: {winners}.\n"
+            f"`--attention-backend auto` takes `{auto_now}` here "
+            f"(megatron_lite/model/transformer.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
+
+
+def parse_training_log(text: str) -> Dict[str, list]:
+    """pretrain_gpt.py's console lines -> numbers: every `iteration N/M | ... ` line and the
+    `memory stage S: estimated X GiB, measured peak Y GiB` lines. The one place that reads log text:
+    swap it for the metrics JSONL once pretrain_gpt.py writes one."""
+    iterations = []
+    for line in text.splitlines():
+        m = re.match(r"\s*iteration\s+(\d+)/\d+ \|", line)
+        if not m:
+            continue
+        record = {"iteration": int(m.group(1))}
+        for key, pattern in (("loss", r"\| loss ([\d.eE+-]+|nan|inf)"), ("ms_per_iteration", r"\| ([\d.]+) ms/it"),
+                             ("tokens_per_s", r"\| ([\d.]+) tokens/s"), ("tflops", r"\| ([\d.]+) TFLOP/s/rank"),
+                             ("mfu_percent", r"\| MFU ([\d.]+)%"), ("mem_peak_gib", r"\| mem [\d.]+/([\d.]+) GiB")):
+            found = re.search(pattern, line)
+            if found:
+                record[key] = float(found.group(1))
+        iterations.append(record)
+    memory = [{"stage": int(s), "estimated_gib": float(e), "measured_gib": float(p)} for s, e, p in
+              re.findall(r"memory stage (\d+): estimated ([\d.]+) GiB, measured peak ([\d.]+) GiB", text)]
+    return {"iterations": iterations, "memory": memory}
+
+
+def train(ctx: Context, argv: List[str], budget: float) -> Tuple[object, Dict[str, list]]:
+    done = ctx.run([ctx.python, "pretrain_gpt.py", *argv], budget=budget)
+    parsed = parse_training_log(done.output)
+    if done.returncode != 0 or not parsed["iterations"]:
+        raise StepFailed(f"pretrain_gpt.py exited {done.returncode}: {last_line(done.output)}")
+    return done, parsed
+
+
+def recompute_modes(ctx: Context) -> Tuple[List[Tuple[str, List[str]]], str]:
+    """(name, flags) of each recompute mode pretrain_gpt.py offers, read from its --help."""
+    text = ctx.run([ctx.python, "pretrain_gpt.py", "--help"], budget=120, check=True).output
+    if "--recompute-granularity" in text:
+        return ([("none", []), ("selective", ["--recompute-granularity", "selective"]),
+                 ("full", ["--recompute-granularity", "full"])], "")
+    return [("none", []), ("full", ["--recompute-activations"])], "selective: no --recompute-granularity flag yet"
+
+
+def gpt_1_3b(ctx: Context):
+    from synthetic_data import random_token_dataset
+
+    vocab = 512 if ctx.dry_run else 50304
+    data = random_token_dataset(os.path.join(ctx.work_dir, f"random-{vocab}"), vocab,
+                                200_000 if ctx.dry_run else 2_000_000)
+    if ctx.dry_run:
+        model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+        micro, iters, log_interval, warmup = 2, 4, 2, 1
+    else:
+        model = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
+        micro, iters, log_interval, warmup = 2, 30, 10, 5
+    common = model + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--data-path", data,
+                      "--split", "100,0,0", "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"),
+                      "--global-batch-size", "16", "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
+                      "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
+                      "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
+    modes, note = recompute_modes(ctx)
+    rows, numbers, failures = [], {}, []
+    for i, (name, flags) in enumerate(modes):
+        budget = ctx.remaining() / (len(modes) - i)
+        try:
+            try:
+                _, parsed = train(ctx, common + flags + ["--micro-batch-size", str(micro)], budget)
+                used_micro = micro
+            except StepFailed as e:
+                if "out of memory" not in str(e).lower():
+                    raise
+                _, parsed = train(ctx, common + flags + ["--micro-batch-size", "1"], ctx.remaining() / (len(modes) - i))
+                used_micro = 1
+        except StepFailed as e:
+            failures.append(f"{name}: {e}")
+            rows.append(f"| {name} | failed: {str(e)[:150]} | | | | | |")
+            continue
+        last = parsed["iterations"][-1]  # the last interval: past the first steps' warm-up
+        memory = parsed["memory"][0] if parsed["memory"] else {}
+        numbers[name] = {"micro_batch_size": used_micro, **last, **{f"memory_{k}": v for k, v in memory.items()}}
+        rows.append(f"| {name} | {used_micro} | {last.get('tokens_per_s', 0):.0f} | {last.get('tflops', 0):.1f} | "
+                    f"{last.get('mfu_percent', float('nan')):.1f} | {memory.get('measured_gib', float('nan')):.2f} | "
+                    f"{memory.get('estimated_gib', float('nan')):.2f} |")
+    details = ("| recompute | micro batch | tokens/s | TFLOP/s | MFU % | peak GiB (torch.cuda.max_memory_allocated, "
+               "on CPU peak RSS) | estimated GiB |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    if note:
+        details += f"\n{note}\n"
+    summary = "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
+                        + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
+                        + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
+                        f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
+    summary = "; ".join(filter(None, [summary] + failures + [note]))
+    return ("fail" if failures else "pass"), summary, details, numbers
+
+
+def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
+    """(dataset prefix, tokenizer model) from the Python standard library's sources, by our tools."""
+    folder = os.path.join(ctx.work_dir, f"corpus-{docs}-{vocab}")
+    prefix, model = os.path.join(folder, "corpus"), os.path.join(folder, "spm")
+    if not os.path.exists(prefix + "_text_document.idx"):
+        os.makedirs(folder, exist_ok=True)
+        corpus = os.path.join(folder, "corpus.jsonl")
+        ctx.run([ctx.python, "tools/make_corpus.py", "--output", corpus, "--max-docs", str(docs)], check=True)
+        ctx.run([ctx.python, "tools/train_tokenizer.py", "--input", corpus, "--vocab-size", str(vocab),
+                 "--model-prefix", model], check=True)
+        ctx.run([ctx.python, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
+                 "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model + ".model", "--append-eod",
+                 "--workers", "2"], check=True)
+    return prefix + "_text_document", model + ".model"
+
+
+def bf16_vs_fp32(ctx: Context):
+    docs, vocab = (60, 500) if ctx.dry_run else (600, 2000)
+    data, tokenizer = text_corpus(ctx, docs, vocab)
+    if ctx.dry_run:
+        shape, steps, tolerance = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                   "--seq-length", "64", "--micro-batch-size", "4"], 10, 0.05
+    else:
+        shape, steps, tolerance = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+                                   "--seq-length", "512", "--micro-batch-size", "8"], 100, 0.02
+    common = shape + ["--global-batch-size", "32" if not ctx.dry_run else "8", "--data-path", data,
+                      "--tokenizer-model", tokenizer, "--split", "98,2,0", "--train-iters", str(steps),
+                      "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000", "--lr", "6e-4",
+                      "--lr-warmup-iters", str(steps // 10), "--hidden-dropout", "0", "--attention-dropout", "0",
+                      "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"), "--seed", "1234"]
+    curves = {}
+    for i, (name, flags) in enumerate((("fp32", []), ("bf16", ["--bf16"]))):
+        _, parsed = train(ctx, common + flags, ctx.remaining() / (2 - i))
+        curves[name] = [r["loss"] for r in parsed["iterations"]]
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    n = min(len(fp32), len(bf16))
+    if n < steps:
+        raise StepFailed(f"only {n} of {steps} logged losses")
+    tail_n = max(1, n // 10)
+    end32, end16 = mean(fp32[n - tail_n:n]), mean(bf16[n - tail_n:n])
+    relative = abs(end16 - end32) / end32
+    largest = max(abs(a - b) for a, b in zip(fp32, bf16))
+    every = max(1, n // 10)
+    table = "| iteration | fp32 loss | bf16 loss |\n|---|---|---|\n" + "\n".join(
+        f"| {i + 1} | {fp32[i]:.4f} | {bf16[i]:.4f} |" for i in list(range(0, n, every)) + [n - 1])
+    ok = relative <= tolerance and end32 < fp32[0] and end16 < bf16[0]
+    summary = (f"{steps} steps: loss {fp32[0]:.3f} -> {end32:.3f} (fp32) and {bf16[0]:.3f} -> {end16:.3f} (bf16, mean "
+               f"of the last {tail_n}); relative difference {100 * relative:.2f}% (limit {100 * tolerance:.0f}%), "
+               f"largest per-step difference {largest:.4f}")
+    return ("pass" if ok else "fail"), summary, table + "\n", {"fp32": fp32, "bf16": bf16, "relative": relative}
+
+
+# (key, title, budget seconds on a GPU, budget seconds in a dry run, function)
+STEPS = (
+    ("env", "machine", 60, 60, env),
+    ("install", "carried wheels (.whl)", 180, 10, install),
+    ("build", "megatron_lite._C with CUDA kernels", 480, 60, build),
+    ("a", "CUDA-only tests; model/parallel tests on the GPU", 420, 240, tests),
+    ("b", "fused softmax vs eager, torch.compile, SDPA, HBM floor", 420, 180, softmax),
+    ("c", "~1.3B GPT, bf16, ZeRO 1, 30 iterations, each recompute mode", 540, 240, gpt_1_3b),
+    ("d", "bf16 vs fp32 loss curve, 100 steps", 300, 180, bf16_vs_fp32),
+)
