@@ -173,17 +173,7 @@ def nanogpt(args, data_prefix: str):
     model = module.GPT(module.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS,
                                         n_embd=HIDDEN, dropout=0.0, bias=True))
     optimizer = model.configure_optimizers(WEIGHT_DECAY, LR, (0.9, 0.999), "cpu")
-    get_batch = MemmapBatches(data_prefix, seed=1)
-
-    def step():
-        x, y = get_batch()
-        _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return plain_step(lambda x, y: model(x, y)[1], model, optimizer, MemmapBatches(data_prefix, seed=1))
 
 
 def huggingface(args, data_prefix: str):
@@ -198,11 +188,15 @@ def huggingface(args, data_prefix: str):
     model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
     model.train()
     optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
-    get_batch = MemmapBatches(data_prefix, seed=2)
+    # GPT2LMHeadModel shifts the labels inside
+    return plain_step(lambda x, _: model(input_ids=x, labels=x).loss, model, optimizer,
+                      MemmapBatches(data_prefix, seed=2))
 
+
+def plain_step(loss_of, model, optimizer, get_batch):
+    """The training step a single-machine user writes: forward, backward, clip, AdamW."""
     def step():
-        x, _ = get_batch()
-        loss = model(input_ids=x, labels=x).loss  # shifts the labels inside
+        loss = loss_of(*get_batch())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
@@ -220,18 +214,9 @@ def our_model_plain_loop(args, data_prefix: str, config):
     torch.manual_seed(0)
     model = GPTModel(config)
     optimizer = build_optimizer(model, config.optimizer)
-    get_batch = MemmapBatches(data_prefix, seed=3)
     position_ids, loss_mask = torch.arange(SEQ).expand(MICRO, SEQ), torch.ones(MICRO, SEQ)
-
-    def step():
-        x, y = get_batch()
-        loss = model(x, position_ids, y, loss_mask)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return plain_step(lambda x, y: model(x, position_ids, y, loss_mask), model, optimizer,
+                      MemmapBatches(data_prefix, seed=3))
 
 
 def our_model_plain_engine(data_prefix: str, config):
