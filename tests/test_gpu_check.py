@@ -12,6 +12,7 @@ from tests.harness import REPO_ROOT
 sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
 
 import gpu_check  # noqa: E402
+import gpu_check_context  # noqa: E402
 import gpu_check_steps  # noqa: E402
 
 
@@ -34,14 +35,14 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
 
 
 def test_a_step_out_of_time_is_recorded_and_the_next_step_still_runs(tmp_path):
-    ctx = gpu_check.Context(dry_run=True, work_dir=str(tmp_path))
+    ctx = gpu_check_context.Context(dry_run=True, work_dir=str(tmp_path))
 
     def sleeper(c):
         c.run(["sleep", "30"])
         return "pass", "", "", {}
 
     def quick(c):
-        said = gpu_check.last_line(c.run(["echo", "fine"], check=True).output)
+        said = gpu_check_context.last_line(c.run(["echo", "fine"], check=True).output)
         return "pass", said, "", {"said": said}
 
     slow = gpu_check.run_step(ctx, "x", "sleeps past its budget", 1.0, sleeper)

@@ -10,7 +10,7 @@ import re
 from statistics import mean
 from typing import Dict, List, Tuple
 
-from gpu_check import REPO, Context, OutOfTime, StepFailed, last_line
+from gpu_check_context import REPO, Context, OutOfTime, StepFailed, last_line
 
 TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
 
