@@ -9,21 +9,19 @@ folder and stops the run with one line naming the file and the reason.
 A resume validates before it loads: every rank reads the files it needs through the checkpoint reader
 (weights_only, the expected tensors and shapes), the ranks agree that all of them are good, and only then
 does DeepSpeed load them, from memory. A bad file is one line naming it, on every rank, with no hang.
-The saved config has already been compared with this run's (validation/resume.py).
+The saved config has already been compared with this run's (validation/resume.py). A checkpoint saved
+under another layout, ZeRO stage or precision goes through its layout-free form (layout_free_resume.py).
 """
 from __future__ import annotations
 
 import glob
 import os
-import random
 import secrets
 import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
@@ -48,20 +46,18 @@ from megatron_lite.checkpoint.format import (
     zero3_model_states_file,
     zero_optimizer_file,
 )
-from megatron_lite.checkpoint import slicing
-from megatron_lite.checkpoint.layout import ModelLayout
-from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
+from megatron_lite.checkpoint.layout_free import storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
-from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
 from megatron_lite.data.sidecar import file_sha256
 from megatron_lite.parallel import state
-from megatron_lite.parallel.random import get_rng_tracker
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
+from megatron_lite.training.layout_free_resume import Resumed, agree, load_layout_free, load_weights_layout_free
+from megatron_lite.training.rng_state import check_rng_state, rng_state, set_rng_state
 
-__all__ = ["CheckpointError", "WriteError", "SaveFolder", "open_save_folder", "save", "load", "latest_tag",
-           "with_saved_stages", "tag_for"]
+__all__ = ["CheckpointError", "WriteError", "SaveFolder", "Resumed", "open_save_folder", "save", "load", "latest_tag",
+           "with_saved_stages", "tag_for", "load_weights"]
 
 latest_tag = read_latest
 
@@ -104,39 +100,6 @@ def open_save_folder(config: Config, lock: Optional[SaveFolderLock], problem: Op
     return SaveFolder(lock=lock, run_id=run_id[0])
 
 
-# Random generators. Tensors and plain values only, so the file loads with weights_only=True.
-
-def _rng_state() -> dict:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "tracker": get_rng_tracker().get_states(),
-    }
-
-
-def _check_rng(path: str, saved) -> None:
-    if not isinstance(saved, dict) or not {"python", "numpy", "torch", "tracker"} <= set(saved):
-        raise CheckpointError(f"{path}: not a megatron_lite random-generator file")
-
-
-def _set_rng_state(saved: dict) -> None:
-    random.setstate(saved["python"])
-    numpy_state = saved["numpy"]
-    if isinstance(numpy_state, dict):
-        np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
-    else:  # checkpoints before the tensor-only format kept numpy's own tuple
-        np.random.set_state(numpy_state)
-    torch.set_rng_state(saved["torch"])
-    if saved["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    get_rng_tracker().set_states(saved["tracker"])
-
-
 def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> dict:
     p = config.parallel
     tokenizer = config.data.tokenizer_model
@@ -162,7 +125,7 @@ def save(engine, config: Config, iteration: int, consumed_samples: int, folder: 
     failure = io.failure
     if failure is None:
         try:
-            torch_save(_rng_state(), os.path.join(tmp_dir, rng_file(rank)))
+            torch_save(rng_state(), os.path.join(tmp_dir, rng_file(rank)))
             if rank == 0:
                 write_metadata(tmp_dir, _metadata(engine, config, iteration, consumed_samples))
         except WriteError as e:
@@ -249,31 +212,22 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
 def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optional[dict]:
     """Read and check this rank's files into the engine's IO, then agree with every rank; the random
     generators' state is returned. Raises the first problem any rank found, on every rank."""
-    problem, rng = None, None
-    try:
+    def read():
         for path, check in _files_of_this_rank(folder, config, engine, load_optimizer):
             value = load_file(path)
             check(path, value)
             engine.io.preload(path, value)
         rng_path = os.path.join(folder, rng_file(dist.get_rank()))
-        if os.path.isfile(rng_path):
-            rng = load_file(rng_path)
-            _check_rng(rng_path, rng)
-    except CheckpointError as e:
-        problem = str(e)
-    problems = gather_problems(problem)
-    if problems:
+        if not os.path.isfile(rng_path):
+            return None
+        rng = load_file(rng_path)
+        check_rng_state(rng_path, rng)
+        return rng
+    try:
+        return agree(read)
+    except CheckpointError:
         engine.io.clear()
-        raise CheckpointError(problems[0])
-    return rng
-
-
-@dataclass
-class Resumed:
-    iteration: int
-    consumed_samples: int
-    note: Optional[str] = None
-    """What a resume under another layout did (printed by rank 0), None for a plain resume."""
+        raise
 
 
 def _same_places(engine, config: Config, metadata: dict) -> bool:
@@ -296,12 +250,6 @@ def _same_layout(engine, config: Config, metadata: dict) -> bool:
             and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name))
 
 
-def _describe_layout(layout: dict, storage) -> str:
-    zero, precision = storage
-    return (f"TP {layout['tensor_model_parallel_size']} x PP {layout['pipeline_model_parallel_size']} x DP "
-            f"{layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
-
-
 def load(engine, config: Config) -> Resumed:
     """Resume from --load's latest tag; iteration 0 when --load holds no checkpoint yet (validation has said
     so). A checkpoint saved under another layout, ZeRO stage or precision goes through its layout-free form."""
@@ -312,7 +260,7 @@ def load(engine, config: Config) -> Resumed:
     metadata = read_metadata(directory, tag)
     folder = os.path.join(directory, tag)
     if not _same_layout(engine, config, metadata):
-        return _load_layout_free(engine, config, folder, metadata)
+        return load_layout_free(engine, config, folder, metadata, _same_places(engine, config, metadata))
     # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.
     load_optimizer = metadata.get("optimizer_states", True)
     rng = _preload(engine, folder, config, load_optimizer)
@@ -321,89 +269,8 @@ def load(engine, config: Config) -> Resumed:
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load {folder}")
     if rng is not None:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     return Resumed(metadata["iteration"], metadata["consumed_samples"])
-
-
-def _agree(action):
-    """Run `action` on every rank; a CheckpointError on any rank is raised on all of them (first rank's)."""
-    result, problem = None, None
-    try:
-        result = action()
-    except CheckpointError as e:
-        problem = str(e)
-    problems = gather_problems(problem)
-    if problems:
-        raise CheckpointError(problems[0])
-    return result
-
-
-def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
-    """{this rank's parameter: its slice of the fp32 master and moments}, the step, and the run state."""
-    p = config.parallel
-    tp, tp_rank = p.tensor_model_parallel_size, state.get_tensor_model_parallel_rank()
-    layout = ModelLayout(config)
-    params = {}
-    for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
-        params[(layout.tied_spec[owner] if isinstance(owner, str) else owner, name)] = param
-    reader = LayoutFreeReader(folder, metadata)
-    saved = reader.read({spec for spec, _ in params}, optimizer=optimizer)
-    rows = config.model.padded_vocab_size
-    values, steps = {}, []
-    for key, param in params.items():
-        info = next(i for i in layout.params[key[0]] if i.name == key[1])
-        entry = saved[key]
-
-        def local(tensor):
-            if tensor is None:
-                return None
-            if is_vocab_parameter(key[1]):  # another TP pads the vocabulary to another size
-                tensor = resize_rows(tensor, rows)
-            return slicing.split(tensor, tp, info.partition_dim, info.partition_stride)[tp_rank]
-        values[param] = {"fp32": local(entry.fp32), "exp_avg": local(entry.exp_avg),
-                         "exp_avg_sq": local(entry.exp_avg_sq)}
-        if entry.step is not None:
-            steps.append(entry.step)
-    return values, max(steps, default=0.0), reader.run_state() if optimizer else None
-
-
-def _load_layout_free(engine, config: Config, folder: str, metadata: dict) -> Resumed:
-    values, step, run = _agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
-    deepspeed_compat.set_optimizer_state(engine.engine, values, step)
-    if run.lr_scheduler is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(run.lr_scheduler)
-        # The schedule's state does not set the optimizer's learning rate (DeepSpeed's own load restores it
-        # with the optimizer's param_groups): the next step uses the rate the schedule last gave.
-        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
-    deepspeed_compat.set_step_counters(engine.engine, run.global_steps, run.global_samples, run.skipped_steps)
-    if config.precision.fp16:
-        deepspeed_compat.set_loss_scaler_state(engine.optimizer, run.loss_scaler)
-    p, saved = config.parallel, metadata["layout"]
-    rng = _agree(lambda: _rng_of_same_place(folder, saved)) if _same_places(engine, config, metadata) else None
-    if rng is not None:
-        _set_rng_state(rng)
-        randomness = "random generators kept (each stream is the same on every DP rank)"
-    else:
-        randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
-    ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
-    note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
-            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
-            f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
-    return Resumed(run.iteration, run.consumed_samples, note)
-
-
-def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
-    """The saved random generators of the rank that had this rank's stage and TP rank at DP rank 0: every
-    stream is seeded without the DP rank, so any DP rank's state is every DP rank's."""
-    tp, dp = saved_layout["tensor_model_parallel_size"], saved_layout.get("data_parallel_size") or 1
-    rank = state.get_pipeline_model_parallel_rank() * dp * tp + state.get_tensor_model_parallel_rank()
-    path = os.path.join(folder, rng_file(rank))
-    if not os.path.isfile(path):
-        return None
-    saved = load_file(path)
-    _check_rng(path, saved)
-    return saved
 
 
 def load_weights(engine, config: Config, directory: str, tag: str) -> None:
@@ -411,10 +278,7 @@ def load_weights(engine, config: Config, directory: str, tag: str) -> None:
     folder = os.path.join(directory, tag)
     metadata = read_metadata(directory, tag)
     if not _same_places(engine, config, metadata):
-        values, _, _ = _agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
-        with torch.no_grad():
-            for param, value in values.items():
-                param.data.copy_(value["fp32"].to(param.dtype))
+        load_weights_layout_free(engine, config, folder, metadata)
         return
     _preload(engine, folder, config, load_optimizer=False)
     path = engine.load_weights(directory, tag)

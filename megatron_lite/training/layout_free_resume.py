@@ -1,0 +1,132 @@
+"""--load of a checkpoint saved under another layout, ZeRO stage or precision: through its layout-free form.
+
+Each rank reads, for its own layers only, every parameter's fp32 master weight, Adam moments and step
+(checkpoint/layout_free.py), drops or adds padded vocabulary rows, takes its TP slice, and hands it to the
+engine, whose own fragment mapping cuts the ZeRO partition (deepspeed_compat.set_optimizer_state). The LR
+schedule, DeepSpeed's step counters and the fp16 loss scale follow. Random generators are kept when every
+rank keeps its stage and TP rank (any DP rank's streams are every DP rank's), else reseeded from --seed.
+Ranks agree on any problem before any of them touches the engine, so a bad file stops all of them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.checkpoint import slicing
+from megatron_lite.checkpoint.format import CheckpointError, layout_of, load_file, rng_file
+from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
+from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
+from megatron_lite.config import Config
+from megatron_lite.parallel import state
+from megatron_lite.training.distributed import gather_problems
+from megatron_lite.training.rng_state import check_rng_state, set_rng_state
+
+
+@dataclass
+class Resumed:
+    iteration: int
+    consumed_samples: int
+    note: Optional[str] = None
+    """What a resume under another layout did (printed by rank 0), None for a plain resume."""
+
+
+def agree(action):
+    """Run `action` on every rank; a CheckpointError on any rank is raised on all of them (first rank's)."""
+    result, problem = None, None
+    try:
+        result = action()
+    except CheckpointError as e:
+        problem = str(e)
+    problems = gather_problems(problem)
+    if problems:
+        raise CheckpointError(problems[0])
+    return result
+
+
+def _describe_layout(layout: dict, storage) -> str:
+    zero, precision = storage
+    return (f"TP {layout['tensor_model_parallel_size']} x PP {layout['pipeline_model_parallel_size']} x DP "
+            f"{layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
+
+
+def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
+    """{this rank's parameter: its slice of the fp32 master and moments}, the step, and the run state."""
+    p = config.parallel
+    tp, tp_rank = p.tensor_model_parallel_size, state.get_tensor_model_parallel_rank()
+    layout = ModelLayout(config)
+    params = {}
+    for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
+        params[(layout.tied_spec[owner] if isinstance(owner, str) else owner, name)] = param
+    reader = LayoutFreeReader(folder, metadata)
+    saved = reader.read({spec for spec, _ in params}, optimizer=optimizer)
+    rows = config.model.padded_vocab_size
+    values, steps = {}, []
+    for key, param in params.items():
+        info = next(i for i in layout.params[key[0]] if i.name == key[1])
+        entry = saved[key]
+
+        def local(tensor):
+            if tensor is None:
+                return None
+            if is_vocab_parameter(key[1]):  # another TP pads the vocabulary to another size
+                tensor = resize_rows(tensor, rows)
+            return slicing.split(tensor, tp, info.partition_dim, info.partition_stride)[tp_rank]
+        values[param] = {"fp32": local(entry.fp32), "exp_avg": local(entry.exp_avg),
+                         "exp_avg_sq": local(entry.exp_avg_sq)}
+        if entry.step is not None:
+            steps.append(entry.step)
+    return values, max(steps, default=0.0), reader.run_state() if optimizer else None
+
+
+def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_places: bool) -> Resumed:
+    values, step, run = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
+    deepspeed_compat.set_optimizer_state(engine.engine, values, step)
+    if run.lr_scheduler is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(run.lr_scheduler)
+        # The schedule's state does not set the optimizer's learning rate (DeepSpeed's own load restores it
+        # with the optimizer's param_groups): the next step uses the rate the schedule last gave.
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    deepspeed_compat.set_step_counters(engine.engine, run.global_steps, run.global_samples, run.skipped_steps)
+    if config.precision.fp16:
+        deepspeed_compat.set_loss_scaler_state(engine.optimizer, run.loss_scaler)
+    p, saved = config.parallel, metadata["layout"]
+    rng = agree(lambda: _rng_of_same_place(folder, saved)) if same_places else None
+    if rng is not None:
+        set_rng_state(rng)
+        randomness = "random generators kept (each stream is the same on every DP rank)"
+    else:
+        randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
+    ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
+            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
+            f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
+    return Resumed(run.iteration, run.consumed_samples, note)
+
+
+def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
+    """The saved random generators of the rank that had this rank's stage and TP rank at DP rank 0: every
+    stream is seeded without the DP rank, so any DP rank's state is every DP rank's."""
+    tp, dp = saved_layout["tensor_model_parallel_size"], saved_layout.get("data_parallel_size") or 1
+    rank = state.get_pipeline_model_parallel_rank() * dp * tp + state.get_tensor_model_parallel_rank()
+    path = os.path.join(folder, rng_file(rank))
+    if not os.path.isfile(path):
+        return None
+    saved = load_file(path)
+    check_rng_state(path, saved)
+    return saved
+
+
+
+
+def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict) -> None:
+    """The model's weights only (evaluation under another layout)."""
+    values, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
+    with torch.no_grad():
+        for param, value in values.items():
+            param.data.copy_(value["fp32"].to(param.dtype))
