@@ -14,6 +14,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_lite.training.console import select_accelerator  # noqa: E402
+
+select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
+
 from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
 
 
