@@ -1,7 +1,7 @@
 """Full activation recompute: which transformer layers of a stage run under checkpoint, and running them.
 
 --recompute-granularity full, with Megatron-LM's methods, over each pipeline stage's transformer layers
-(a stage's layers are consecutive; N = --recompute-num-layers):
+(a stage's layers are consecutive; N = --recompute-num-layers; the chunks: model/arithmetic.py):
   uniform  the layers in chunks of N from the stage's first (the last chunk may be shorter); each chunk
            keeps only its input and runs again in backward
   block    the first N layers each keep only their input and run again in backward; the rest keep
@@ -11,32 +11,14 @@ recompute is inside the attention (model/transformer.py).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Sequence
 
 import torch
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.arithmetic import recompute_chunks
 from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.parallel.random import checkpoint
-
-
-def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: int) -> List[Tuple[int, int, bool]]:
-    """(start, end, recomputed) chunks covering a stage's `layers` transformer layers, in order."""
-    if method is None or layers == 0:
-        return [(0, layers, False)] if layers else []
-    if method == "uniform":
-        return [(a, min(a + num_layers, layers), True) for a in range(0, layers, num_layers)]
-    recomputed = min(num_layers, layers)
-    chunks = [(i, i + 1, True) for i in range(recomputed)]
-    return chunks + ([(recomputed, layers, False)] if recomputed < layers else [])
-
-
-def recomputed_layers(model: ModelConfig, layers: int) -> int:
-    """Transformer layers of a stage with `layers` layers that run forward twice."""
-    if model.recompute_granularity != "full":
-        return 0
-    return sum(end - start for start, end, again in recompute_chunks(model.recompute_method,
-                                                                      model.recompute_num_layers, layers) if again)
 
 
 def _run(functions: Sequence[Callable]) -> Callable:
