@@ -129,6 +129,7 @@ def _bytes_between_steps(free_outputs):
     return {"rank": dist.get_rank(), "bytes": live_storage_bytes(), "config": config}
 
 
+@pytest.mark.slow  # in the fast tier, the last stage's measured peak (tests/model/test_memory.py) depends on it
 def test_free_last_stage_outputs_drops_the_logits_the_pipeline_engine_keeps_after_backward():
     from tests.harness import run_distributed, shutdown_pools
 
@@ -177,8 +178,10 @@ def _zeroed_gradients_leave_weights_unchanged(extra):
             "next": order[order.index("callback") + 1]}
 
 
-@pytest.mark.parametrize("extra", [(), ("--zero-stage", "1"), ("--bf16",), ("--bf16", "--zero-stage", "1")],
-                         ids=["fp32-zero0", "fp32-zero1", "bf16-zero0", "bf16-zero1"])
+@pytest.mark.parametrize("extra", [
+    pytest.param((), id="fp32-zero0"), pytest.param(("--bf16",), id="bf16-zero0"),
+    pytest.param(("--zero-stage", "1"), id="fp32-zero1", marks=pytest.mark.slow),
+    pytest.param(("--bf16", "--zero-stage", "1"), id="bf16-zero1", marks=pytest.mark.slow)])
 def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(extra):
     from tests.harness import run_distributed
 

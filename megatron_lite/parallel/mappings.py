@@ -31,6 +31,10 @@ import torch.distributed as dist
 
 from megatron_lite.parallel.tp import all_reduce, split_size, tp_group, tp_rank, tp_world_size
 
+# torch 2.13 calls them *_single and warns on the *_tensor names, the only ones earlier releases have.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _reduce(x: torch.Tensor) -> torch.Tensor:
     # all_reduce works in place; a copy keeps the caller's tensor (maybe saved for backward) intact.
@@ -61,7 +65,7 @@ def gather_along_sequence(x: torch.Tensor) -> torch.Tensor:
     """[b, s/tp, ...] -> [b, s, ...], rank order along the sequence (no autograd node)."""
     world = tp_world_size()
     stacked = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(stacked, x.contiguous(), group=tp_group())
+    _all_gather_single(stacked, x.contiguous(), group=tp_group())
     parts = stacked.view((world,) + tuple(x.shape))  # [tp, b, s/tp, ...]
     return parts.movedim(0, 1).reshape((x.size(0), world * x.size(1)) + tuple(x.shape[2:]))
 
@@ -72,7 +76,7 @@ def reduce_scatter_along_sequence(x: torch.Tensor) -> torch.Tensor:
     size = split_size(x.size(1), world, "sequence length")
     parts = x.unflatten(1, (world, size)).movedim(1, 0).contiguous()  # [tp, b, s/tp, ...]
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, parts.flatten(0, 1), group=tp_group())  # rank r gets the sum of parts[r]
+    _reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group())  # rank r gets the sum of parts[r]
     return out
 
 
