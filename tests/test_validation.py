@@ -123,7 +123,8 @@ RULES = [
                  r"^--sequence-parallel with --zero-stage 2: .* use --zero-stage 1 \(or 0\)$", id="sp-with-zero2"),
     pytest.param(model_rules, cfg(model__recompute_granularity="full"),
                  r"^--recompute-granularity full needs --recompute-method \(uniform or block\) and "
-                 r"--recompute-num-layers N, as in Megatron-LM; e.g. --recompute-method uniform --recompute-num-layers 1",
+                 r"--recompute-num-layers N, as in Megatron-LM; e.g. --recompute-method uniform "
+                 r"--recompute-num-layers 1",
                  id="full-recompute-needs-method"),
     pytest.param(model_rules, cfg(model__recompute_granularity="full", model__recompute_method="block",
                                   model__recompute_num_layers=3),

@@ -27,7 +27,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]}
+             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"]}
 
 
 def layer_config(tp, sp, recompute, backend="fused"):

@@ -71,7 +71,8 @@ def _worker(rank, port, args, results):
     for name, extra in VARIANTS.items():
         config = parse_args(model_argv(args) + extra, world_size=2)[0]
         engines[name], data[name] = Engine(config, with_scheduler=False), _batches(config)
-        activations[name] = memory.estimate(config, deepspeed_config(config), device="cpu")[0].activations_per_micro_batch
+        stage = memory.estimate(config, deepspeed_config(config), device="cpu")[0]
+        activations[name] = stage.activations_per_micro_batch
     names = list(VARIANTS)
     for name in names:  # warm-up: allocations, the pipe buffers' shapes
         engines[name].train_step(data[name])
@@ -123,7 +124,8 @@ def main() -> int:
               for i in range(args.rounds)]
     activations = out[0][2]
     print(f"\nTP 2 on CPU, {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}, micro batch "
-          f"{args.micro_batch_size} x {args.gas}, dropout {args.dropout}, --attention-backend {args.attention_backend}, "
+          f"{args.micro_batch_size} x {args.gas}, dropout {args.dropout}, "
+          f"--attention-backend {args.attention_backend}, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     print(f"{'engine':<10} {'ms/step (median)':>17} {'activations/micro-batch (estimate)':>36}")
     for n in VARIANTS:

@@ -94,14 +94,6 @@ def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: i
     return chunks + ([(recomputed, layers, False)] if recomputed < layers else [])
 
 
-def recomputed_layers(model: ModelConfig, layers: int) -> int:
-    """How many of a stage's `layers` transformer layers run their forward twice."""
-    if model.recompute_granularity != "full":
-        return 0
-    chunks = recompute_chunks(model.recompute_method, model.recompute_num_layers, layers)
-    return sum(end - start for start, end, again in chunks if again)
-
-
 def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
     recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
@@ -113,7 +105,7 @@ def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Opti
     m = model
     stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
     if m.recompute_granularity == "selective":
-        return sum(stages) * 2.0 * m.seq_length * m.hidden_size
+        return sum(stages) * attention_core_forward_flops(m) / 2  # the scores, not x V
     if m.recompute_granularity != "full":
         return 0.0
     total = 0.0

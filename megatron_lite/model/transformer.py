@@ -155,9 +155,10 @@ class ParallelMLP(nn.Module):
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size,
                                                   init_method=normal_init(config.init_method_std),
                                                   sequence_parallel=sequence_parallel)
-        self.dense_4h_to_h = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
-                                               init_method=scaled_normal_init(config.init_method_std, config.num_layers),
-                                               sequence_parallel=sequence_parallel)
+        self.dense_4h_to_h = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            init_method=scaled_normal_init(config.init_method_std, config.num_layers),
+            sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, h] -> [b, s, ffn/tp] -> [b, s, h]  (sequence parallel: [b, s/tp, h] in and out)

@@ -3,8 +3,8 @@
 FLOPs follow Megatron-LM's accounting (model/arithmetic.py `training_flops_per_token`):
 per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 4sh (attention
 scores and weighted values, counted in full), the head 2hV; training costs 3x the
-forward, plus what activation recompute runs again: the recomputed layers' forward
-(--recompute-granularity full) or every layer's attention core (selective).
+forward, plus what activation recompute runs again (the recomputed layers, or every
+layer's attention scores under selective recompute; arithmetic.py says exactly what).
 """
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ def test_forward_flops_per_token_match_torchs_flop_counter(variant):
 
 
 RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
-             "full": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
+             "full": ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "2"),
              "block": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")}
 
 

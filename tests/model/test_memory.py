@@ -110,10 +110,11 @@ def test_model_states_of_a_real_engine_match_the_estimate(tp, pp, dp, extra, tmp
         assert r["bytes"] == pytest.approx(predicted, rel=0.02), (r["rank"], r["stage"], r["bytes"], st)
 
 
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
-             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
-             "uniform2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-             "block1": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]}
+             "full": FULL + ["uniform", "--recompute-num-layers", "1"],
+             "uniform2": FULL + ["uniform", "--recompute-num-layers", "2"],
+             "block1": FULL + ["block", "--recompute-num-layers", "1"]}
 
 
 # Hidden 128 and vocabulary 2048: the last stage's [b, s, V] logits weigh as much as a stage's activations.
@@ -170,7 +171,8 @@ def _stage_census_cases():
 def test_saved_activations_per_micro_batch_match_the_estimate(tp, sp, pp, recompute, dropout):
     measured = run_distributed(_census, tp, tp, pp, recompute, dropout, sp)[0]
     config = _activation_config(tp, pp, recompute, dropout, sp)
-    predicted = [st.activations_per_micro_batch for st in memory.estimate(config, deepspeed_config(config), device="cpu")]
+    stages = memory.estimate(config, deepspeed_config(config), device="cpu")
+    predicted = [st.activations_per_micro_batch for st in stages]
     for stage, (got, want) in enumerate(zip(measured, predicted)):
         assert got == pytest.approx(want, rel=0.10), f"stage {stage}: measured {got} predicted {want}"
 
@@ -199,7 +201,7 @@ def test_one_layers_activations_match_the_estimate_with_sequence_parallel_and_re
     for (sp, recompute), *per_rank in zip(rows, *measured):
         want = activations.stage_layer_bytes(_activation_config(tp, 1, recompute, True, sp, backend), 1, "cpu")[0]
         for got in per_rank:
-            assert got == pytest.approx(want, rel=0.10), f"SP {sp}, recompute {recompute}: measured {got}, estimate {want}"
+            assert got == pytest.approx(want, rel=0.10), f"SP {sp}, {recompute}: measured {got}, estimate {want}"
     none, selective, full = measured[0][-3:]
     assert full < selective < none
 

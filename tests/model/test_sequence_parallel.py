@@ -8,9 +8,10 @@ from tests.model.test_gpt_parallel import BOTH_DROPOUTS, STEPS, run_layout, run_
 
 SP = ("--sequence-parallel",)
 MICRO_2 = ("--micro-batch-size", "2")  # b > 1: the sequence collectives copy instead of viewing
+FULL = ("--recompute-granularity", "full", "--recompute-method")
 RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
-             "uniform2": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"),
-             "block1": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")}
+             "uniform2": FULL + ("uniform", "--recompute-num-layers", "2"),
+             "block1": FULL + ("block", "--recompute-num-layers", "1")}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,8 @@ def _replicated_gradients(extra):
         return real_step(*args, **kwargs)
 
     inner.step = step
-    engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
-    return {"rank": dist.get_rank(), "grads": taken}
+    stats = engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
+    return {"rank": dist.get_rank(), "grads": taken, "grad_norm": stats.grad_norm}
 
 
 def _dense_gradients():
@@ -68,14 +69,16 @@ def _dense_gradients():
     positions = torch.arange(config.model.seq_length).expand(len(batch), -1)
     model(batch[:, :-1], positions, batch[:, 1:], torch.ones(len(batch), config.model.seq_length)).backward()
     # GPTModel names its layers layers.<spec index>.; the pipeline module <spec index>.
-    return {name[len("layers."):]: p.grad for name, p in model.named_parameters()}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    return {name[len("layers."):]: p.grad for name, p in model.named_parameters()}, norm.item()
 
 
 def test_replicated_parameters_get_the_dense_gradient_on_every_tp_rank():
     """LayerNorms, row-parallel biases and the final LayerNorm see one sequence shard per rank; summed over TP
-    once per step, every rank holds the same gradient, the dense model's."""
+    once per step, every rank holds the same gradient, the dense model's; the clipped norm counts each once."""
     first, second = run_distributed(_replicated_gradients, 2, ())
-    dense = _dense_gradients()
+    dense, dense_norm = _dense_gradients()
+    assert first["grad_norm"] == second["grad_norm"] == pytest.approx(dense_norm, rel=1e-5)
     assert len(first["grads"]) == 4 * 6 + 2  # 2 LayerNorms + 2 biases (6 tensors) per layer, the final LayerNorm
     for name, grad in first["grads"].items():
         assert torch.equal(grad, second["grads"][name]), f"{name} differs across TP ranks"

@@ -102,7 +102,8 @@ def test_column_parallel_linear_on_a_sequence_shard_matches_dense_linear(tp, kin
     for rank, r in enumerate(results):
         assert_matches(r["y"], rank_slice(y.detach(), rank, tp, -1), f"rank {rank} output")
         assert_matches(r["x_grad"], rank_slice(x_dense.grad, rank, tp, 1), f"rank {rank} input gradient")
-        assert_matches(r["params"]["weight"], rank_slice(dense.weight.grad, rank, tp, 0), f"rank {rank} weight gradient")
+        assert_matches(r["params"]["weight"], rank_slice(dense.weight.grad, rank, tp, 0),
+                       f"rank {rank} weight gradient")
         if kind == "column":
             assert_matches(r["params"]["bias"], rank_slice(dense.bias.grad, rank, tp, 0), f"rank {rank} bias gradient")
 
@@ -119,7 +120,8 @@ def test_row_parallel_linear_reduce_scatters_to_sequence_shards_and_its_bias_gra
     for rank, r in enumerate(results):
         assert_matches(r["y"], rank_slice(y.detach(), rank, tp, 1), f"rank {rank} output")
         assert_matches(r["x_grad"], rank_slice(x_dense.grad, rank, tp, -1), f"rank {rank} input gradient")
-        assert_matches(r["params"]["weight"], rank_slice(dense.weight.grad, rank, tp, 1), f"rank {rank} weight gradient")
+        assert_matches(r["params"]["weight"], rank_slice(dense.weight.grad, rank, tp, 1),
+                       f"rank {rank} weight gradient")
     # The bias sees this rank's positions only: the ranks' partial gradients add up to the dense one
     # (parallel/sequence_parallel.py sums them over TP once per step).
     assert_matches(sum(r["params"]["bias"] for r in results), dense.bias.grad, "summed bias gradient")
