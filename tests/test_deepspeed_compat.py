@@ -179,7 +179,7 @@ def _zeroed_gradients_leave_weights_unchanged(extra):
 
 
 @pytest.mark.parametrize("extra", [
-    pytest.param((), id="fp32-zero0"), pytest.param(("--bf16",), id="bf16-zero0"),
+    pytest.param((), id="fp32-zero0"), pytest.param(("--bf16",), id="bf16-zero0", marks=pytest.mark.slow),
     pytest.param(("--zero-stage", "1"), id="fp32-zero1", marks=pytest.mark.slow),
     pytest.param(("--bf16", "--zero-stage", "1"), id="bf16-zero1", marks=pytest.mark.slow)])
 def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(extra):

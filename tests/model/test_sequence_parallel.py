@@ -100,7 +100,8 @@ def test_with_dropout_a_sequence_parallel_pipeline_draws_the_masks_of_one_stage(
     assert_close(run_layout(2, 2, 1, extra=SP + BOTH_DROPOUTS), one_stage, rel=1e-5)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "uniform2", pytest.param("block1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("recompute", ["selective"] + [pytest.param(r, marks=pytest.mark.slow)
+                                                      for r in ("uniform2", "block1")])
 def test_recompute_under_sequence_parallelism_replays_the_dropout_masks(recompute):
     plain = run_layout_once(2, 2, 1, SP + BOTH_DROPOUTS)[0]["losses"]
     assert_close(run_layout(2, 2, 1, extra=SP + BOTH_DROPOUTS + RECOMPUTE[recompute]), plain, rel=1e-6)
