@@ -139,7 +139,20 @@ class ModelConfig:
     layernorm_epsilon: float = option(1e-5, "--layernorm-epsilon")
     """LayerNorm epsilon."""
     recompute_activations: bool = option(False, "--recompute-activations")
-    """Recompute each transformer layer's activations in backward (saves memory, costs one more forward)."""
+    """Megatron-LM's shorthand for --recompute-granularity selective (recompute the attention core in
+    backward); before issue 23 this flag recomputed whole layers (now --recompute-granularity full
+    --recompute-method uniform --recompute-num-layers 1)."""
+    recompute_granularity: Optional[str] = option(None, "--recompute-granularity", choices=("full", "selective"))
+    """Activation recompute: full (whole transformer layers, as --recompute-method and
+    --recompute-num-layers say; only their inputs are kept) or selective (the attention core: scores,
+    softmax, dropout and x V); when not given, none (or selective with --recompute-activations)."""
+    recompute_method: Optional[str] = option(None, "--recompute-method", choices=("uniform", "block"))
+    """With --recompute-granularity full: uniform (each pipeline stage's layers in chunks of
+    --recompute-num-layers, each chunk recomputed from its input) or block (the first
+    --recompute-num-layers layers of each stage recomputed one by one, the rest not)."""
+    recompute_num_layers: Optional[int] = option(None, "--recompute-num-layers")
+    """With --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed layers per
+    pipeline stage (block)."""
     attention_backend: str = option("auto", "--attention-backend", choices=("auto", "sdpa", "fused"))
     """Attention kernel: sdpa (torch's scaled_dot_product_attention), fused (our fused scaled-masked
     causal softmax between two matmuls), or auto: the one measured faster on this kind of device
@@ -166,6 +179,10 @@ class ParallelConfig:
     """How layers are split into stages: cost (FLOPs per layer, head included), profile (one forward +
     backward of each kind of layer timed on the device at start-up, rank 0's numbers), uniform,
     parameters, type:<regex>, or transformer layers per stage like 3,3,2."""
+    sequence_parallel: bool = option(False, "--sequence-parallel")
+    """Split LayerNorm, dropout and the residual stream along the sequence across the TP ranks
+    (needs --tensor-model-parallel-size > 1 and --seq-length divisible by it); activations outside
+    the attention and MLP take 1/TP of the memory."""
     cpu_offload: bool = option(False, "--cpu-offload")
     """Offload optimizer state to CPU through ZeRO (--pipeline-model-parallel-size 1, --zero-stage >= 1)."""
     distributed_backend: Optional[str] = option(None, "--distributed-backend", choices=("nccl", "gloo"))

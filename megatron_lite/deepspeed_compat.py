@@ -53,6 +53,14 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_grads", "self"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.allreduce_gradients", "attribute"),  # wrapped: (*args, **kwargs)
+    # Sequence parallelism, recompute and the last stage's outputs (issue 23; functions at the end).
+    ("deepspeed.runtime.pipe.module.PipelineModule.forward", "self, forward_input"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_backward_pass", "self, buffer_id"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_tied_grads", "self"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine.pipe_buffers", "attribute"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine.using_bf16_optimizer", "attribute"),
+    ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer._hp_grad", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.use_grad_accum_attribute", "attribute"),
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -90,6 +98,20 @@ class OwnPartitionPipelineModule(PipelineModule):
         # DeepSpeed sets stage_id (this rank's stage) before it calls _partition_layers.
         self.parts = list(self.stage_boundaries(self.num_stages))
         self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    def run_stage(self, functions: Sequence[Callable], x):
+        """x through this stage's layer functions in order; a subclass may recompute some of them."""
+        for fn in functions:
+            x = fn(x)
+        return x
+
+    def forward(self, forward_input):
+        # Why: DeepSpeed's forward checkpoints fixed chunks of `activation_checkpoint_interval`
+        # functions counted from the stage's first one (embedding and head included), with its own
+        # checkpoint function; Megatron-LM's --recompute-method chunks a stage's transformer layers,
+        # and our checkpoint must replay our dropout streams. With the interval 0 we pass, DeepSpeed's
+        # forward only runs `forward_funcs` in order (its per-layer seeding is off), as run_stage does.
+        return self.run_stage(list(self.forward_funcs), forward_input)
 
     def _synchronize_tied_weights(self) -> None:
         # Why: DeepSpeed broadcasts the tied parameters in place with autograd on, which records
@@ -172,7 +194,7 @@ def time_pipeline_instructions(engine, record: Callable[[str, float], None], syn
         return run
 
     engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, method)
-                               for cls, method in type(engine)._INSTRUCTION_MAP.items()}
+                               for cls, method in engine._INSTRUCTION_MAP.items()}
     # After the schedule the loss is broadcast from the last stage: other stages wait there.
     aggregate = timed("AggregateLoss", type(engine)._aggregate_total_loss)
     engine._aggregate_total_loss = lambda: aggregate(engine)
@@ -399,3 +421,63 @@ def parameter_names(function) -> Sequence[str]:
     import inspect
 
     return list(inspect.signature(function).parameters)
+
+
+# Sequence parallelism and the last pipeline stage's outputs (issue 23). Both wrap one instruction of this
+# engine's instance-level `_INSTRUCTION_MAP` (as time_pipeline_instructions does, and composing with it).
+
+def _wrap_instruction(engine, instruction: str, wrap: Callable[[Callable], Callable]) -> None:
+    from deepspeed.runtime.pipe import schedule
+
+    cls = getattr(schedule, instruction)
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, cls: wrap(engine._INSTRUCTION_MAP[cls])}
+
+
+def before_gradient_reduction(engine, run: Callable[[], None]) -> None:
+    """Call run() once per pipeline step, after the step's last backward and before DeepSpeed reduces any
+    gradient (the tied weights' all-reduce, then the data-parallel reduction).
+
+    Why: sequence-parallel gradients are summed over TP there, once per step as Megatron-LM does in
+    finalize_model_grads. The pipeline schedule (pipe/schedule.py TrainSchedule) runs ReduceTiedGrads,
+    ReduceGrads, OptimizerStep after the last BackwardPass; the engine exposes no hook in between."""
+    def wrap(reduce_tied_grads):
+        def run_first(self, **kwargs):
+            run()
+            return reduce_tied_grads(self, **kwargs)
+        return run_first
+
+    _wrap_instruction(engine, "ReduceTiedGrads", wrap)
+
+
+def accumulated_gradient(engine, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The tensor holding param's gradient summed over the step's micro-batches, at the point
+    before_gradient_reduction runs, or None when it has none.
+
+    Why: under the bf16 optimizer the sum accumulates in an fp32 buffer the engine links as
+    `param._hp_grad` (DeepSpeed's own tied-weight reduction reads it there); ZeRO 1 with a
+    gradient-accumulation dtype other than the weights' keeps it in `param.grad_accum`; otherwise
+    `param.grad`."""
+    if engine.using_bf16_optimizer:
+        return getattr(param, "_hp_grad", None)
+    if getattr(engine.optimizer, "use_grad_accum_attribute", False):
+        return getattr(param, "grad_accum", None)
+    return param.grad
+
+
+def free_last_stage_outputs_after_backward(engine) -> None:
+    """Drop the last stage's forward outputs (the [b, s, V/tp] logits) once their backward has run.
+
+    Why: DeepSpeed 0.19's `_exec_backward_pass` returns early on the last stage, before the lines that
+    clear `pipe_buffers['outputs']` on the other stages, so the logits of up to num_pipe_buffers (2)
+    micro-batches stay alive through the next forward and the optimizer step. Nothing reads them after
+    their backward: on the last stage the outputs are not sent, and eval_batch keeps what it returns
+    in `engine.outputs`, not in the pipe buffer."""
+    def wrap(backward):
+        def backward_then_free(self, buffer_id):
+            result = backward(self, buffer_id=buffer_id)
+            if self.is_last_stage():
+                self.pipe_buffers["outputs"][buffer_id] = None
+            return result
+        return backward_then_free
+
+    _wrap_instruction(engine, "BackwardPass", wrap)

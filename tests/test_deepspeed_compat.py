@@ -145,3 +145,87 @@ def test_skip_gradient_all_reduce_at_dp1_trains_and_decays_exactly_as_the_all_re
         assert all(torch.equal(params[k], params_plain[k]) for k in params)
     # Where the data-parallel group has two ranks the all-reduce stays.
     assert all(calls > 0 for calls, *_ in run_distributed(_two_steps, 2, 1, 2, True))
+
+
+def _bytes_between_steps(free_outputs):
+    """Live tensor bytes on each rank after two steps at PP 2 (vocabulary 2048: the logits are large)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from tests.model.engine_census import live_storage_bytes
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(1, 2, 1, ["--vocab-size", "2048", "--micro-batch-size", "2", "--global-batch-size", "8"])
+    state.initialize(1, 2)
+    engine = Engine(config, with_scheduler=False)
+    if not free_outputs:
+        engine.engine._INSTRUCTION_MAP = type(engine.engine)._INSTRUCTION_MAP
+    data = micro_batches(config, global_batches(config, 2), 0, 1)
+    engine.train_step(data)
+    engine.train_step(data)
+    gc.collect()
+    return {"rank": dist.get_rank(), "bytes": live_storage_bytes(), "config": config}
+
+
+@pytest.mark.slow  # in the fast tier, the last stage's measured peak (tests/model/test_memory.py) depends on it
+def test_free_last_stage_outputs_drops_the_logits_the_pipeline_engine_keeps_after_backward():
+    from tests.harness import run_distributed, shutdown_pools
+
+    shutdown_pools()
+    kept = run_distributed(_bytes_between_steps, 2, False)
+    shutdown_pools()
+    freed = run_distributed(_bytes_between_steps, 2, True)
+    shutdown_pools()
+    config = kept[0]["config"]
+    logits = 4 * config.batch.micro_batch_size * config.model.seq_length * config.model.padded_vocab_size
+    assert freed[0]["bytes"] == kept[0]["bytes"], "the first stage keeps no logits"
+    # Two pipe buffers on the last stage (num_pipe_buffers = 2), each holding one micro-batch's fp32 logits.
+    assert kept[1]["bytes"] - freed[1]["bytes"] >= 2 * logits
+
+
+def _zeroed_gradients_leave_weights_unchanged(extra):
+    """Every parameter's accumulated gradient zeroed in before_gradient_reduction: with no weight decay,
+    Adam then moves nothing, whatever optimizer DeepSpeed wraps around it."""
+    import torch
+
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(1, 2, 1, ["--weight-decay", "0", "--global-batch-size", "4"] + list(extra))
+    state.initialize(1, 2)
+    engine = Engine(config, with_scheduler=False)
+    params = list(engine.module.parameters())
+    calls, order = [], []
+    deepspeed_compat.time_pipeline_instructions(engine.engine, lambda name, seconds: order.append(name), lambda: None)
+
+    def zero():
+        calls.append(1)
+        order.append("callback")
+        # (the position table of the head's copy of the tied embedding module has no gradient)
+        grads = [g for g in (deepspeed_compat.accumulated_gradient(engine.engine, p) for p in params) if g is not None]
+        assert len(grads) >= len(params) - 1 and all(g.abs().sum() > 0 for g in grads)
+        for g in grads:
+            g.zero_()
+
+    deepspeed_compat.before_gradient_reduction(engine.engine, zero)
+    before = [p.detach().float().clone() for p in params]
+    engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
+    after = [p.detach().float() for p in params]
+    return {"calls": len(calls), "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "next": order[order.index("callback") + 1]}
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param((), id="fp32-zero0"), pytest.param(("--bf16",), id="bf16-zero0", marks=pytest.mark.slow),
+    pytest.param(("--zero-stage", "1"), id="fp32-zero1", marks=pytest.mark.slow),
+    pytest.param(("--bf16", "--zero-stage", "1"), id="bf16-zero1", marks=pytest.mark.slow)])
+def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(extra):
+    from tests.harness import run_distributed
+
+    for r in run_distributed(_zeroed_gradients_leave_weights_unchanged, 2, list(extra)):
+        assert r["calls"] == 1 and r["next"] == "ReduceTiedGrads"
+        assert r["unchanged"], "the optimizer stepped with gradients other than accumulated_gradient's"

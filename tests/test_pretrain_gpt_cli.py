@@ -101,3 +101,10 @@ def test_fp16_on_a_device_without_fp16_kernels_exits_2_naming_the_flag(tmp_path)
     proc = _launch(["--data-path", prefix, "--vocab-size", "100", "--split", "1,0,0", "--fp16", "--zero-stage", "1"])
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "--fp16: this cpu device has no fp16 kernels" in out and "Traceback" not in out
+
+
+def test_sequence_parallel_at_tp1_exits_2_before_any_rendezvous_naming_the_flag():
+    proc = _launch(["--sequence-parallel"], WORLD_SIZE="2", RANK="0")  # alone: a rendezvous would wait
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--sequence-parallel splits the sequence" in out
+    assert "--tensor-model-parallel-size 2" in out and "Traceback" not in out

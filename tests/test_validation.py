@@ -113,6 +113,29 @@ RULES = [
                  r"^--tokenizer-type NullTokenizer needs --vocab-size N", id="null-tokenizer-without-vocab"),
     pytest.param(logging_rules, cfg(logging__log_level="loud"),
                  r"^--log-level loud is not one of debug, info, warning, error$", id="log-level"),
+    pytest.param(model_rules, layout(1, parallel__sequence_parallel=True),
+                 r"^--sequence-parallel splits the sequence across the tensor-parallel ranks and needs "
+                 r"--tensor-model-parallel-size 2 or more; got 1. Use --tensor-model-parallel-size 2", id="sp-at-tp1"),
+    pytest.param(model_rules, layout(4, 4, model__seq_length=30, parallel__sequence_parallel=True),
+                 r"^--seq-length 30 is not divisible by --tensor-model-parallel-size 4: --sequence-parallel gives each "
+                 r"TP rank seq-length / TP positions. Use --seq-length 28 or 32$", id="sp-seq-divisible-by-tp"),
+    pytest.param(model_rules, layout(2, 2, parallel__sequence_parallel=True, parallel__zero_stage=2),
+                 r"^--sequence-parallel with --zero-stage 2: .* use --zero-stage 1 \(or 0\)$", id="sp-with-zero2"),
+    pytest.param(model_rules, cfg(model__recompute_granularity="full"),
+                 r"^--recompute-granularity full needs --recompute-method \(uniform or block\) and "
+                 r"--recompute-num-layers N, as in Megatron-LM; e.g. --recompute-method uniform "
+                 r"--recompute-num-layers 1",
+                 id="full-recompute-needs-method"),
+    pytest.param(model_rules, cfg(model__recompute_granularity="full", model__recompute_method="block",
+                                  model__recompute_num_layers=3),
+                 r"^--recompute-num-layers 3 must be between 1 and --num-layers 2, e.g. 1$", id="recompute-num-layers"),
+    pytest.param(model_rules, cfg(model__recompute_granularity="selective", model__recompute_method="uniform"),
+                 r"^--recompute-method uniform applies only with --recompute-granularity full; add "
+                 r"--recompute-granularity full or drop --recompute-method$", id="method-without-full"),
+    pytest.param(model_rules, cfg(model__recompute_activations=True, model__recompute_granularity="full",
+                                  model__recompute_method="uniform", model__recompute_num_layers=1),
+                 r"^--recompute-activations means --recompute-granularity selective \(as in Megatron-LM\); it "
+                 r"contradicts --recompute-granularity full", id="recompute-activations-vs-full"),
 ]
 
 
@@ -248,3 +271,11 @@ def test_fp16_at_zero0_is_refused_with_what_works():
     with pytest.raises(ConfigError, match=r"^--fp16 with --zero-stage 0: .* use --zero-stage 1 with --fp16, or --bf16"):
         precision_rules(cfg(precision__fp16=True), [])
     precision_rules(cfg(precision__fp16=True, parallel__zero_stage=1), [])
+
+
+def test_recompute_activations_means_selective_as_in_megatron_and_says_what_it_did_before():
+    notes = []
+    config = model_rules(cfg(model__recompute_activations=True), notes)
+    assert config.model.recompute_granularity == "selective"
+    assert any("before this version it recomputed whole layers, which is now --recompute-granularity full "
+               "--recompute-method uniform --recompute-num-layers 1" in n for n in notes)

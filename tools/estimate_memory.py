@@ -46,10 +46,16 @@ def main(argv=None) -> int:
     print(f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} x DP {p.data_parallel_size}, "
           f"micro batch {config.batch.micro_batch_size}, gas {config.batch.gradient_accumulation_steps}, "
           f"ZeRO {p.zero_stage}{' + offload' if p.cpu_offload else ''}, {config.precision.dtype_name}"
-          f"{', recompute' if config.model.recompute_activations else ''} (GiB per rank)")
+          f"{', sequence parallel' if p.sequence_parallel else ''}{_recompute(config.model)} (GiB per rank)")
     gpu = int(own.gpu_memory_gb * memory.GIB) if own.gpu_memory_gb else None
     print(memory.format_table(stages, gpu))
     return 0
+
+
+def _recompute(model) -> str:
+    if model.recompute_granularity == "full":
+        return f", full recompute ({model.recompute_method}, {model.recompute_num_layers})"
+    return ", selective recompute" if model.recompute_granularity == "selective" else ""
 
 
 if __name__ == "__main__":

@@ -76,13 +76,53 @@ def head_forward_flops(model: ModelConfig) -> float:
     return 2.0 * model.hidden_size * model.padded_vocab_size
 
 
-def training_flops_per_token(model: ModelConfig, recompute: Optional[bool] = None) -> float:
+def attention_core_forward_flops(model: ModelConfig) -> float:
+    """Forward FLOPs per token of the attention core (scores and x V over all s keys)."""
+    return 4.0 * model.seq_length * model.hidden_size
+
+
+def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: int) -> List[Tuple[int, int, bool]]:
+    """(start, end, recomputed) chunks covering a stage's `layers` transformer layers, in order, for
+    --recompute-granularity full (model/recompute.py runs them): uniform cuts the layers into chunks of
+    num_layers, each recomputed from its input; block recomputes the first num_layers layers one by one."""
+    if method is None or layers == 0:
+        return [(0, layers, False)] if layers else []
+    if method == "uniform":
+        return [(a, min(a + num_layers, layers), True) for a in range(0, layers, num_layers)]
+    recomputed = min(num_layers, layers)
+    chunks = [(i, i + 1, True) for i in range(recomputed)]
+    return chunks + ([(recomputed, layers, False)] if recomputed < layers else [])
+
+
+def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None) -> float:
+    """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
+    recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
+    default), so the last matmul of a recomputed region, whose output nothing keeps, is not run again:
+      selective  each layer's scores matmul (2sh; not x V)
+      full       each recomputed chunk's layers but its last MLP output projection (2hf)
+    layers_per_stage: transformer layers on each pipeline stage (default: one stage), which the chunks
+    of --recompute-method count per stage. Checked against torch's FLOP counter."""
+    m = model
+    stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
+    if m.recompute_granularity == "selective":
+        return sum(stages) * attention_core_forward_flops(m) / 2  # the scores, not x V
+    if m.recompute_granularity != "full":
+        return 0.0
+    total = 0.0
+    for layers in stages:
+        for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers, layers):
+            if again:
+                total += (end - start) * layer_forward_flops(m, causal=False) - 2.0 * m.hidden_size * m.ffn_hidden_size
+    return total
+
+
+def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None) -> float:
     """Megatron-LM's count behind TFLOP/s and MFU: 3x the forward (forward, two backward matmuls),
-    one more forward of every layer with activation recompute; attention counted over all s keys."""
-    recompute = model.recompute_activations if recompute is None else recompute
+    plus what activation recompute runs again (recompute_forward_flops_per_token); attention counted
+    over all s keys."""
     v = model.padded_vocab_size or model.vocab_size or 0
-    layers = (3 + int(recompute)) * model.num_layers * layer_forward_flops(model, causal=False)
-    return layers + 3 * 2 * model.hidden_size * v
+    layers = 3 * model.num_layers * layer_forward_flops(model, causal=False)
+    return layers + recompute_forward_flops_per_token(model, layers_per_stage) + 3 * 2 * model.hidden_size * v
 
 
 def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:

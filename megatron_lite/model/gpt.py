@@ -11,6 +11,10 @@ weights do not depend on which stage builds a layer nor on TP: a pipeline of
 any shape starts from the same weights as `GPTModel`, the single-process
 reference used by tests and tools. Dropout likewise draws from streams named by
 the layer number (parallel/random.py), not from the stage's generator.
+
+With --sequence-parallel the embedding output is scattered along the sequence, every
+layer and the final LayerNorm work on [b, s/tp, h] (that is also what crosses pipeline
+stages), and the head gathers the sequence back for the vocab-parallel cross entropy.
 """
 from __future__ import annotations
 
@@ -26,10 +30,17 @@ from megatron_lite.config import Config, ModelConfig
 from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
 from megatron_lite.model.arithmetic import require_vocab, spec_costs, stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.partition import stage_table
+from megatron_lite.model.recompute import run_stage
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
-from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, parallel_lm_logits
-from megatron_lite.parallel.random import EMBEDDING_RNG, get_rng_tracker
+from megatron_lite.parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+    set_sequence_parallel_attribute,
+)
+from megatron_lite.parallel.mappings import scatter_to_sequence_parallel_region
+from megatron_lite.parallel.random import EMBEDDING_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
 
 EMBEDDING_KEY = "embedding"
 
@@ -43,10 +54,12 @@ def _seeded(seed: int):
 
 
 class EmbeddingPipe(nn.Module):
-    """(tokens, position_ids) -> word (+ learned position) embeddings -> dropout: [b, s, h]."""
+    """(tokens, position_ids) -> word (+ learned position) embeddings -> dropout: [b, s, h]
+    (sequence parallel: [b, s/tp, h])."""
 
-    def __init__(self, config: ModelConfig, init_seed: int):
+    def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         with _seeded(init_seed):
             self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
                                                           init_method=normal_init(config.init_method_std))
@@ -61,12 +74,19 @@ class EmbeddingPipe(nn.Module):
         x = self.word_embeddings(tokens)  # [b, s] -> [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
-        with get_rng_tracker().fork(EMBEDDING_RNG):
+        stream = EMBEDDING_RNG
+        if self.sequence_parallel:
+            # Positions are added before the split, so the position table's gradient stays whole on
+            # every rank (the scatter's backward gathers it); each rank's shard has its own dropout stream.
+            x = scatter_to_sequence_parallel_region(x)  # [b, s, h] -> [b, s/tp, h]
+            stream = MODEL_PARALLEL_RNG
+        with get_rng_tracker().fork(stream):
             return self.embedding_dropout(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tied output head: [b, s, h] -> [b, s, V/tp] with the word-embedding weight."""
-        return parallel_lm_logits(hidden, self.word_embeddings.weight)
+        """The tied output head: [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp] with the
+        word-embedding weight."""
+        return parallel_lm_logits(hidden, self.word_embeddings.weight, sequence_parallel=self.sequence_parallel)
 
 
 def _tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,27 +94,31 @@ def _tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.
 
 
 class TransformerLayerPipe(TransformerLayer):
-    def __init__(self, config: ModelConfig, init_seed: int, layer_number: int):
+    def __init__(self, config: ModelConfig, init_seed: int, layer_number: int, sequence_parallel: bool = False):
         with _seeded(init_seed):
-            super().__init__(config, layer_number)
+            super().__init__(config, layer_number, sequence_parallel)
 
 
 class FinalLayerNormPipe(nn.LayerNorm):
-    def __init__(self, config: ModelConfig, init_seed: int):
+    def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+        if sequence_parallel:  # it normalises this rank's sequence shard
+            for param in self.parameters():
+                set_sequence_parallel_attribute(param)
 
 
 class LMHeadPipe(nn.Module):
     """Untied output head: its own vocab-parallel weight [V/tp, h]."""
 
-    def __init__(self, config: ModelConfig, init_seed: int):
+    def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__()
         with _seeded(init_seed):
             self.output = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, bias=False,
-                                               init_method=normal_init(config.init_method_std))
+                                               init_method=normal_init(config.init_method_std),
+                                               sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(hidden)  # [b, s, h] -> [b, s, V/tp]
+        return self.output(hidden)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp]
 
 
 def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -107,15 +131,16 @@ def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Ten
 def layer_specs(config: Config) -> List[LayerSpec]:
     """The whole GPT, in order, as DeepSpeed specs."""
     model, seed = require_vocab(config), config.training.seed
+    sp = config.parallel.sequence_parallel
     specs: List[LayerSpec] = [
-        TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, tied_weight_attr=["word_embeddings.weight"])
+        TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, tied_weight_attr=["word_embeddings.weight"])
     ]
-    specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i, 1 + i) for i in range(model.num_layers)]
-    specs.append(LayerSpec(FinalLayerNormPipe, model, seed + 1 + model.num_layers))
+    specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i, 1 + i, sp) for i in range(model.num_layers)]
+    specs.append(LayerSpec(FinalLayerNormPipe, model, seed + 1 + model.num_layers, sp))
     if model.untie_embeddings_and_output_weights:
-        specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers))
+        specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers, sp))
     else:
-        specs.append(TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, forward_fn=_tied_head_forward,
+        specs.append(TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, forward_fn=_tied_head_forward,
                                    tied_weight_attr=["word_embeddings.weight"]))
     return specs
 
@@ -141,6 +166,9 @@ class GPTPipe(OwnPartitionPipelineModule):
         if self.global_rank == 0:
             print(self.stage_table, flush=True)
 
+    def run_stage(self, functions, x):
+        return run_stage(functions, x, self._config.model)
+
     def stage_boundaries(self, num_stages: int) -> List[int]:
         config = self._config
         assert num_stages == config.parallel.pipeline_model_parallel_size
@@ -163,6 +191,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: Config):
         super().__init__()
+        self.model_config = config.model
         tied = {}
         self.layers = nn.ModuleList()
         self._forward_fns = []
@@ -181,9 +210,7 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels=None, loss_mask=None) -> torch.Tensor:
         """Logits [b, s, V/tp]; or, given labels and loss_mask, the micro-batch loss."""
-        x = (tokens, position_ids)
-        for fn in self._forward_fns:
-            x = fn(x)
+        x = run_stage(self._forward_fns, (tokens, position_ids), self.model_config)
         if labels is None:
             return x
         return loss_fn(x, (labels, loss_mask))

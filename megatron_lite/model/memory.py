@@ -1,9 +1,13 @@
 """Memory per rank, pipeline stage by pipeline stage, from the config alone.
 
-Bytes on one rank of stage i = weights + gradients + optimizer states
-(model states, held at the optimizer step) + communication buffers
-+ activations (per micro-batch x micro-batches in flight) + the largest
-short-lived peak (head logits / cross entropy, or one recomputed layer).
+Bytes on one rank of stage i at its peak = weights + gradients + optimizer
+states (model states) + communication buffers + the largest of three phases:
+  backward   activations (per micro-batch x micro-batches in flight) + the
+             largest short-lived peak (head logits / cross entropy, or what
+             recompute rebuilds at once);
+  reduction  the gradient reduction's temporary copy (below);
+  step       the optimizer's temporaries (below).
+The activations are gone before the reduction starts.
 
 Notation: P = this rank's parameters on the stage (after the TP split), N = DP,
 w = bytes of a weight (4 fp32, 2 bf16/fp16), e = bytes of an activation element
@@ -37,41 +41,26 @@ twice with `overlap_comm`, and once more at ZeRO 1 under the pipeline engine
 (`reduce_gradients(pipeline_parallel=True)`). Bucket sizes are read from the
 DeepSpeed config our engine will pass (user JSON included).
 
-Pipeline engine buffers (PP > 1), activation-sized (e bsh each) and kept
-between steps: a later stage keeps its received inputs and their gradients
+Gradient reduction (DeepSpeed 0.19 engine.py `buffered_allreduce_fallback`, which the pipeline
+engine runs at ZeRO 0 and under the bf16 optimizer, even at DP 1): it flattens the gradients into
+buckets of up to 5e8 elements and all-reduces each: a copy of min(P, 5e8) gradients (fp32 under the
+bf16 optimizer, whose gradients are its fp32 accumulators; measured on this engine). ZeRO 1/2's own
+buckets are the communication buffers above.
+Optimizer step (torch AdamW): on CUDA its foreach path makes one fp32 temporary of everything it
+steps (the sqrt of the second moments); on CPU the per-tensor path makes two of the largest tensor
+it steps (its parameters at ZeRO 0 fp32, the flat partition of a group under DeepSpeed's optimizers).
+
+Pipeline engine buffers (PP > 1), activation-sized (e bsh each, e bsh / TP with sequence
+parallelism) and kept between steps: a later stage keeps its received inputs and their gradients
 for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3 more (receive
 and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
 this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1.
+The last stage's outputs (its [b, s, V/t] logits) would stay in the engine's pipe buffers after
+backward (DeepSpeed 0.19 clears them on the other stages only): deepspeed_compat frees them
+(`free_last_stage_outputs_after_backward`), so they are not counted.
 
-Activations saved for backward, per micro-batch and transformer layer, for
-our layer (model/transformer.py; what each autograd node keeps, storages
-counted once):
-  2 LayerNorm inputs + 2 LayerNorm outputs       4 e bsh
-  QKV output (q, k, v are views of it)           3 e bsh / t
-  attention context (before the projection)      e bsh / t
-  MLP input of GELU and GELU output              2 e bsf / t
-  fused softmax keeps its output only            e a s^2 b / t
-  attention dropout (p > 0): mask + output       (k + e) a s^2 b / t
-  (--attention-backend sdpa instead: its flash kernels keep the fp32 log-sum-exp,
-  4 a s b / t, and no s^2 term; on CPU, SDPA with dropout takes torch's math path,
-  which keeps what the fused path keeps - both measured on CPU)
-  two hidden dropouts (p > 0): masks             2 k bsh
-  (k = bytes of a dropout mask: 1 on CUDA, where native_dropout keeps a bool
-  mask; e on CPU, where dropout keeps a mask in the input's dtype - measured)
-  LayerNorm mean and rstd (fp32)                 16 bs
-  => Korthikanti et al. 2022's s b h (34 + 5 a s / h) at t = 1, e = 2, f = 4h,
-     up to the LayerNorm statistics.
-  With --recompute-activations a layer keeps only its input (e bsh), and
-  backward rebuilds one layer's activations at a time (a transient).
-First stage adds the embedding: token and position ids (8 bs each), the
-out-of-range mask at t > 1 (bs), the dropout mask (k bsh). Last stage adds the
-final LayerNorm input (e bsh + 8 bs), the head input (e bsh) and the vocab-parallel
-cross entropy's saved fp32 softmax (4 bsV/t) with its targets (9 bs). The cross
-entropy works in place on fp32 logits, so the softmax is the logits' own buffer.
-16-bit logits live on while their fp32 copy is made, and backward turns the fp32
-gradient into a 16-bit one: a transient of e bsV/t when e < 4, none at fp32.
-A non-last stage also keeps its output (e bsh) per micro-batch in flight for
-the send.
+Activations: what autograd keeps per micro-batch, per layer and stage, with sequence
+parallelism and selective / full / partial recompute: model/activations.py.
 
 Micro-batches in flight under DeepSpeed's 1F1B (pipe/schedule.py
 TrainSchedule.num_pipe_buffers): stage i holds min(gas, PP - i); the ZeRO 2/3
@@ -84,8 +73,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 from megatron_lite.config import Config
+from megatron_lite.model import activations
 from megatron_lite.model.arithmetic import spec_parameters, stage_bounds, stage_parameters, transformer_layers_per_stage
-from megatron_lite.model.transformer import resolve_attention_backend
 
 GIB = 1024 ** 3
 DEFAULT_BUCKET = int(5e8)
@@ -105,7 +94,12 @@ class StageMemory:
     micro_batches_in_flight: int
     activations: int
     transient: int
-    """Largest short-lived peak on top of the rest (head logits and cross entropy, or a recomputed layer)."""
+    """Largest short-lived peak on top of the activations (head logits and cross entropy, or what
+    recompute rebuilds at once)."""
+    reduction_transient: int
+    """The gradient reduction's temporary copy (after the activations are freed)."""
+    step_transient: int
+    """The optimizer step's temporaries."""
     cpu_bytes: int
     """What optimizer offload keeps in CPU memory for this rank."""
 
@@ -115,7 +109,8 @@ class StageMemory:
 
     @property
     def peak(self) -> int:
-        return self.model_states + self.communication_buffers + self.activations + self.transient
+        phases = (self.activations + self.transient, self.reduction_transient, self.step_transient)
+        return self.model_states + self.communication_buffers + max(phases)
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(asdict(self), model_states=self.model_states, peak=self.peak)
@@ -180,50 +175,36 @@ def communication_bytes(config: Config, ds_config: Optional[Dict[str, Any]]) -> 
     return buffers * settings["reduce_bucket_size"] * dtype_bytes
 
 
-def _mask_bytes(config: Config, device: str) -> int:
-    return 1 if device == "cuda" else (4 if config.precision.dtype_name == "fp32" else 2)
+def reduction_transient_bytes(parameters: int, zero_stage: int, precision: str, cpu_offload: bool) -> int:
+    """The gradient reduction's temporary flat copy (see above); ZeRO 1/2 buckets are communication buffers."""
+    if _uses_zero_optimizer(zero_stage, precision, cpu_offload) or zero_stage >= 2:
+        return 0
+    return 4 * min(parameters, DEFAULT_BUCKET)  # fp32: ZeRO 0 fp32, or the bf16 optimizer's fp32 gradients
 
 
-def layer_activation_bytes(config: Config, device: str = "cuda") -> int:
-    """Bytes one transformer layer saves for backward for one micro-batch (recompute off)."""
-    m = config.model
-    t, b = config.parallel.tensor_model_parallel_size, config.batch.micro_batch_size
-    s, h, f, a = m.seq_length, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
-    e = 4 if config.precision.dtype_name == "fp32" else 2
-    bsh = b * s * h
-    scores = a * s * s * b // t
-    total = 4 * e * bsh + 4 * e * bsh // t + 2 * e * b * s * f // t + 16 * b * s
-    flash = resolve_attention_backend(m.attention_backend, device) == "sdpa" and (
-        device == "cuda" or m.attention_dropout == 0)
-    if flash:
-        total += 4 * scores // s  # SDPA's flash kernels keep the fp32 log-sum-exp per query, not the scores
-    else:
-        total += e * scores
-        if m.attention_dropout > 0:
-            total += (_mask_bytes(config, device) + e) * scores
-    if m.hidden_dropout > 0:
-        total += 2 * _mask_bytes(config, device) * bsh
-    return total
+def step_transient_bytes(config: Config, parameters: int, largest_tensor: int, device: str) -> int:
+    """torch AdamW's temporaries at the step (see above): fp32, of what it steps."""
+    p, precision = config.parallel, config.precision.dtype_name
+    if p.cpu_offload:
+        return 0  # the step runs on the CPU copy
+    # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
+    flat = _uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload) or p.zero_stage >= 2 or precision == "bf16"
+    stepped = parameters // p.data_parallel_size if flat else parameters
+    if device == "cuda":
+        return 4 * stepped
+    return 2 * 4 * (stepped if flat else largest_tensor)
 
 
-def _embedding_activation_bytes(config: Config, device: str) -> int:
-    m, t, b = config.model, config.parallel.tensor_model_parallel_size, config.batch.micro_batch_size
-    bs = b * m.seq_length
-    total = 8 * bs + (8 * bs if m.position_embedding_type == "learned_absolute" else 0) + (bs if t > 1 else 0)
-    return total + (_mask_bytes(config, device) * bs * m.hidden_size if m.hidden_dropout > 0 else 0)
-
-
-def _head_activation_bytes(config: Config) -> int:
-    m, t, b = config.model, config.parallel.tensor_model_parallel_size, config.batch.micro_batch_size
-    e = 4 if config.precision.dtype_name == "fp32" else 2
-    bs = b * m.seq_length
-    return 2 * e * bs * m.hidden_size + 8 * bs + 4 * bs * m.padded_vocab_size // t + 9 * bs + 8 * bs
-
-
-def _head_transient_bytes(config: Config) -> int:
-    m, t, b = config.model, config.parallel.tensor_model_parallel_size, config.batch.micro_batch_size
-    e = 4 if config.precision.dtype_name == "fp32" else 2
-    return (e if e < 4 else 0) * b * m.seq_length * m.padded_vocab_size // t
+def largest_tensor(config: Config, first: bool, last: bool, layers: int) -> int:
+    """Elements of the largest parameter tensor on a stage (one TP rank)."""
+    m, t = config.model, config.parallel.tensor_model_parallel_size
+    h, vocab = m.hidden_size, m.padded_vocab_size * m.hidden_size // t
+    sizes = [2 * h] + ([3 * h * h // t, m.ffn_hidden_size * h // t] if layers else [])
+    if first:
+        sizes += [vocab] + ([m.max_position_embeddings * h] if m.position_embedding_type == "learned_absolute" else [])
+    if last:
+        sizes.append(vocab)
+    return max(sizes)
 
 
 def pipeline_buffer_count(stage: int, pp: int, gas: int) -> int:
@@ -247,10 +228,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     its zero_optimization settings size the buffers). device: "cuda" or "cpu" (only the dropout masks differ).
     `profile` stage splits are estimated with the FLOP cost split (the timings exist only once running).
     """
-    par, m = config.parallel, config.model
+    par = config.parallel
     precision = config.precision.dtype_name
-    e = 4 if precision == "fp32" else 2
-    bsh = config.batch.micro_batch_size * m.seq_length * m.hidden_size
     bounds = stage_bounds(config, estimate=True)
     params = stage_parameters(config, bounds)
     per_spec = spec_parameters(config)
@@ -260,29 +239,30 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
     num_specs = len(per_spec)
     layers_per_stage = transformer_layers_per_stage(config, bounds)
+    boundary = activations.stage_output_bytes(config)  # [b, s, h] or its sequence shard
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        layers = layers_per_stage[i]
+        layers, first, last = layers_per_stage[i], a == 0, b == num_specs
         states = model_state_bytes(params[i], par.zero_stage, par.data_parallel_size, precision, par.cpu_offload,
                                    settings["offload_param"], largest)
-        per_layer = e * bsh if m.recompute_activations else layer_activation_bytes(config, device)
-        per_mb = layers * per_layer
-        if a == 0:
-            per_mb += _embedding_activation_bytes(config, device)
-        last = b == num_specs
+        per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device)
+        if first:
+            per_mb += activations.embedding_activation_bytes(config, device)
         if last:
-            per_mb += _head_activation_bytes(config)
+            per_mb += activations.head_activation_bytes(config)
         else:
-            per_mb += e * bsh  # this stage's output, kept for the send
+            per_mb += boundary  # this stage's output, kept for the send
         inflight = micro_batches_in_flight(config, i)
-        transient = max(_head_transient_bytes(config) if last else 0,
-                        layer_activation_bytes(config, device) if m.recompute_activations else 0)
         stages.append(StageMemory(
             stage=i, transformer_layers=layers, parameters=params[i], weights=states["weights"],
             gradients=states["gradients"], optimizer_states=states["optimizer_states"],
-            communication_buffers=comm + pipeline_buffer_count(i, pp, gas) * e * bsh,
+            communication_buffers=comm + pipeline_buffer_count(i, pp, gas) * boundary,
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
-            activations=per_mb * inflight, transient=transient, cpu_bytes=states["cpu_bytes"],
+            activations=per_mb * inflight,
+            transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt),
+            reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload),
+            step_transient=step_transient_bytes(config, params[i], largest_tensor(config, first, last, layers), device),
+            cpu_bytes=states["cpu_bytes"],
         ))
     return stages
 
@@ -303,7 +283,7 @@ def format_table(stages: List[StageMemory], gpu_memory_bytes: Optional[int] = No
     cols = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer_states"),
             ("comm", "communication_buffers"), ("act/mb", "activations_per_micro_batch"),
             ("in flight", "micro_batches_in_flight"), ("acts", "activations"), ("transient", "transient"),
-            ("cpu", "cpu_bytes"), ("peak", "peak")]
+            ("reduce", "reduction_transient"), ("step", "step_transient"), ("cpu", "cpu_bytes"), ("peak", "peak")]
     lines = [f"{'stage':>5} {'layers':>6} {'params':>14} " + " ".join(f"{c:>9}" for c, _ in cols)]
     for st in stages:
         d = st.to_dict()

@@ -30,12 +30,12 @@ def _synchronize(device: torch.device) -> None:
 
 def measure_spec_seconds(specs: Sequence, loss_fn: Callable, micro_batch_size: int, seq_length: int,
                          hidden_size: int, vocab_size: int, seed: int, num_layers: int,
-                         device: torch.device, repeats: int = 5) -> List[float]:
+                         device: torch.device, repeats: int = 5, sequence_shards: int = 1) -> List[float]:
     """Median seconds of forward + backward for every spec (specs of one kind share a number).
 
     The first spec takes (tokens, position ids), the last one's output goes through loss_fn,
-    every other one maps hidden states [b, s, h] to [b, s, h]. Random generators are left
-    as they were.
+    every other one maps hidden states [b, s, h] to [b, s, h] ([b, s / sequence_shards, h]
+    under sequence parallelism). Random generators are left as they were.
     """
     b, s, h = micro_batch_size, seq_length, hidden_size
     tokens = torch.randint(0, vocab_size, (b, s), device=device, generator=torch.Generator(device).manual_seed(0))
@@ -56,7 +56,7 @@ def measure_spec_seconds(specs: Sequence, loss_fn: Callable, micro_batch_size: i
                 if i == 0:
                     out = module((tokens, positions)) if forward_fn is None else forward_fn(module, (tokens, positions))
                 else:
-                    x = torch.randn(b, s, h, device=device, requires_grad=True)
+                    x = torch.randn(b, s // sequence_shards, h, device=device, requires_grad=True)
                     out = module(x) if forward_fn is None else forward_fn(module, x)
                 if i == len(specs) - 1:
                     out = loss_fn(out, labels_and_mask)
@@ -72,5 +72,6 @@ def measure_spec_seconds(specs: Sequence, loss_fn: Callable, micro_batch_size: i
                 times.append(time.perf_counter() - start)
             seconds[kind] = statistics.median(times)
             del module
+    get_rng_tracker().reset()
     get_rng_tracker().set_states(tracker_states)
     return [seconds[(_kind(spec), i == 0, i == len(specs) - 1)] for i, spec in enumerate(specs)]

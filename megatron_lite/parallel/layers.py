@@ -13,6 +13,13 @@ Every parameter carries `tensor_model_parallel`, `partition_dim` and
 `partition_stride`: the gradient norm counts split parameters on every rank
 and replicated ones once (DeepSpeed reads the same `tensor_model_parallel`
 flag), and checkpoint merging knows how to put slices back together.
+
+With sequence_parallel=True (--sequence-parallel) the column-parallel layers take
+[b, s/tp, in] sequence shards and all-gather them, and the row-parallel ones
+reduce-scatter their output to [b, s/tp, out]. A replicated parameter that sees only
+this rank's shard (LayerNorms, the row-parallel bias) then gets a partial gradient:
+it carries `sequence_parallel = True`, and its gradient is summed over TP once per
+step (parallel/sequence_parallel.py).
 """
 from __future__ import annotations
 
@@ -24,8 +31,11 @@ from torch import nn
 
 from megatron_lite.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_along_sequence,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_along_sequence,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from megatron_lite.parallel.tp import partition_range, split_size, tp_rank, tp_world_size
@@ -43,6 +53,41 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
     param.partition_stride = stride
+
+
+def set_sequence_parallel_attribute(param: torch.Tensor) -> None:
+    """Tag a replicated parameter used on sequence shards: its gradient must be summed over TP."""
+    param.sequence_parallel = True
+
+
+def is_sequence_parallel_parameter(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = all_gather_sequence(x) A^T + b for a sequence shard x [b, s/tp, in].
+
+    The all-gather (backward: reduce-scatter) fused with the matmul that consumes it, as in
+    Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication: autograd keeps the shard
+    [b, s/tp, in], not the gathered [b, s, in], and backward gathers it again for the weight
+    gradient (Korthikanti et al. 2022, section 4.2.2: what makes the stored activations 1/tp).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias = bias is not None
+        return F.linear(gather_along_sequence(x), weight, bias)  # [b, s/tp, in] -> [b, s, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        full = gather_along_sequence(x)  # [b, s, in] again
+        grad_input = reduce_scatter_along_sequence(grad_output.matmul(weight))  # partial over TP -> [b, s/tp, in]
+        grad_rows = grad_output.reshape(-1, grad_output.size(-1))  # [b s, out/tp]
+        grad_weight = grad_rows.t().matmul(full.reshape(-1, full.size(-1)))
+        grad_bias = grad_rows.sum(0) if ctx.use_bias else None
+        return grad_input, grad_weight, grad_bias
 
 
 def _master_slice(full_shape, partition_dim: int, stride: int, init_method: InitMethod) -> torch.Tensor:
@@ -75,9 +120,13 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
                  init_method: Optional[InitMethod] = None, stride: int = 1,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
         super().__init__()
         world = tp_world_size()
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True: a sequence-parallel input feeds "
+                             "split layers; gather the output where it is needed")
+        self.sequence_parallel = sequence_parallel and world > 1
         if gather_output and stride > 1 and world > 1:
             raise ValueError(f"gather_output=True with stride {stride} at TP {world} would return the output "
                              "in per-rank [q_r k_r v_r] order, not the dense order; keep gather_output=False")
@@ -95,6 +144,8 @@ class ColumnParallelLinear(nn.Module):
                                    True, 0, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return _SequenceParallelLinear.apply(x, self.weight, self.bias)  # [b, s/tp, in] -> [b, s, out/tp]
         x = copy_to_tensor_model_parallel_region(x)
         y = F.linear(x, self.weight, self.bias)  # [..., in] -> [..., out/tp]
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
@@ -104,9 +155,13 @@ class RowParallelLinear(nn.Module):
     """y = x A^T + b with A split along its input columns: partial products summed over ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
-                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32):
+                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False):
         super().__init__()
         world = tp_world_size()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input is split over TP)")
+        self.sequence_parallel = sequence_parallel and world > 1
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = split_size(input_size, world, f"RowParallelLinear input_size (TP {world})")
@@ -115,13 +170,19 @@ class RowParallelLinear(nn.Module):
         self.weight = _parameter((output_size, self.input_size_per_partition), params_dtype, weight, True, 1)
         # Replicated: added once after the reduce, so every rank holds the whole bias.
         self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None
+        if self.bias is not None and self.sequence_parallel:
+            set_sequence_parallel_attribute(self.bias)  # added to this rank's sequence shard only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)  # [..., in] -> [..., in/tp]
         if tp_world_size() == 1:  # nothing to reduce: the bias goes into the matmul (one addmm)
             return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))  # [..., out]
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)  # [b, s, out] partial -> [b, s/tp, out]
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)  # [..., out]
         return y if self.bias is None else y + self.bias
 
 
@@ -150,10 +211,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallel_lm_logits(hidden: torch.Tensor, word_embedding_weight: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None, parallel_output: bool = True) -> torch.Tensor:
+                       bias: Optional[torch.Tensor] = None, parallel_output: bool = True,
+                       sequence_parallel: bool = False) -> torch.Tensor:
     """Output-head logits against a vocab-split weight (a tied head passes the embedding's weight).
 
     [..., h] x [V/tp, h] -> [..., V/tp]; parallel_output=False gathers [..., V] (for generation).
+    sequence_parallel: hidden is a sequence shard [b, s/tp, h], gathered here (the logits of every
+    position are what the vocab-parallel cross entropy needs).
     """
-    logits = F.linear(copy_to_tensor_model_parallel_region(hidden), word_embedding_weight, bias)
+    if sequence_parallel and tp_world_size() > 1:
+        logits = _SequenceParallelLinear.apply(hidden, word_embedding_weight, bias)  # [b, s, V/tp]
+    else:
+        logits = F.linear(copy_to_tensor_model_parallel_region(hidden), word_embedding_weight, bias)
     return logits if parallel_output else gather_from_tensor_model_parallel_region(logits)

@@ -8,6 +8,19 @@ must do so gradients stay correct.
     scatter forward split        backward all-gather   (last dim)
     gather  forward all-gather   backward split        (last dim)
 
+Sequence parallelism (--sequence-parallel) splits the residual stream along the
+sequence, dim 1 of our batch-first [b, s, h] activations, into [b, s/tp, h]:
+
+    scatter to seq     forward split        backward all-gather  (embedding output -> shards)
+    reduce-scatter     forward reduce-scatter backward all-gather (row-parallel partial sums -> shards)
+    gather from seq    forward all-gather   backward reduce-scatter: fused into the column-parallel
+                       linear that consumes it (layers.py), so backward keeps only the shard
+
+A reduce-scatter plus an all-gather move the bytes of the all-reduce they replace.
+Dim 1 is not the outermost dim: each collective runs on a [tp, b, s/tp, h] buffer
+(one extra copy of the activation when b > 1, a view when b = 1) instead of moving
+the whole model to sequence-first [s, b, h] as Megatron-LM does.
+
 At TP = 1 the public functions return their input unchanged: no autograd
 node, no collective.
 """
@@ -17,6 +30,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel.tp import all_reduce, split_size, tp_group, tp_rank, tp_world_size
+
+# torch 2.13 calls them *_single and warns on the *_tensor names, the only ones earlier releases have.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _reduce(x: torch.Tensor) -> torch.Tensor:
@@ -36,6 +53,31 @@ def _gather_along_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_world_size())]
     dist.all_gather(parts, x, group=tp_group())
     return torch.cat(parts, dim=-1)
+
+
+def split_along_sequence(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, ...] -> [b, s/tp, ...], this rank's contiguous part of the sequence (no autograd node)."""
+    size = split_size(x.size(1), tp_world_size(), "sequence length")
+    return x.narrow(1, tp_rank() * size, size).contiguous()
+
+
+def gather_along_sequence(x: torch.Tensor) -> torch.Tensor:
+    """[b, s/tp, ...] -> [b, s, ...], rank order along the sequence (no autograd node)."""
+    world = tp_world_size()
+    stacked = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(stacked, x.contiguous(), group=tp_group())
+    parts = stacked.view((world,) + tuple(x.shape))  # [tp, b, s/tp, ...]
+    return parts.movedim(0, 1).reshape((x.size(0), world * x.size(1)) + tuple(x.shape[2:]))
+
+
+def reduce_scatter_along_sequence(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, ...] partial sums -> [b, s/tp, ...], this rank's part of the sum over TP (no autograd node)."""
+    world = tp_world_size()
+    size = split_size(x.size(1), world, "sequence length")
+    parts = x.unflatten(1, (world, size)).movedim(1, 0).contiguous()  # [tp, b, s/tp, ...]
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group())  # rank r gets the sum of parts[r]
+    return out
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -78,6 +120,26 @@ class _GatherFromModelParallelRegion(torch.autograd.Function):
         return _split_along_last_dim(grad_output)
 
 
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return split_along_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_along_sequence(grad_output)
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return reduce_scatter_along_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return gather_along_sequence(grad_output)
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if tp_world_size() == 1 else _CopyToModelParallelRegion.apply(x)
 
@@ -92,3 +154,13 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if tp_world_size() == 1 else _GatherFromModelParallelRegion.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, h] replicated -> [b, s/tp, h], this rank's part of the sequence."""
+    return x if tp_world_size() == 1 else _ScatterToSequenceParallelRegion.apply(x)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, h] partial sums over TP -> [b, s/tp, h] of the sum."""
+    return x if tp_world_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)

@@ -11,7 +11,15 @@ or the data-parallel rank, so a layer draws the same masks under any PP layout:
                            probabilities of this rank's heads), different per TP rank as it
                            would be for different heads at TP = 1. So attention dropout
                            at TP > 1 draws other masks than at TP = 1, as in Megatron-LM
-  'model-parallel-rng'     seed + 2718 + tp_rank: split activations outside any layer
+  'layer-N-sequence-shard' (seed, N, "sequence-shard", tp_rank): with --sequence-parallel,
+                           the residual-stream dropout of layer N, on this TP rank's part of
+                           the sequence; a stream per TP rank, as Megatron-LM forks its
+                           model-parallel generator there: the same stream on every rank would
+                           repeat one mask pattern on every sequence shard
+  'model-parallel-rng'     seed + 2718 + tp_rank: split activations outside any layer (with
+                           --sequence-parallel, the embedding dropout on this rank's shard)
+So --sequence-parallel changes the residual-stream and embedding dropout masks (not their
+distribution) and leaves the attention-probability masks as they are.
 The default generators get `seed`, identical on every rank. The tracker keeps
 each stream's state aside and swaps it in inside `get_rng_tracker().fork(name)`.
 Each state is the CPU generator's plus, when CUDA is available, the current
@@ -68,7 +76,9 @@ class RNGStatesTracker:
         return dict(self._states)
 
     def set_states(self, states: Dict[str, RNGState]) -> None:
-        self._states = dict(states)
+        """Set the given streams; streams not in `states` keep their state (a checkpoint saved before a
+        stream existed still restores every stream it has)."""
+        self._states.update(states)
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
@@ -110,6 +120,11 @@ def layer_split_rng(layer_number: int) -> str:
     return f"layer-{layer_number}-tp-rank"
 
 
+def layer_sequence_shard_rng(layer_number: int) -> str:
+    """Stream of layer `layer_number`'s residual-stream dropout on this TP rank's sequence shard."""
+    return f"layer-{layer_number}-sequence-shard"
+
+
 def stream_seed(*key) -> int:
     """A 64-bit seed that is a fixed function of key, e.g. (seed, layer number, TP rank).
 
@@ -128,6 +143,7 @@ def model_parallel_seed(seed: int, num_layers: int) -> None:
     for n in range(1, num_layers + 1):
         _RNG_TRACKER.add(layer_rng(n), stream_seed(seed, n))
         _RNG_TRACKER.add(layer_split_rng(n), stream_seed(seed, n, tp_rank()))
+        _RNG_TRACKER.add(layer_sequence_shard_rng(n), stream_seed(seed, n, "sequence-shard", tp_rank()))
 
 
 def checkpoint(function, *args):

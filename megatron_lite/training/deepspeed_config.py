@@ -55,7 +55,17 @@ def _ours(config: Config) -> Dict[str, Any]:
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
         **offload,
+        **_pipeline(config),
     }
+
+
+def _pipeline(config: Config) -> Dict[str, Any]:
+    if not config.parallel.sequence_parallel:
+        return {}
+    # DeepSpeed's pipeline engine cuts a stage's output (and its gradient) into TP parts for the send and
+    # gathers them on the next stage, assuming every TP rank holds the same tensor. Under sequence
+    # parallelism each rank holds its own sequence shard, already 1/TP of the activation: send it whole.
+    return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
 
 
 def _merge(ours: Dict[str, Any], theirs: Dict[str, Any], source: str, path: str = "") -> Dict[str, Any]:

@@ -26,6 +26,7 @@ from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, sequence_parallel_parameters
 from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
@@ -70,6 +71,22 @@ class Engine:
         self.io.install(self.engine)
         if self.pipelined and config.parallel.zero_stage == 0 and config.parallel.data_parallel_size == 1:
             deepspeed_compat.skip_gradient_all_reduce(self.engine)
+        if self.pipelined:
+            # The last stage's logits are not needed once their backward ran (deepspeed_compat says why).
+            deepspeed_compat.free_last_stage_outputs_after_backward(self.engine)
+            if config.parallel.sequence_parallel:
+                self._sum_sequence_parallel_gradients_before_reduction()
+
+    def _sum_sequence_parallel_gradients_before_reduction(self) -> None:
+        """Once per step, before DeepSpeed reduces gradients: the LayerNorm and row-parallel bias gradients,
+        each rank's over its own sequence shard, summed over TP (parallel/sequence_parallel.py)."""
+        params = sequence_parallel_parameters(self.module)
+        engine = self.engine
+
+        def reduce():
+            all_reduce_gradients_over_tp([deepspeed_compat.accumulated_gradient(engine, p) for p in params])
+
+        deepspeed_compat.before_gradient_reduction(engine, reduce)
 
     @property
     def device(self) -> torch.device:

@@ -204,7 +204,8 @@ def maybe_log(run: Run, stats: StepStats) -> None:
         seconds=interval.seconds, iterations=interval.iterations, samples=interval.samples,
         global_batch_size=interval.global_batch_size,
     )
-    scalars = interval_scalars(summary, config.model, config.parallel.world_size)
+    scalars = interval_scalars(summary, config.model, config.parallel.world_size,
+                               getattr(run.engine.module, "layers_per_stage", None))
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     run.tb.write("train", scalars, run.iteration)
     run.records.write("interval", iteration=run.iteration, iterations=interval.iterations, seconds=interval.seconds,

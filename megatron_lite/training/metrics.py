@@ -3,7 +3,8 @@
 FLOPs follow Megatron-LM's accounting (model/arithmetic.py `training_flops_per_token`):
 per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 4sh (attention
 scores and weighted values, counted in full), the head 2hV; training costs 3x the
-forward, plus one more forward of every layer when activations are recomputed.
+forward, plus what activation recompute runs again (the recomputed layers, or every
+layer's attention scores under selective recompute; arithmetic.py says exactly what).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import os
 import resource
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -71,11 +72,13 @@ class IntervalStats:
     """Global batch of the interval's last step (grows during ramp-up)."""
 
 
-def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int) -> Dict[str, float]:
+def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int,
+                     layers_per_stage: Optional[Sequence[int]] = None) -> Dict[str, float]:
+    """layers_per_stage: transformer layers on each pipeline stage (for --recompute-method block)."""
     per_iter = stats.seconds / max(stats.iterations, 1)
     samples_per_s = stats.samples / stats.seconds
     tokens_per_s = samples_per_s * model.seq_length
-    tflops_per_rank = tokens_per_s * training_flops_per_token(model) / world_size / 1e12
+    tflops_per_rank = tokens_per_s * training_flops_per_token(model, layers_per_stage) / world_size / 1e12
     scalars = {
         "loss": stats.loss, "lr": stats.lr, "ms_per_iteration": per_iter * 1e3, "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops_per_rank, "skipped_steps": stats.skipped_steps,

@@ -30,7 +30,8 @@ def agreed_spec_seconds(config: Config) -> List[float]:
     m = config.model
     seconds = measure_spec_seconds(
         layer_specs(config), loss_fn, config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
-        config.training.seed, m.num_layers, device=_this_rank_device())
+        config.training.seed, m.num_layers, device=_this_rank_device(),
+        sequence_shards=config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel else 1)
     return state.agree_with_rank0(seconds)
 
 

@@ -9,16 +9,26 @@ pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
 layout is never refused at launch; its command line is written from that
 Config (`arguments.config_to_argv`). A refused candidate keeps the validation
 error's code (`reason_code`), by which the plan groups its rejections. Then
-the memory savers are tried, fastest first (design notes: ZeRO 0 > 1 > 2 > 2 + optimizer offload >
-3 > 3 + parameter offload, 2 and 3 only at PP = 1), each first without and then
-with activation recompute; the first whose predicted peak on every stage fits
-the GPU less the margin is kept, and the plan says which saver that was.
+the memory savers are tried, fastest first (`savers`), and the first whose
+predicted peak on every stage fits the GPU less the margin is kept; the plan
+says which saver that was:
+  tier 0, no extra compute: ZeRO 0, then 1, each alone, then with sequence
+          parallelism (TP > 1; its reduce-scatter + all-gather move the bytes of
+          the all-reduce they replace); then selective recompute (the attention
+          core's scores again) with ZeRO 0, then 1
+  tier 1, recompute whole layers: --recompute-method block with 1, 2, 4, ... layers
+          per stage, then every layer (uniform 1), ZeRO 0 then 1 at each
+  tier 2, ZeRO 2 / 2 + optimizer offload / 3 / 3 + parameter offload (PP = 1
+          only, design notes' order), each with no recompute, selective,
+          block and full recompute (no sequence parallelism: it runs under the
+          pipeline engine only)
 
 Order (default `shaden`): layouts with gas >= 8 x PP (bubble <= ~11%) first,
-then TP closest to the GPUs per node, then the saver tier (ZeRO 0/1 alone,
-then with recompute, then ZeRO 2/3/offload: stages are added only when the
-cheap savers do not fit), the fewest stages, micro batch 1 before larger ones,
-and predicted throughput last. `throughput`
+then TP closest to the GPUs per node, then the saver tier (a layout that fits
+with sequence parallelism or selective recompute ranks above one that needs
+whole layers recomputed, and both above ZeRO 2/3/offload: stages are added only
+when the cheap savers do not fit), the fewest stages, micro batch 1 before
+larger ones, the saver's place in its tier, and predicted throughput last. `throughput`
 orders by the predicted tokens/s of tuning/throughput.py alone.
 Samyam's micro-batch probe (`micro_batch_probe`): one node, the model cut to a
 few layers at full hidden size, PP = 1, micro batch 1..64 at gas 1.
@@ -36,6 +46,7 @@ from megatron_lite.atomic import write_text
 from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.model import memory
 from megatron_lite.model.arithmetic import (
+    recompute_forward_flops_per_token,
     stage_bounds,
     stage_flops,
     transformer_layers_per_stage,
@@ -46,7 +57,8 @@ from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
 from megatron_lite.validation import validate
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                 "gradient_accumulation_steps", "zero_stage", "cpu_offload", "recompute_activations")
+                 "gradient_accumulation_steps", "zero_stage", "cpu_offload", "sequence_parallel",
+                 "recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers")
 """Config fields each candidate sets (the user's values for them are replaced)."""
 LAYOUT_FLAGS = tuple(flag_for(name) for name in LAYOUT_FIELDS)
 REJECTION_LABELS = {
@@ -62,6 +74,62 @@ REJECTION_LABELS = {
 ZERO_LADDER = ((0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False),
                (3, True, True))
 """(ZeRO stage, optimizer offload, parameter offload), fastest first."""
+
+
+@dataclass(frozen=True)
+class Saver:
+    """A memory saver: ZeRO and offload, sequence parallelism, activation recompute."""
+    zero_stage: int = 0
+    cpu_offload: bool = False
+    offload_param: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+
+    @property
+    def tier(self) -> int:
+        """0: no extra compute (selective's scores aside); 1: whole layers recomputed; 2: ZeRO 2/3 or offload."""
+        if self.zero_stage >= 2 or self.cpu_offload:
+            return 2
+        return 1 if self.recompute_granularity == "full" else 0
+
+    @property
+    def name(self) -> str:
+        parts = [f"ZeRO {self.zero_stage}"] if self.zero_stage else []
+        if self.offload_param:
+            parts.append("parameter + optimizer offload")
+        elif self.cpu_offload:
+            parts.append("optimizer offload")
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        if self.recompute_granularity == "selective":
+            parts.append("selective recompute")
+        elif self.recompute_method == "block":
+            parts.append(f"recompute {self.recompute_num_layers} layer{'s' if self.recompute_num_layers > 1 else ''}"
+                         f" per stage")
+        elif self.recompute_granularity == "full":
+            parts.append("full recompute")
+        return " + ".join(parts) or "none"
+
+
+def savers(tp: int, pp: int, seq_length: int, max_stage_layers: int) -> List[Saver]:
+    """Every saver to try for a layout, fastest first (the module docstring gives the order)."""
+    sp = tp > 1 and seq_length % tp == 0
+    activation = [{}] + ([{"sequence_parallel": True}] if sp else [])
+    selective = {"sequence_parallel": sp, "recompute_granularity": "selective"}
+    full = [{"sequence_parallel": sp, "recompute_granularity": "full", "recompute_method": "block",
+             "recompute_num_layers": n} for n in (2 ** k for k in range(max_stage_layers.bit_length()))
+            if n < max_stage_layers]
+    full.append({"sequence_parallel": sp, "recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1})
+    ladder = [Saver(zero, **a) for zero in (0, 1) for a in activation]
+    ladder += [Saver(zero, **selective) for zero in (0, 1)]
+    ladder += [Saver(zero, **f) for f in full for zero in (0, 1)]
+    no_sp = [{}, {"recompute_granularity": "selective"}] + [dict(f, sequence_parallel=False) for f in full]
+    ladder += [Saver(zero, offload, offload_param, **a) for zero, offload, offload_param in ZERO_LADDER[2:]
+               if pp == 1 for a in no_sp]
+    return ladder
 OFFLOAD_PARAM_JSON = "zero3_offload_param.json"
 
 
@@ -80,9 +148,16 @@ class Candidate:
     zero_stage: int = 0
     cpu_offload: bool = False
     offload_param: bool = False
-    recompute_activations: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     saver: str = ""
     """The memory saver that made it fit ("none" when the fastest setting fits)."""
+    saver_tier: int = 0
+    """0: nothing or sequence parallelism / selective recompute; 1: whole layers recomputed; 2: ZeRO 2/3, offload."""
+    saver_order: int = 0
+    """The saver's place in the layout's list of savers, fastest first."""
     peak_bytes_per_stage: List[int] = field(default_factory=list)
     stage_memory: List[Dict[str, Any]] = field(default_factory=list)
     predicted_pipeline_efficiency: float = 0.0
@@ -103,17 +178,6 @@ class Candidate:
                 f"dp{self.data_parallel_size}_mb{self.micro_batch_size}")
 
 
-def saver_name(zero: int, offload: bool, offload_param: bool, recompute: bool) -> str:
-    parts = [f"ZeRO {zero}"] if zero else []
-    if offload_param:
-        parts.append("parameter + optimizer offload")
-    elif offload:
-        parts.append("optimizer offload")
-    if recompute:
-        parts.append("activation recompute")
-    return " + ".join(parts) or "none"
-
-
 def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[str]) -> Config:
     """The user's (unvalidated) config with the candidate's layout."""
     extra = {"training__deepspeed_config": offload_param_json} if c.offload_param else {}
@@ -121,8 +185,13 @@ def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[st
         parallel__tensor_model_parallel_size=c.tensor_model_parallel_size,
         parallel__pipeline_model_parallel_size=c.pipeline_model_parallel_size,
         parallel__zero_stage=c.zero_stage, parallel__cpu_offload=c.cpu_offload,
+        parallel__sequence_parallel=c.sequence_parallel,
         batch__micro_batch_size=c.micro_batch_size, batch__gradient_accumulation_steps=None,
-        model__recompute_activations=c.recompute_activations, **extra)
+        model__recompute_activations=False, model__recompute_granularity=c.recompute_granularity,
+        model__recompute_method=c.recompute_method, model__recompute_num_layers=c.recompute_num_layers, **extra)
+
+
+SAVER_FLAGS = ("cpu_offload", "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
 def layout_argv(c: Candidate, config: Config) -> List[str]:
@@ -130,7 +199,7 @@ def layout_argv(c: Candidate, config: Config) -> List[str]:
     DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
     shown = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage")
     return (config_to_argv(config, fields=shown, include_defaults=True)
-            + config_to_argv(config, fields=("cpu_offload", "recompute_activations"))
+            + config_to_argv(config, fields=SAVER_FLAGS)
             + (config_to_argv(config, fields=("deepspeed_config",)) if c.offload_param else []))
 
 
@@ -167,31 +236,29 @@ def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], wor
     pp = base.pipeline_model_parallel_size
     last_error: Optional[ConfigError] = None
     smallest = None
-    for zero, offload, offload_param in ZERO_LADDER:
-        if pp > 1 and zero >= 2:
+    stage_layers = -(-model.model.num_layers // pp)  # the most a stage holds under a uniform split
+    for order, saver in enumerate(savers(base.tensor_model_parallel_size, pp, model.model.seq_length,
+                                         stage_layers)):
+        c = Candidate(**{**asdict(base), **asdict(saver), "saver": saver.name, "saver_tier": saver.tier,
+                         "saver_order": order})
+        planned = candidate_config(model, c, offload_param_json)
+        try:
+            config = validate_candidate(planned, world)
+        except ConfigError as e:
+            last_error = e
             continue
-        for recompute in (False, True):
-            c = Candidate(**{**asdict(base), "zero_stage": zero, "cpu_offload": offload,
-                             "offload_param": offload_param, "recompute_activations": recompute})
-            planned = candidate_config(model, c, offload_param_json)
-            try:
-                config = validate_candidate(planned, world)
-            except ConfigError as e:
-                last_error = e
-                continue
-            stages = memory.estimate(config, deepspeed_config(config), device=device)
-            peaks = [st.peak for st in stages]
-            if smallest is None or max(peaks) < max(smallest[0]):
-                smallest = (peaks, saver_name(zero, offload, offload_param, recompute))
-            if max(peaks) <= budget:
-                c.saver = saver_name(zero, offload, offload_param, recompute)
-                c.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
-                c.peak_bytes_per_stage = peaks
-                c.stage_memory = [st.to_dict() for st in stages]
-                c.argv = layout_argv(c, planned)
-                shown = [f for f in model_fields if not (offload_param and f == "deepspeed_config")]
-                c.pretrain_argv = config_to_argv(planned, fields=shown, include_defaults=True) + c.argv
-                return c, config, "", ""
+        stages = memory.estimate(config, deepspeed_config(config), device=device)
+        peaks = [st.peak for st in stages]
+        if smallest is None or max(peaks) < max(smallest[0]):
+            smallest = (peaks, saver.name)
+        if max(peaks) <= budget:
+            c.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
+            c.peak_bytes_per_stage = peaks
+            c.stage_memory = [st.to_dict() for st in stages]
+            c.argv = layout_argv(c, planned)
+            shown = [f for f in model_fields if not (c.offload_param and f == "deepspeed_config")]
+            c.pretrain_argv = config_to_argv(planned, fields=shown, include_defaults=True) + c.argv
+            return c, config, "", ""
     if smallest is None:
         return None, None, str(last_error), last_error.code
     worst = max(range(len(smallest[0])), key=lambda i: smallest[0][i])
@@ -205,31 +272,29 @@ def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
     bounds = stage_bounds(config, estimate=True)
     flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
     params = [st["parameters"] for st in c.stage_memory]
+    again = [recompute_forward_flops_per_token(m, [n]) for n in layers]
     times = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
                                  tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
                                  dp=c.data_parallel_size, micro=c.micro_batch_size,
                                  gas=c.gradient_accumulation_steps, zero_stage=c.zero_stage,
-                                 recompute=c.recompute_activations, cpu_offload=c.cpu_offload)
+                                 recompute_flops=again, cpu_offload=c.cpu_offload,
+                                 sequence_parallel=c.sequence_parallel)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
 
-SAVERS = [saver_name(*z, r) for z in ZERO_LADDER for r in (False, True)]
-
-
 def saver_tier(c: Candidate) -> int:
-    """0: ZeRO 0/1 alone; 1: with activation recompute; 2: ZeRO 2/3 or offload (the slow savers)."""
-    if c.zero_stage >= 2 or c.cpu_offload:
-        return 2
-    return 1 if c.recompute_activations else 0
+    """0: nothing, sequence parallelism or selective recompute; 1: whole layers recomputed; 2: ZeRO 2/3 or
+    offload (the slow savers)."""
+    return c.saver_tier
 
 
 def _shaden_key(c: Candidate, gpus_per_node: int):
     # Pipeline stages are added only where the cheap savers do not make fewer stages fit.
     return (c.gradient_accumulation_steps < 8 * c.pipeline_model_parallel_size,
             abs(math.log2(c.tensor_model_parallel_size / gpus_per_node)),
-            saver_tier(c), c.pipeline_model_parallel_size, c.micro_batch_size, SAVERS.index(c.saver),
+            c.saver_tier, c.pipeline_model_parallel_size, c.micro_batch_size, c.saver_order,
             -c.predicted_tokens_per_s)
 
 
@@ -298,7 +363,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     return Plan(mode, cluster, model_argv, budget, kept, rejected, notes)
 
 
-_SAVER_FIELDS = ("zero_stage", "cpu_offload", "recompute_activations")
+_SAVER_FIELDS = ("zero_stage", "cpu_offload", "sequence_parallel", "recompute_activations", "recompute_granularity",
+                 "recompute_method", "recompute_num_layers")
 
 
 def _shown(value) -> str:

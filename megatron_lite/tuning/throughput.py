@@ -4,11 +4,14 @@ One optimizer step of a layout (TP t, PP p, DP n, micro batch b, gas g):
 
   step = (g + p - 1) x max over stages (compute_i + tp_comm_i) + p2p + dp_comm + offload
 
-  compute_i  = 3 (4 with recompute) x stage forward FLOPs x b x s / t / (peak x gemm_eff(b s))
+  compute_i  = (3 x stage forward FLOPs + what recompute runs again on the stage: model/arithmetic.py
+               `recompute_forward_flops_per_token`) x b x s / t / (peak x gemm_eff(b s))
                gemm_eff(tokens) = tokens / (tokens + 256): small matrices run below peak
   tp_comm_i  = layers_i x 4 all-reduces x 2 (t-1)/t x (b s h x 2 bytes) / bandwidth
-               (forward and backward, two per layer each; NVLink when the TP group sits in a node)
-  p2p        = 2 (g + p - 1) x b s h x 2 bytes / bandwidth between consecutive stages
+               (forward and backward, two per layer each; NVLink when the TP group sits in a node;
+               sequence parallelism replaces each by a reduce-scatter and an all-gather, the same bytes)
+  p2p        = 2 (g + p - 1) x b s h x 2 bytes / bandwidth between consecutive stages (/ t with
+               sequence parallelism: a stage sends its sequence shard)
   dp_comm    = 2 (n-1)/n x stage parameters x 2 bytes / bandwidth; ZeRO 3 moves 1.5x that
   offload    = 16 bytes x partition parameters / host bandwidth (CPU Adam and the copies)
 
@@ -42,20 +45,22 @@ def gemm_efficiency(tokens: int) -> float:
 def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
                          stage_parameters: Sequence[int], hw: Hardware, *, hidden: int, seq: int,
                          tp: int, pp: int, dp: int, micro: int, gas: int, zero_stage: int,
-                         recompute: bool, cpu_offload: bool) -> Dict[str, float]:
+                         recompute_flops: Sequence[float], cpu_offload: bool,
+                         sequence_parallel: bool = False) -> Dict[str, float]:
+    """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage."""
     tokens = micro * seq
-    passes = 4.0 if recompute else 3.0
     flops_per_s = hw.peak_tflops * 1e12 * gemm_efficiency(tokens)
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
     tp_bw = gbps(tp <= hw.gpus_per_node)
     act_bytes = tokens * hidden * 2
     per_stage: List[float] = []
-    for flops, layers in zip(stage_flops_per_token, stage_layers):
-        compute = passes * flops * tokens / tp / flops_per_s
+    for flops, again, layers in zip(stage_flops_per_token, recompute_flops, stage_layers):
+        compute = (3.0 * flops + again) * tokens / tp / flops_per_s
         tp_comm = layers * 4 * 2 * (tp - 1) / tp * act_bytes / tp_bw if tp > 1 else 0.0
         per_stage.append(compute + tp_comm)
     # Rank order is (pipe, data, model): a stage spans tp x dp consecutive ranks.
-    p2p = 2 * (gas + pp - 1) * act_bytes / gbps(tp * dp * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
+    sent = act_bytes / tp if sequence_parallel else act_bytes
+    p2p = 2 * (gas + pp - 1) * sent / gbps(tp * dp * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
     dp_inside = tp * dp <= hw.gpus_per_node
     largest = max(stage_parameters)
     dp_comm = 2 * (dp - 1) / dp * largest * 2 / gbps(dp_inside) * (1.5 if zero_stage == 3 else 1.0) if dp > 1 else 0.0

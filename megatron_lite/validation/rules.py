@@ -146,7 +146,61 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         value = getattr(m, name)
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{flag(name)} {value} must be in [0, 1), e.g. 0.1")
-    return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos)
+    _check_sequence_parallel(config)
+    granularity = _recompute_granularity(m, notes)
+    return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
+                          model__recompute_granularity=granularity)
+
+
+def _check_sequence_parallel(config: Config) -> None:
+    p, seq = config.parallel, config.model.seq_length
+    tp = p.tensor_model_parallel_size
+    if not p.sequence_parallel:
+        return
+    if tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence across the tensor-parallel ranks and needs "
+                          "--tensor-model-parallel-size 2 or more; got 1. Use --tensor-model-parallel-size 2, or "
+                          "drop --sequence-parallel", code="sequence_parallel_without_tp")
+    if seq % tp:
+        raise ConfigError(f"--seq-length {seq} is not divisible by --tensor-model-parallel-size {tp}: "
+                          f"--sequence-parallel gives each TP rank seq-length / TP positions. Use --seq-length "
+                          f"{batching.or_join(batching.nearest_multiples(seq, tp))}", code="seq_not_divisible_by_tp")
+    if p.zero_stage >= 2:
+        raise ConfigError(f"--sequence-parallel with --zero-stage {p.zero_stage}: the sequence-parallel gradients "
+                          f"(LayerNorms, row-parallel biases) are summed over TP once per step in the pipeline "
+                          f"engine, which ZeRO 2/3 do not use; use --zero-stage 1 (or 0)",
+                          code="sequence_parallel_with_zero")
+
+
+def _recompute_granularity(m, notes: List[str]):
+    """Megatron-LM's rules for --recompute-granularity / -method / -num-layers; the granularity to use."""
+    granularity = m.recompute_granularity
+    if m.recompute_activations:
+        if granularity == "full":
+            raise ConfigError("--recompute-activations means --recompute-granularity selective (as in Megatron-LM); "
+                              "it contradicts --recompute-granularity full: drop one of them")
+        granularity = "selective"
+        notes.append("note: --recompute-activations recomputes the attention core (--recompute-granularity "
+                     "selective, as in Megatron-LM); before this version it recomputed whole layers, which is now "
+                     "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    if granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {granularity} is not full or selective")
+    if m.recompute_method not in (None, "uniform", "block"):
+        raise ConfigError(f"--recompute-method {m.recompute_method} is not uniform or block")
+    if granularity == "full":
+        if m.recompute_method is None or m.recompute_num_layers is None:
+            raise ConfigError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                              "--recompute-num-layers N, as in Megatron-LM; e.g. --recompute-method uniform "
+                              "--recompute-num-layers 1 recomputes every layer from its own input")
+        if not 1 <= m.recompute_num_layers <= m.num_layers:
+            raise ConfigError(f"--recompute-num-layers {m.recompute_num_layers} must be between 1 and --num-layers "
+                              f"{m.num_layers}, e.g. 1")
+    else:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(m, name) is not None:
+                raise ConfigError(f"{flag(name)} {getattr(m, name)} applies only with --recompute-granularity full; "
+                                  f"add --recompute-granularity full or drop {flag(name)}")
+    return granularity
 
 
 def batch_rules(config: Config, notes: List[str]) -> Config:

@@ -1,14 +1,18 @@
 """Bytes autograd keeps for backward on a real GPT, stage by stage (saved_tensors_hooks)."""
+import contextlib
+
 import torch
 
-from megatron_lite.model.gpt import GPTModel, loss_fn
-from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.model.arithmetic import stage_bounds
+from megatron_lite.model.gpt import GPTModel, loss_fn
+from megatron_lite.model.recompute import run_stage
+from megatron_lite.parallel.random import checkpoint as random_checkpoint
 
 
 def saved_bytes_per_stage(config):
     """For each pipeline stage of the config: storages saved by autograd for one micro-batch,
-    plus the inputs activation recompute keeps alive, plus a non-last stage's output (kept to send)."""
+    plus the inputs activation recompute keeps alive, plus a non-last stage's output (kept to send).
+    Under sequence parallelism, the TP rank's own shard (every rank keeps the same amount)."""
     from megatron_lite.parallel import state
 
     if not state.is_initialized():
@@ -36,16 +40,60 @@ def saved_bytes_per_stage(config):
             keep(t)
             return t
 
-        hooks = [mod.register_forward_pre_hook(lambda mod, args: keep(args[0]))
-                 for mod in model.modules() if isinstance(mod, TransformerLayer) and mod.recompute]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for fn in model._forward_fns[a:z]:
-                x = fn(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _keeping_checkpoint_inputs(keep):
+            x = run_stage(model._forward_fns[a:z], x, config.model)
             if z == len(model._forward_fns):
                 x = loss_fn(x, (tokens, torch.ones(b, s)))
             else:
                 keep(x)
-        for hk in hooks:
-            hk.remove()
         results.append(sum(kept.values()))
     return results
+
+
+@contextlib.contextmanager
+def _keeping_checkpoint_inputs(keep):
+    """Count what activation recompute keeps alive: the inputs of every checkpointed function (a chunk's
+    input under full recompute; q, k and v, views of the QKV output, under selective). What the
+    function saves inside is its own business (torch's checkpoint hooks, innermost, replace ours)."""
+    from megatron_lite.model import recompute, transformer
+
+    real = random_checkpoint
+
+    def counted(function, *args):
+        for arg in args:
+            keep(arg)
+        return real(function, *args)
+
+    recompute.checkpoint, transformer.checkpoint = counted, counted
+    try:
+        yield
+    finally:
+        recompute.checkpoint, transformer.checkpoint = real, real
+
+
+def saved_bytes_per_layer(config):
+    """Bytes the first transformer layer keeps for one micro-batch (on this TP rank): what autograd saves
+    plus what recompute keeps alive; its input comes from the embedding."""
+    from megatron_lite.parallel import state
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    if not state.is_initialized():
+        state.initialize(config.parallel.tensor_model_parallel_size, 1)
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, config.model.num_layers)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    b, s = config.batch.micro_batch_size, config.model.seq_length
+    tokens = torch.randint(0, config.model.vocab_size, (b, s))
+    positions = torch.arange(s).expand(b, s).contiguous()
+    x = model._forward_fns[0]((tokens, positions)).detach().requires_grad_(True)
+    kept = {}
+
+    def keep(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t), \
+            _keeping_checkpoint_inputs(keep):
+        y = run_stage(model._forward_fns[1:2], x, config.model)
+    y.sum().backward()  # recompute and backward run as in training (nothing more is counted)
+    return sum(kept.values())

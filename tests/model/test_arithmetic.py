@@ -75,9 +75,50 @@ def test_forward_flops_per_token_match_torchs_flop_counter(variant):
     counted = counter.get_total_flops() / (b * s)
     forward = m.num_layers * arithmetic.layer_forward_flops(m, causal=False) + arithmetic.head_forward_flops(m)
     assert counted == pytest.approx(forward, rel=1e-6)
-    assert arithmetic.training_flops_per_token(m, recompute=False) == pytest.approx(3 * forward)
-    assert arithmetic.training_flops_per_token(m, recompute=True) == pytest.approx(
-        3 * forward + m.num_layers * arithmetic.layer_forward_flops(m, causal=False))
+    assert arithmetic.training_flops_per_token(m) == pytest.approx(3 * forward)
+
+
+RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
+             "full": ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "2"),
+             "block": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")}
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full", "block"])
+def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backward_and_recompute(recompute):
+    """Forward, backward (two matmuls per forward matmul) and what recompute runs again, counted by torch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    config = tiny_config(1, 1, 1, ("--attention-backend", "fused") + RECOMPUTE.get(recompute, ()))
+    m = config.model
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, m.num_layers)
+    b, s = 2, m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, torch.arange(s).expand(b, s), tokens, torch.ones(b, s)).backward()
+    counted = counter.get_total_flops() / (b * s)
+    assert counted == pytest.approx(arithmetic.training_flops_per_token(m), rel=1e-6)
+    # What recompute adds, by hand: torch's checkpoint does not rerun a region's last matmul (nothing keeps
+    # its output): selective reruns the scores (half the attention core), full each chunk but its last
+    # MLP projection (2 chunks of 2 layers, or the first layer under block 1).
+    layer, projection = arithmetic.layer_forward_flops(m, causal=False), 2 * m.hidden_size * m.ffn_hidden_size
+    added = {None: 0, "selective": m.num_layers * arithmetic.attention_core_forward_flops(m) / 2,
+             "full": m.num_layers * layer - 2 * projection, "block": layer - projection}[recompute]
+    assert arithmetic.recompute_forward_flops_per_token(m) == pytest.approx(added)
+
+
+def test_block_recompute_counts_its_layers_on_every_pipeline_stage():
+    config = tiny_config(1, 2, 1, RECOMPUTE["block"])
+    m = config.model
+    layer = arithmetic.layer_forward_flops(m, causal=False) - 2 * m.hidden_size * m.ffn_hidden_size
+    assert arithmetic.recompute_forward_flops_per_token(m, [2, 2]) == pytest.approx(2 * layer)
+    assert arithmetic.recompute_chunks("uniform", 3, 4) == [(0, 3, True), (3, 4, True)]
+    assert arithmetic.recompute_chunks("block", 3, 4) == [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, False)]
+    assert arithmetic.recompute_chunks("block", 5, 2) == [(0, 1, True), (1, 2, True)]
 
 
 def test_profile_needs_measured_seconds_unless_estimating():

@@ -110,29 +110,100 @@ def test_model_states_of_a_real_engine_match_the_estimate(tp, pp, dp, extra, tmp
         assert r["bytes"] == pytest.approx(predicted, rel=0.02), (r["rank"], r["stage"], r["bytes"], st)
 
 
-def _activation_config(tp, pp, recompute, dropout):
-    extra = ["--micro-batch-size", "2", "--global-batch-size", "8"]
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
+             "full": FULL + ["uniform", "--recompute-num-layers", "1"],
+             "uniform2": FULL + ["uniform", "--recompute-num-layers", "2"],
+             "block1": FULL + ["block", "--recompute-num-layers", "1"]}
+
+
+# Hidden 128 and vocabulary 2048: the last stage's [b, s, V] logits weigh as much as a stage's activations.
+PEAK_MODEL = ("--hidden-size", "128", "--vocab-size", "2048", "--micro-batch-size", "4", "--global-batch-size", "16",
+              "--seq-length", "64")
+
+
+def _measured_peaks(tp, pp, extra, tmp_path, free_last_stage_outputs=True):
+    from tests.model.peak_census import engine_peak
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))
+    shutdown_pools()  # a fresh pool: no engine of an earlier test still holds memory
+    results = run_distributed(engine_peak, tp * pp, tp, pp, 1, list(PEAK_MODEL) + list(extra), str(ds_json),
+                              free_last_stage_outputs)
+    shutdown_pools()
+    return results
+
+
+@pytest.mark.parametrize("tp, extra", [
+    (1, ()), pytest.param(2, (), marks=pytest.mark.slow),
+    pytest.param(2, ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow)])
+def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_at_pp2(tp, extra, tmp_path):
+    results = _measured_peaks(tp, 2, extra, tmp_path)
+    config = results[0]["config"]
+    stages = memory.estimate(config, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}}, device="cpu")
+    for r in results:
+        assert r["peak"] == pytest.approx(stages[r["stage"]].peak, rel=0.10), (r["rank"], r["stage"], r["peak"])
+
+
+def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto"):
+    extra = ["--micro-batch-size", "2", "--global-batch-size", "8", "--attention-backend", backend]
     if dropout:
         extra += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    if recompute:
-        extra += ["--recompute-activations"]
+    extra += RECOMPUTE[recompute] + (["--sequence-parallel"] if sp else [])
     return tiny_config(tp, pp, 1, extra)
 
 
-def _census(tp, pp, recompute, dropout):
-    return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout))
+def _census(tp, pp, recompute, dropout, sp=False):
+    return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout, sp))
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("dropout", [False, True])
-def test_saved_activations_per_micro_batch_match_the_estimate(tp, pp, recompute, dropout):
-    measured = run_distributed(_census, tp, tp, pp, recompute, dropout)[0]
-    config = _activation_config(tp, pp, recompute, dropout)
-    predicted = [st.activations_per_micro_batch for st in memory.estimate(config, deepspeed_config(config), device="cpu")]
+def _stage_census_cases():
+    """TP 1 with dropout in the fast tier (one layer's census covers TP 2 and SP there); the rest in the full suite."""
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        for pp in (1, 2):
+            for recompute in RECOMPUTE:
+                for dropout in (False, True):
+                    fast = dropout and tp == 1
+                    yield pytest.param(tp, sp, pp, recompute, dropout, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("tp, sp, pp, recompute, dropout", _stage_census_cases())
+def test_saved_activations_per_micro_batch_match_the_estimate(tp, sp, pp, recompute, dropout):
+    measured = run_distributed(_census, tp, tp, pp, recompute, dropout, sp)[0]
+    config = _activation_config(tp, pp, recompute, dropout, sp)
+    stages = memory.estimate(config, deepspeed_config(config), device="cpu")
+    predicted = [st.activations_per_micro_batch for st in stages]
     for stage, (got, want) in enumerate(zip(measured, predicted)):
         assert got == pytest.approx(want, rel=0.10), f"stage {stage}: measured {got} predicted {want}"
+
+
+CENSUS_ROWS = [(sp, recompute) for sp in (False, True) for recompute in ("none", "selective", "full")]
+
+
+def _layer_census(tp, rows, backend):
+    from megatron_lite.parallel import state
+    from tests.model.activation_census import saved_bytes_per_layer
+
+    state.initialize(tp, 1)
+    return [saved_bytes_per_layer(_activation_config(tp, 1, recompute, True, sp, backend))
+            for sp, recompute in rows if tp > 1 or not sp]
+
+
+@pytest.mark.parametrize("backend", ["fused", pytest.param("sdpa", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_one_layers_activations_match_the_estimate_with_sequence_parallel_and_recompute(tp, backend):
+    """Korthikanti et al.'s rows for our layer: TP x SP x recompute none / selective / full, per layer and
+    micro-batch (tools/activation_table.py prints them beside the paper's formula)."""
+    from megatron_lite.model import activations
+
+    rows = [row for row in CENSUS_ROWS if tp > 1 or not row[0]]
+    measured = run_distributed(_layer_census, tp, tp, rows, backend)
+    for (sp, recompute), *per_rank in zip(rows, *measured):
+        want = activations.stage_layer_bytes(_activation_config(tp, 1, recompute, True, sp, backend), 1, "cpu")[0]
+        for got in per_rank:
+            assert got == pytest.approx(want, rel=0.10), f"SP {sp}, {recompute}: measured {got}, estimate {want}"
+    none, selective, full = measured[0][-3:]
+    assert full < selective < none
 
 
 def test_first_stage_holds_more_micro_batches_than_the_last():
@@ -148,5 +219,6 @@ def test_estimate_peak_bytes_is_the_stage_total_the_training_loop_logs():
     stages = memory.estimate(config, ds_config, device="cpu")
     for st in stages:
         assert memory.estimate_peak_bytes(config, st.stage, ds_config, device="cpu") == st.peak == (
-            st.weights + st.gradients + st.optimizer_states + st.communication_buffers + st.activations + st.transient)
+            st.weights + st.gradients + st.optimizer_states + st.communication_buffers
+            + max(st.activations + st.transient, st.reduction_transient, st.step_transient))
     assert memory.estimate_peak_bytes(config, 0, ds_config) == stages[0].peak  # no GPU here: device defaults to cpu

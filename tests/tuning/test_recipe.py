@@ -2,7 +2,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_lite.arguments import parse_args
+from megatron_lite.model import memory
+from megatron_lite.training.deepspeed_config import deepspeed_config
 from megatron_lite.tuning import recipe
 from tests.harness import REPO_ROOT
 
@@ -22,10 +26,12 @@ def _rejections(p, code):
     return {r["layout"] for r in p.rejected if r["reason_code"] == code}
 
 
-def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp4(tmp_path):
+def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp2_with_sequence_parallelism(tmp_path):
     p = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
     first = p.candidates[0]
-    assert (first.tensor_model_parallel_size, first.pipeline_model_parallel_size) == (8, 4)
+    # Sequence parallelism fits it on two stages; without it, it took four (TP 8 x PP 4).
+    assert (first.tensor_model_parallel_size, first.pipeline_model_parallel_size) == (8, 2)
+    assert first.saver == "sequence parallel"
     assert first.micro_batch_size == 1 and first.gradient_accumulation_steps >= 32
     assert max(first.peak_bytes_per_stage) <= p.memory_budget_bytes
     assert "does_not_fit_memory" in {r["reason_code"] for r in p.rejected}
@@ -68,7 +74,42 @@ def test_memory_savers_are_tried_fastest_first_and_named(tmp_path):
     tight = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=tight_gb)
     saved = next(x for x in tight.candidates if x.layout == "tp1_pp1_dp2_mb4")
     assert saved.saver != "none" and max(saved.peak_bytes_per_stage) < max(c.peak_bytes_per_stage)
-    assert recipe.SAVERS.index(saved.saver) > 0
+    assert saved.saver_order > 0
+
+
+# Sequence 2048, hidden 256: activations outweigh the weights, as in large-model training.
+LONG = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "2048",
+        "--vocab-size", "1000", "--global-batch-size", "64", "--bf16"]
+
+
+def _peak(argv, tp, pp, dp, micro, *extra):
+    """The estimated peak (GiB) of the layout at ZeRO 0, on a GPU."""
+    config, _ = parse_args(argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                                   "--micro-batch-size", str(micro), *extra], world_size=tp * pp * dp)
+    return max(st.peak for st in memory.estimate(config, deepspeed_config(config))) / 2 ** 30
+
+
+@pytest.mark.parametrize("backend, tp, saver", [("sdpa", 2, "sequence parallel"), ("fused", 1, "selective recompute")])
+def test_a_layout_that_fits_by_sequence_parallelism_or_selective_recompute_ranks_above_one_recomputing_layers(
+        backend, tp, saver, tmp_path):
+    argv = LONG + ["--attention-backend", backend]
+    cheap = ("--sequence-parallel",) if tp > 1 else ("--recompute-granularity", "selective")
+    # The budget lies between what tp x pp2 x mb4 and tp x pp1 x mb4 need with the cheap saver: the first fits
+    # with it, the second must recompute layers too.
+    fits, tight = _peak(argv, tp, 2, 2 // tp, 4, *cheap), _peak(argv, tp, 1, 4 // tp, 4, *cheap)
+    assert fits < tight
+    assert _peak(argv, tp, 2, 2 // tp, 4) > (fits + tight) / 2, "without the saver it would not fit"
+    p = _plan(argv, tmp_path, nodes=2, gpus_per_node=2, gpu_memory_gb=(fits + tight) / 2 / 0.9)
+    by_layout = {c.layout: c for c in p.candidates}
+    cheap_fit = by_layout[f"tp{tp}_pp2_dp{2 // tp}_mb4"]
+    recomputed = by_layout[f"tp{tp}_pp1_dp{4 // tp}_mb4"]
+    assert cheap_fit.saver == saver and recipe.saver_tier(cheap_fit) == 0
+    assert recompute_needed(recomputed)
+    assert cheap_fit.rank < recomputed.rank, "it ranks higher although it has twice the stages"
+
+
+def recompute_needed(c):
+    return recipe.saver_tier(c) == 1 and c.recompute_granularity == "full"
 
 
 def test_every_kept_candidates_command_line_passes_pretrain_validation_with_its_layout(tmp_path):

@@ -1,0 +1,82 @@
+"""The peak bytes of tensor storage a real DeepSpeed engine holds during a training step, per rank.
+
+CPU has no allocator statistics, so the peak is put together from two measurements of a step:
+the storages alive when it starts (every tensor reachable from Python, counted once, as
+engine_census.py counts them; between steps autograd holds nothing) plus the highest running sum
+of the storages the step's operators create, each counted until it dies (a dispatch mode sees
+every operator's output; a weak reference says when a storage is gone, whichever thread let go of
+it last: torch's profiler misses frees on gloo's threads, which made its numbers vary by 10% from
+run to run under sequence parallelism). Storages that already existed (views, in-place results)
+are not new. Memory an operator uses only inside itself is not seen.
+Steps 3 and 4 are measured: by then the optimizer states exist and the pipe buffers have their
+steady shape.
+"""
+import gc
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tests.model.engine_census import live_storage_bytes
+from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+
+class StoragePeak(TorchDispatchMode):
+    """Running sum of the bytes of the storages created by operators while active, and its peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive = {}  # storage address -> (weak reference, bytes)
+        self.total = 0
+        self.peak = 0
+
+    def collect(self) -> None:
+        for key in [key for key, (ref, _) in self.alive.items() if ref.expired()]:
+            self.total -= self.alive.pop(key)[1]
+
+    def restart_peak(self) -> int:
+        """Start a new peak from here; returns the running sum now."""
+        self.collect()
+        self.peak = self.total
+        return self.total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.collect()
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage._cdata not in inputs and storage._cdata not in self.alive:
+                    self.alive[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                    self.total += storage.nbytes()
+        self.peak = max(self.peak, self.total)
+        return out
+
+
+def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True):
+    """This rank's peak over steps 3 and 4 (the higher of the two), and the bytes alive between steps."""
+    import torch.distributed as dist
+
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+
+    config = tiny_config(tp, pp, dp, tuple(extra) + ("--deepspeed-config", ds_json))
+    state.initialize(tp, pp)
+    engine = Engine(config, with_scheduler=False)
+    if not free_last_stage_outputs:  # DeepSpeed's own instructions, as without deepspeed_compat's hook
+        engine.engine._INSTRUCTION_MAP = type(engine.engine)._INSTRUCTION_MAP
+    data = micro_batches(config, global_batches(config, 4), state.get_data_parallel_rank(), dp)
+    engine.train_step(data)
+    peaks, alive = [], []
+    with StoragePeak() as tracker:
+        engine.train_step(data)
+        for _ in range(2):
+            gc.collect()
+            alive.append(live_storage_bytes())
+            start = tracker.restart_peak()
+            engine.train_step(data)
+            peaks.append(alive[-1] + tracker.peak - start)
+    return {"rank": dist.get_rank(), "stage": state.get_pipeline_model_parallel_rank(), "config": config,
+            "between_steps": alive[-1], "peak": max(peaks)}
