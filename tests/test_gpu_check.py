@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh: its dry run on the CPU (so the GPU check cannot rot between GPU sessions),
-its budgets, and the one function that reads pretrain_gpt.py's console lines."""
+its budgets, and how it reads a training run's numbers from its metrics records."""
 import json
 import os
 import subprocess
@@ -52,19 +52,21 @@ def test_a_step_out_of_time_is_recorded_and_the_next_step_still_runs(tmp_path):
     assert "| x | sleeps past its budget | timeout |" in (tmp_path / "r" / "gpu_check.md").read_text()
 
 
-def test_parse_training_log_reads_the_lines_pretrain_gpt_prints():
-    from megatron_lite.training.metrics import format_line
+def test_training_numbers_read_the_metrics_records_pretrain_gpt_writes(tmp_path):
+    from megatron_lite.training.records import FILE_NAME, RecordWriter, read_records
 
-    line = format_line(30, 30, {"consumed_samples": 480, "global_batch_size": 16, "loss": 7.25, "lr": 1e-4,
-                                "grad_norm": 1.5, "ms_per_iteration": 812.5, "samples_per_s": 19.7,
-                                "tokens_per_s": 40330.0, "tflops_per_rank": 367.2, "mfu": 0.371,
-                                "mem_allocated_gib": 30.1, "mem_peak_gib": 61.25})
-    text = f"noise\n{line}\nmemory stage 0: estimated 58.1000 GiB, measured peak 61.2500 GiB (torch.cuda...)\n"
-    parsed = gpu_check_steps.parse_training_log(text)
+    writer = RecordWriter(str(tmp_path))
+    writer.write("start", iteration=0, train_iters=30)
+    writer.write("interval", iteration=30, iterations=10, seconds=8.1, loss=7.25, ms_per_iteration=812.5,
+                 tokens_per_s=40330.0, tflops_per_rank=367.2, mfu=0.371, mem_allocated_gib=30.1, mem_peak_gib=61.25)
+    writer.write("stage_memory", stages=[{"stage": 0, "estimated_bytes": 58.1 * 2**30,
+                                          "measured_peak_bytes": 61.25 * 2**30}], measured="torch.cuda")
+    writer.close()
+    parsed = gpu_check_steps.training_numbers(read_records(str(tmp_path / FILE_NAME)))
     assert parsed["iterations"] == [{"iteration": 30, "loss": 7.25, "ms_per_iteration": 812.5,
-                                     "tokens_per_s": 40330.0, "tflops": 367.2, "mfu_percent": 37.1,
+                                     "tokens_per_s": 40330.0, "tflops": 367.2, "mfu_percent": pytest.approx(37.1),
                                      "mem_peak_gib": 61.25}]
-    assert parsed["memory"] == [{"stage": 0, "estimated_gib": 58.1, "measured_gib": 61.25}]
+    assert parsed["memory"] == [{"stage": 0, "estimated_gib": pytest.approx(58.1), "measured_gib": 61.25}]
 
 
 def test_device_factories_put_new_tensors_on_the_test_device_and_keep_cpu_generator_draws():

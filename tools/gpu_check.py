@@ -35,6 +35,8 @@ from dataclasses import asdict
 from typing import Callable, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The checkout too, for megatron_lite.training.records (stdlib only): runs' numbers come from their metrics.jsonl.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gpu_check_context import REPO, Context, Result, StepFailed, tail  # noqa: E402
 

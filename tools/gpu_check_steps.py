@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 from statistics import mean
 from typing import Dict, List, Tuple
 
@@ -228,43 +229,46 @@ def details_for(table: str, winners: str, auto_now: str, measured: str) -> str:
             f"(megatron_lite/model/transformer.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
 
 
-def parse_training_log(text: str) -> Dict[str, list]:
-    """pretrain_gpt.py's console lines -> numbers: every `iteration N/M | ... ` line and the
-    `memory stage S: estimated X GiB, measured peak Y GiB` lines. The one place that reads log text:
-    swap it for the metrics JSONL once pretrain_gpt.py writes one."""
+def training_numbers(records: List[dict]) -> Dict[str, list]:
+    """A run's metrics.jsonl records (megatron_lite.training.records) -> the numbers the steps report:
+    each log interval's, and each stage's estimated and measured peak memory."""
     iterations = []
-    for line in text.splitlines():
-        m = re.match(r"\s*iteration\s+(\d+)/\d+ \|", line)
-        if not m:
+    for r in records:
+        if r["kind"] != "interval":
             continue
-        record = {"iteration": int(m.group(1))}
-        for key, pattern in (("loss", r"\| loss ([\d.eE+-]+|nan|inf)"), ("ms_per_iteration", r"\| ([\d.]+) ms/it"),
-                             ("tokens_per_s", r"\| ([\d.]+) tokens/s"), ("tflops", r"\| ([\d.]+) TFLOP/s/rank"),
-                             ("mfu_percent", r"\| MFU ([\d.]+)%"), ("mem_peak_gib", r"\| mem [\d.]+/([\d.]+) GiB")):
-            found = re.search(pattern, line)
-            if found:
-                record[key] = float(found.group(1))
-        iterations.append(record)
-    memory = [{"stage": int(s), "estimated_gib": float(e), "measured_gib": float(p)} for s, e, p in
-              re.findall(r"memory stage (\d+): estimated ([\d.]+) GiB, measured peak ([\d.]+) GiB", text)]
+        numbers = {"iteration": r["iteration"], "loss": r.get("loss"), "ms_per_iteration": r.get("ms_per_iteration"),
+                   "tokens_per_s": r.get("tokens_per_s"), "tflops": r.get("tflops_per_rank"),
+                   "mem_peak_gib": r.get("mem_peak_gib", r.get("mem_peak_rss_gib"))}
+        if r.get("mfu") is not None:
+            numbers["mfu_percent"] = 100 * r["mfu"]
+        iterations.append({k: v for k, v in numbers.items() if v is not None})
+    memory = [{"stage": s["stage"], "estimated_gib": s["estimated_bytes"] / 2**30,
+               "measured_gib": s["measured_peak_bytes"] / 2**30}
+              for r in records if r["kind"] == "stage_memory" for s in r["stages"]]
     return {"iterations": iterations, "memory": memory}
 
 
-def train(ctx: Context, argv: List[str], budget: float) -> Tuple[object, Dict[str, list]]:
-    done = ctx.run([ctx.python, "pretrain_gpt.py", *argv], budget=budget)
-    parsed = parse_training_log(done.output)
+def train(ctx: Context, name: str, argv: List[str], budget: float) -> Dict[str, list]:
+    """pretrain_gpt.py with argv; its numbers come from the metrics.jsonl it writes next to its
+    TensorBoard events (a fresh folder per run `name`)."""
+    from megatron_lite.training.records import FILE_NAME, read_records
+
+    records = os.path.join(ctx.work_dir, "runs", name)
+    shutil.rmtree(records, ignore_errors=True)
+    done = ctx.run([ctx.python, "pretrain_gpt.py", *argv, "--tensorboard-dir", records], budget=budget)
+    parsed = training_numbers(read_records(os.path.join(records, FILE_NAME)))
     if done.returncode != 0 or not parsed["iterations"]:
         raise StepFailed(f"pretrain_gpt.py exited {done.returncode}: {last_line(done.output)}")
-    return done, parsed
+    return parsed
 
 
-def recompute_modes(ctx: Context) -> Tuple[List[Tuple[str, List[str]]], str]:
-    """(name, flags) of each recompute mode pretrain_gpt.py offers, read from its --help."""
-    text = ctx.run([ctx.python, "pretrain_gpt.py", "--help"], budget=120, check=True).output
-    if "--recompute-granularity" in text:
-        return ([("none", []), ("selective", ["--recompute-granularity", "selective"]),
-                 ("full", ["--recompute-granularity", "full"])], "")
-    return [("none", []), ("full", ["--recompute-activations"])], "selective: no --recompute-granularity flag yet"
+# (name, flags) of each recompute mode, with Megatron-LM's flags. Full recompute with the uniform
+# method and 1 layer per chunk recomputes every layer from its own input: the least memory.
+RECOMPUTE_MODES = [
+    ("none", []),
+    ("selective", ["--recompute-granularity", "selective"]),
+    ("full", ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+]
 
 
 def gpt_1_3b(ctx: Context):
@@ -284,18 +288,19 @@ def gpt_1_3b(ctx: Context):
                       "--global-batch-size", "16", "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
                       "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
                       "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
-    modes, note = recompute_modes(ctx)
+    modes = RECOMPUTE_MODES
     rows, numbers, failures = [], {}, []
     for i, (name, flags) in enumerate(modes):
         budget = ctx.remaining() / (len(modes) - i)
         try:
             try:
-                _, parsed = train(ctx, common + flags + ["--micro-batch-size", str(micro)], budget)
+                parsed = train(ctx, f"c-{name}", common + flags + ["--micro-batch-size", str(micro)], budget)
                 used_micro = micro
             except StepFailed as e:
                 if "out of memory" not in str(e).lower():
                     raise
-                _, parsed = train(ctx, common + flags + ["--micro-batch-size", "1"], ctx.remaining() / (len(modes) - i))
+                parsed = train(ctx, f"c-{name}", common + flags + ["--micro-batch-size", "1"],
+                               ctx.remaining() / (len(modes) - i))
                 used_micro = 1
         except StepFailed as e:
             failures.append(f"{name}: {e}")
@@ -309,13 +314,11 @@ def gpt_1_3b(ctx: Context):
                     f"{memory.get('estimated_gib', float('nan')):.2f} |")
     details = ("| recompute | micro batch | tokens/s | TFLOP/s | MFU % | peak GiB (torch.cuda.max_memory_allocated, "
                "on CPU peak RSS) | estimated GiB |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    if note:
-        details += f"\n{note}\n"
     summary = "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
                         + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
                         + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
                         f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
-    summary = "; ".join(filter(None, [summary] + failures + [note]))
+    summary = "; ".join(filter(None, [summary] + failures))
     return ("fail" if failures else "pass"), summary, details, numbers
 
 
@@ -351,7 +354,7 @@ def bf16_vs_fp32(ctx: Context):
                       "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"), "--seed", "1234"]
     curves = {}
     for i, (name, flags) in enumerate((("fp32", []), ("bf16", ["--bf16"]))):
-        _, parsed = train(ctx, common + flags, ctx.remaining() / (2 - i))
+        parsed = train(ctx, f"d-{name}", common + flags, ctx.remaining() / (2 - i))
         curves[name] = [r["loss"] for r in parsed["iterations"]]
     fp32, bf16 = curves["fp32"], curves["bf16"]
     n = min(len(fp32), len(bf16))

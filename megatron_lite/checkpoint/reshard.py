@@ -37,6 +37,7 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
+from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
 from megatron_lite.checkpoint.reader import resolve_tag
 from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
@@ -72,13 +73,11 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
 
 
 def _groups(config: Config, lr_scheduler: Optional[dict]) -> List[dict]:
-    """AdamW group settings as training/optimizer.py builds them, at the learning rate the schedule last
+    """AdamW group settings as a run saves them (checkpoint/optimizer_groups.py), at the learning rate the schedule last
     gave (DeepSpeed restores the optimizer's rate from these groups)."""
     o = config.optimizer
     last = (lr_scheduler or {}).get("_last_lr") or [o.lr, o.lr]
-    common = dict(betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, amsgrad=False, maximize=False,
-                  foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True,
-                  initial_lr=o.lr)
+    common = dict(saved_group_settings(o), initial_lr=o.lr)  # initial_lr: the LambdaLR schedule adds it
     return [dict(common, lr=last[0], weight_decay=o.weight_decay), dict(common, lr=last[-1], weight_decay=0.0)]
 
 

@@ -22,6 +22,7 @@ from typing import Iterable, List
 
 import torch
 
+from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.parallel.grad_norm import global_grad_norm
 
@@ -62,7 +63,7 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
     groups = parameter_groups(model.named_parameters(), opt.weight_decay)
     fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
-    kwargs = dict(lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, fused=fused or None)
+    kwargs = adamw_kwargs(opt, fused)
     if clip_in_optimizer:
         return ClippedAdamW(groups, clip_grad=opt.clip_grad, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
