@@ -60,7 +60,8 @@ class ClippedAdamW(torch.optim.AdamW):
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
-def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig, clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig,
+                    clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
     groups = parameter_groups(model.named_parameters(), opt.weight_decay)
     fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
     kwargs = adamw_kwargs(opt, fused)
