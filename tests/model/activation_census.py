@@ -9,22 +9,28 @@ from megatron_lite.model.recompute import run_stage
 from megatron_lite.parallel.random import checkpoint as random_checkpoint
 
 
-def saved_bytes_per_stage(config):
-    """For each pipeline stage of the config: storages saved by autograd for one micro-batch,
-    plus the inputs activation recompute keeps alive, plus a non-last stage's output (kept to send).
-    Under sequence parallelism, the TP rank's own shard (every rank keeps the same amount)."""
+def _model_and_batch(config):
+    """The whole GPT of the config on this TP rank (TP groups made if none exist), the storages of its
+    parameters (never counted as activations), and one random micro-batch of tokens and positions."""
     from megatron_lite.parallel import state
+    from megatron_lite.parallel.random import model_parallel_seed
 
     if not state.is_initialized():
         state.initialize(config.parallel.tensor_model_parallel_size, 1)
-    from megatron_lite.parallel.random import model_parallel_seed
-
     model = GPTModel(config).train()
     model_parallel_seed(config.training.seed, config.model.num_layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s))
-    positions = torch.arange(s).expand(b, s).contiguous()
+    return model, params, tokens, torch.arange(s).expand(b, s).contiguous()
+
+
+def saved_bytes_per_stage(config):
+    """For each pipeline stage of the config: storages saved by autograd for one micro-batch,
+    plus the inputs activation recompute keeps alive, plus a non-last stage's output (kept to send).
+    Under sequence parallelism, the TP rank's own shard (every rank keeps the same amount)."""
+    model, params, tokens, positions = _model_and_batch(config)
+    b, s = tokens.shape
     bounds = stage_bounds(config, estimate=True)
     results, x = [], (tokens, positions)
     for a, z in zip(bounds[:-1], bounds[1:]):
@@ -74,17 +80,7 @@ def _keeping_checkpoint_inputs(keep):
 def saved_bytes_per_layer(config):
     """Bytes the first transformer layer keeps for one micro-batch (on this TP rank): what autograd saves
     plus what recompute keeps alive; its input comes from the embedding."""
-    from megatron_lite.parallel import state
-    from megatron_lite.parallel.random import model_parallel_seed
-
-    if not state.is_initialized():
-        state.initialize(config.parallel.tensor_model_parallel_size, 1)
-    model = GPTModel(config).train()
-    model_parallel_seed(config.training.seed, config.model.num_layers)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    b, s = config.batch.micro_batch_size, config.model.seq_length
-    tokens = torch.randint(0, config.model.vocab_size, (b, s))
-    positions = torch.arange(s).expand(b, s).contiguous()
+    model, params, tokens, positions = _model_and_batch(config)
     x = model._forward_fns[0]((tokens, positions)).detach().requires_grad_(True)
     kept = {}
 
