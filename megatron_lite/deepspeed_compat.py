@@ -378,6 +378,8 @@ def set_step_counters(engine, global_steps: int, global_samples: int, skipped_st
     engine.global_steps = global_steps
     engine.global_samples = global_samples
     engine.skipped_steps = skipped_steps
+
+
 @contextlib.contextmanager
 def quiet_prints(log_level: str) -> Iterator[None]:
     """Hide what DeepSpeed print()s inside the block (STARTUP_PRINTS: the shared-memory op's

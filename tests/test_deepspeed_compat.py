@@ -105,6 +105,8 @@ def test_set_log_level_sets_deepspeeds_logger_and_its_handler():
         logger.setLevel(before)
         for h in logger.handlers:
             h.setLevel(before)
+
+
 def _two_steps(pp, dp, hooked):
     """(flattening all-reduces DeepSpeed ran, losses, parameters, optimizer state sizes) on this rank
     after 2 steps, with skip_gradient_all_reduce applied where the engine applies it, or never."""

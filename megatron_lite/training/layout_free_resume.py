@@ -122,8 +122,6 @@ def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
     return saved
 
 
-
-
 def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict) -> None:
     """The model's weights only (evaluation under another layout)."""
     values, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))

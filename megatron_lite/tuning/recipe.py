@@ -130,6 +130,8 @@ def savers(tp: int, pp: int, seq_length: int, max_stage_layers: int) -> List[Sav
     ladder += [Saver(zero, offload, offload_param, **a) for zero, offload, offload_param in ZERO_LADDER[2:]
                if pp == 1 for a in no_sp]
     return ladder
+
+
 OFFLOAD_PARAM_JSON = "zero3_offload_param.json"
 
 
