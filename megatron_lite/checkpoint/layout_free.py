@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 
 from megatron_lite import deepspeed_compat
+from megatron_lite.atomic import torch_save
 from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.format import (
     UNIVERSAL_FORMAT,
@@ -30,10 +31,11 @@ from megatron_lite.checkpoint.format import (
     layer_file,
     load_file,
     model_states_file,
+    write_metadata,
     zero_optimizer_files,
 )
 from megatron_lite.checkpoint.layout import ModelLayout
-from megatron_lite.checkpoint.reader import check_model_states, check_zero_state
+from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state, slice_shape
 from megatron_lite.config import Config
 
 Key = Tuple[int, str]  # (layer spec index, name inside the layer)
@@ -164,7 +166,8 @@ class LayoutFreeReader:
                 if tuple(entry["fp32"].shape) != info.shape:
                     raise CheckpointError(f"{path}: {name} has shape {tuple(entry['fp32'].shape)}, the config "
                                           f"gives {info.shape}: the file belongs to another model")
-                states[(spec, name)] = ParamState(entry["fp32"], *(entry.get(k) if optimizer else None for k in MOMENTS),
+                states[(spec, name)] = ParamState(entry["fp32"],
+                                                  *(entry.get(k) if optimizer else None for k in MOMENTS),
                                                   entry.get("step") if optimizer else None)
         return states
 
@@ -206,8 +209,7 @@ class LayoutFreeReader:
                 steps[key] = partition.steps[pipeline_name]
         out = {}
         for key, entry in pieces.items():
-            shape = slicing_shape(self.info(key), self.tp)
-
+            shape = slice_shape(self.info(key), self.tp)
             numel = sum(p.numel() for p in entry["fp32"])
             if numel != torch.Size(shape).numel():
                 raise CheckpointError(f"{paths[0]}: the fragments of {key[1]} (layer {key[0]:02d}) add up to {numel} "
@@ -225,8 +227,6 @@ class LayoutFreeReader:
     def _read_plain(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
         """fp32 ZeRO 0: the layer files are the masters; the engine's file holds torch AdamW's state, numbered
         in the stage's optimizer order (layout.stage_parameters)."""
-        from megatron_lite.checkpoint.reader import check_layer_state, slice_shape
-
         out = {}
         for spec in sorted(specs):
             path = os.path.join(self.folder, layer_file(spec, tp_rank))
@@ -259,19 +259,9 @@ class LayoutFreeReader:
         return out
 
 
-def slicing_shape(info, tp: int) -> Tuple[int, ...]:
-    shape = list(info.shape)
-    if info.partition_dim >= 0:
-        shape[info.partition_dim] //= tp
-    return tuple(shape)
-
-
 def write_universal(reader: LayoutFreeReader, folder: str) -> dict:
     """The layout-free form into `folder` (a tag folder being written): one file per layer spec and the
     metadata; returns the metadata."""
-    from megatron_lite.atomic import torch_save
-    from megatron_lite.checkpoint.format import write_metadata
-
     for spec in reader.layout.layer_specs_with_files():
         states = reader.read([spec])
         torch_save({name: {"fp32": state.fp32, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,

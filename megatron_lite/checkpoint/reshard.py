@@ -24,7 +24,6 @@ from typing import List, Optional
 import torch
 
 from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
-from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     layer_file,
@@ -39,7 +38,7 @@ from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
 from megatron_lite.checkpoint.reader import resolve_tag
-from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
+from megatron_lite.checkpoint.vocab import target_slices
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
 
 
@@ -124,18 +123,13 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
     states = source.read(optimizer=not no_optimizer)
     step = max((s.step for s in states.values() if s.step is not None), default=None)
 
-    def sliced(name: str, tensor: torch.Tensor, info) -> List[torch.Tensor]:
-        if is_vocab_parameter(name):  # the target TP may pad the vocabulary to another size
-            tensor = resize_rows(tensor, rows)
-        return [t.contiguous() for t in slicing.split(tensor, tp, info.partition_dim, info.partition_stride)]
-
     with atomic_folder(save_dir) as tmp_root:
         tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
         for spec in layout.layer_specs_with_files():
             per_rank = [{} for _ in range(tp)]
             for info in layout.params[spec]:
-                for r, piece in enumerate(sliced(info.name, states[(spec, info.name)].fp32, info)):
+                for r, piece in enumerate(target_slices(info, states[(spec, info.name)].fp32, tp, rows)):
                     per_rank[r][info.name] = piece
             for r in range(tp):
                 torch_save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
@@ -149,7 +143,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 state = states[(info.spec, info.name)]
                 if state.exp_avg is None:
                     continue
-                moments = {k: sliced(info.name, getattr(state, k), info) for k in ("exp_avg", "exp_avg_sq")}
+                moments = {k: target_slices(info, getattr(state, k), tp, rows) for k in ("exp_avg", "exp_avg_sq")}
                 for r in range(tp):
                     opt_state[r][index] = {"step": torch.tensor(float(state.step or step or 0)),
                                            "exp_avg": moments["exp_avg"][r], "exp_avg_sq": moments["exp_avg_sq"][r]}

@@ -54,7 +54,7 @@ from megatron_lite.data.sidecar import file_sha256
 from megatron_lite.parallel import state
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
 from megatron_lite.training.layout_free_resume import Resumed, agree, load_layout_free, load_weights_layout_free
-from megatron_lite.training.rng_state import check_rng_state, rng_state, set_rng_state
+from megatron_lite.training.rng_state import read_rng_state, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "WriteError", "SaveFolder", "Resumed", "open_save_folder", "save", "load", "latest_tag",
            "with_saved_stages", "tag_for", "load_weights"]
@@ -217,12 +217,7 @@ def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optio
             value = load_file(path)
             check(path, value)
             engine.io.preload(path, value)
-        rng_path = os.path.join(folder, rng_file(dist.get_rank()))
-        if not os.path.isfile(rng_path):
-            return None
-        rng = load_file(rng_path)
-        check_rng_state(rng_path, rng)
-        return rng
+        return read_rng_state(folder, dist.get_rank())
     try:
         return agree(read)
     except CheckpointError:

@@ -9,22 +9,20 @@ Ranks agree on any problem before any of them touches the engine, so a bad file 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.checkpoint import slicing
-from megatron_lite.checkpoint.format import CheckpointError, layout_of, load_file, rng_file
+from megatron_lite.checkpoint.format import CheckpointError, layout_of
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
-from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
+from megatron_lite.checkpoint.vocab import target_slices
 from megatron_lite.config import Config
 from megatron_lite.parallel import state
 from megatron_lite.training.distributed import gather_problems
-from megatron_lite.training.rng_state import check_rng_state, set_rng_state
+from megatron_lite.training.rng_state import read_rng_state, set_rng_state
 
 
 @dataclass
@@ -71,11 +69,7 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
         entry = saved[key]
 
         def local(tensor):
-            if tensor is None:
-                return None
-            if is_vocab_parameter(key[1]):  # another TP pads the vocabulary to another size
-                tensor = resize_rows(tensor, rows)
-            return slicing.split(tensor, tp, info.partition_dim, info.partition_stride)[tp_rank]
+            return None if tensor is None else target_slices(info, tensor, tp, rows)[tp_rank]
         values[param] = {"fp32": local(entry.fp32), "exp_avg": local(entry.exp_avg),
                          "exp_avg_sq": local(entry.exp_avg_sq)}
         if entry.step is not None:
@@ -113,13 +107,8 @@ def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
     """The saved random generators of the rank that had this rank's stage and TP rank at DP rank 0: every
     stream is seeded without the DP rank, so any DP rank's state is every DP rank's."""
     tp, dp = saved_layout["tensor_model_parallel_size"], saved_layout.get("data_parallel_size") or 1
-    rank = state.get_pipeline_model_parallel_rank() * dp * tp + state.get_tensor_model_parallel_rank()
-    path = os.path.join(folder, rng_file(rank))
-    if not os.path.isfile(path):
-        return None
-    saved = load_file(path)
-    check_rng_state(path, saved)
-    return saved
+    return read_rng_state(folder, state.get_pipeline_model_parallel_rank() * dp * tp
+                          + state.get_tensor_model_parallel_rank())
 
 
 def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict) -> None:

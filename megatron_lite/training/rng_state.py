@@ -2,12 +2,14 @@
 checkpoint holds it: tensors and plain values only, so the file loads with torch.load(weights_only=True)."""
 from __future__ import annotations
 
+import os
 import random
+from typing import Optional
 
 import numpy as np
 import torch
 
-from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.format import CheckpointError, load_file, rng_file
 from megatron_lite.parallel.random import get_rng_tracker
 
 
@@ -26,6 +28,16 @@ def rng_state() -> dict:
 def check_rng_state(path: str, saved) -> None:
     if not isinstance(saved, dict) or not {"python", "numpy", "torch", "tracker"} <= set(saved):
         raise CheckpointError(f"{path}: not a megatron_lite random-generator file")
+
+
+def read_rng_state(folder: str, rank: int) -> Optional[dict]:
+    """Rank `rank`'s saved generators in a checkpoint folder, checked; None when the folder has no such file."""
+    path = os.path.join(folder, rng_file(rank))
+    if not os.path.isfile(path):
+        return None
+    saved = load_file(path)
+    check_rng_state(path, saved)
+    return saved
 
 
 def set_rng_state(saved: dict) -> None:
