@@ -242,9 +242,9 @@ def training_numbers(records: List[dict]) -> Dict[str, list]:
         if r.get("mfu") is not None:
             numbers["mfu_percent"] = 100 * r["mfu"]
         iterations.append({k: v for k, v in numbers.items() if v is not None})
-    memory = [{"stage": s["stage"], "estimated_gib": s["estimated_bytes"] / 2**30,
-               "measured_gib": s["measured_peak_bytes"] / 2**30}
-              for r in records if r["kind"] == "stage_memory" for s in r["stages"]]
+    from megatron_lite.training.records import stage_memory_gib
+
+    memory = [{"stage": stage, **gib} for stage, gib in (stage_memory_gib(records) or {}).items()]
     return {"iterations": iterations, "memory": memory}
 
 

@@ -82,3 +82,12 @@ def read_records(path: str) -> List[Dict[str, Any]]:
         if isinstance(record, dict):
             records.append(record)
     return records
+
+
+def stage_memory_gib(run_records: List[Dict[str, Any]]) -> Optional[Dict[int, Dict[str, float]]]:
+    """{stage: {"estimated_gib", "measured_gib"}} from a run's stage_memory record, or None without one."""
+    memory = next((r for r in run_records if r["kind"] == "stage_memory"), None)
+    if memory is None:
+        return None
+    return {st["stage"]: {"estimated_gib": st["estimated_bytes"] / 2 ** 30,
+                          "measured_gib": st["measured_peak_bytes"] / 2 ** 30} for st in memory["stages"]}

@@ -54,7 +54,6 @@ def summarize_records(run_records: List[Dict[str, Any]], warmup_iters: int) -> D
     estimated and measured memory, and how the run ended, from its metrics.jsonl records."""
     intervals = [r for r in run_records if r["kind"] == "interval"]
     summary = next((r for r in reversed(run_records) if r["kind"] == "summary"), None)
-    memory = next((r for r in run_records if r["kind"] == "stage_memory"), None)
     peak_key = "mem_peak_gib" if any("mem_peak_gib" in r for r in intervals) else "mem_peak_rss_gib"
     peaks = [r[peak_key] for r in intervals if peak_key in r]
     out: Dict[str, Any] = {
@@ -62,9 +61,7 @@ def summarize_records(run_records: List[Dict[str, Any]], warmup_iters: int) -> D
         "peak_memory_gib": max(peaks) if peaks else None,
         "peak_memory_kind": None if not peaks else (
             "GPU max_memory_allocated (rank 0)" if peak_key == "mem_peak_gib" else "process peak RSS (rank 0)"),
-        "stage_memory": {st["stage"]: {"estimated_gib": st["estimated_bytes"] / 2 ** 30,
-                                       "measured_gib": st["measured_peak_bytes"] / 2 ** 30}
-                         for st in memory["stages"]} if memory else None,
+        "stage_memory": records.stage_memory_gib(run_records),
     }
     timed = [r for r in intervals if r["iteration"] > warmup_iters] or intervals
     out["warmup_excluded"] = bool(intervals) and timed is not intervals
