@@ -37,7 +37,7 @@ from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     parallel_lm_logits,
-    set_sequence_parallel_attribute,
+    set_sequence_parallel_parameters,
 )
 from megatron_lite.parallel.mappings import scatter_to_sequence_parallel_region
 from megatron_lite.parallel.random import EMBEDDING_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
@@ -103,8 +103,7 @@ class FinalLayerNormPipe(nn.LayerNorm):
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
         if sequence_parallel:  # it normalises this rank's sequence shard
-            for param in self.parameters():
-                set_sequence_parallel_attribute(param)
+            set_sequence_parallel_parameters(self)
 
 
 class LMHeadPipe(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear, set_sequence_parallel_attribute
+from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear, set_sequence_parallel_parameters
 from megatron_lite.parallel.random import (
     checkpoint,
     get_rng_tracker,
@@ -177,8 +177,7 @@ def sequence_parallel_layer_norm(hidden_size: int, eps: float, sequence_parallel
     """A LayerNorm; under sequence parallelism it sees this rank's shard, so its parameters are tagged."""
     norm = nn.LayerNorm(hidden_size, eps=eps)
     if sequence_parallel:
-        for param in norm.parameters():
-            set_sequence_parallel_attribute(param)
+        set_sequence_parallel_parameters(norm)
     return norm
 
 

@@ -60,6 +60,12 @@ def set_sequence_parallel_attribute(param: torch.Tensor) -> None:
     param.sequence_parallel = True
 
 
+def set_sequence_parallel_parameters(module: torch.nn.Module) -> None:
+    """Tag every parameter of a replicated module that sees only this rank's sequence shard (a LayerNorm)."""
+    for param in module.parameters():
+        set_sequence_parallel_attribute(param)
+
+
 def is_sequence_parallel_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, "sequence_parallel", False))
 
