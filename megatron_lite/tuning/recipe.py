@@ -286,12 +286,6 @@ def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
 
-def saver_tier(c: Candidate) -> int:
-    """0: nothing, sequence parallelism or selective recompute; 1: whole layers recomputed; 2: ZeRO 2/3 or
-    offload (the slow savers)."""
-    return c.saver_tier
-
-
 def _shaden_key(c: Candidate, gpus_per_node: int):
     # Pipeline stages are added only where the cheap savers do not make fewer stages fit.
     return (c.gradient_accumulation_steps < 8 * c.pipeline_model_parallel_size,

@@ -37,7 +37,7 @@ def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp2_with_sequence_par
     assert "does_not_fit_memory" in {r["reason_code"] for r in p.rejected}
     # One node does not hold it without the slow savers (ZeRO 2/3, offload).
     one_node = _plan(BIG, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
-    assert all(recipe.saver_tier(c) == 2 for c in one_node.candidates)
+    assert all(c.saver_tier == 2 for c in one_node.candidates)
 
 
 def test_rejections_name_their_reasons(tmp_path):
@@ -103,13 +103,13 @@ def test_a_layout_that_fits_by_sequence_parallelism_or_selective_recompute_ranks
     by_layout = {c.layout: c for c in p.candidates}
     cheap_fit = by_layout[f"tp{tp}_pp2_dp{2 // tp}_mb4"]
     recomputed = by_layout[f"tp{tp}_pp1_dp{4 // tp}_mb4"]
-    assert cheap_fit.saver == saver and recipe.saver_tier(cheap_fit) == 0
+    assert cheap_fit.saver == saver and cheap_fit.saver_tier == 0
     assert recompute_needed(recomputed)
     assert cheap_fit.rank < recomputed.rank, "it ranks higher although it has twice the stages"
 
 
 def recompute_needed(c):
-    return recipe.saver_tier(c) == 1 and c.recompute_granularity == "full"
+    return c.saver_tier == 1 and c.recompute_granularity == "full"
 
 
 def test_every_kept_candidates_command_line_passes_pretrain_validation_with_its_layout(tmp_path):
