@@ -38,8 +38,6 @@ def model_flags(args) -> list:
 def worker(rank: int, world: int, port: int, flags: list, save: str, load: str, out: str) -> None:
     """One rank: build the engine, optionally load (timed, with the RSS peak of the load), optionally train a
     step and save."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
     import threading
 
     import psutil
@@ -50,9 +48,9 @@ def worker(rank: int, world: int, port: int, flags: list, save: str, load: str, 
     from megatron_lite.parallel import state
     from megatron_lite.training import checkpointing
     from megatron_lite.training.engine import Engine
+    from tools.bench_training import join_gloo_world
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo_world(rank, world, port)
     config, _ = parse_args(flags + (["--save", save] if save else []) + (["--load", load] if load else []),
                            world_size=world)
     state.initialize(1, 1)

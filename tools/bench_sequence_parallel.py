@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from bench_training import join_gloo_world, random_batches  # noqa: E402
 
 VARIANTS = {
     "tp2": [],
@@ -44,15 +45,6 @@ def model_argv(args):
             "--attention-backend", args.attention_backend, "--lr", "1e-4"]
 
 
-def _batches(config):
-    g = torch.Generator().manual_seed(0)
-    micro, seq = config.batch.micro_batch_size, config.model.seq_length
-    positions = torch.arange(seq).expand(micro, seq).contiguous()
-    while True:
-        sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
-        yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
-
-
 def _worker(rank, port, args, results):
     import torch.distributed as dist
 
@@ -62,15 +54,12 @@ def _worker(rank, port, args, results):
     from megatron_lite.training.deepspeed_config import deepspeed_config
     from megatron_lite.training.engine import Engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo_world(rank, 2, port)
     state.initialize(2, 1)
     engines, data, activations = {}, {}, {}
     for name, extra in VARIANTS.items():
         config = parse_args(model_argv(args) + extra, world_size=2)[0]
-        engines[name], data[name] = Engine(config, with_scheduler=False), _batches(config)
+        engines[name], data[name] = Engine(config, with_scheduler=False), random_batches(config)
         stage = memory.estimate(config, deepspeed_config(config), device="cpu")[0]
         activations[name] = stage.activations_per_micro_batch
     names = list(VARIANTS)

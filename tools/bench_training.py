@@ -134,7 +134,7 @@ def _ours(argv, world_size, warmup, iters):
     return seconds, details
 
 
-def _join_world(rank, world_size, port):
+def join_gloo_world(rank, world_size, port):
     """This process as `rank` of a gloo world on loopback, one thread."""
     import torch.distributed as dist
 
@@ -147,7 +147,7 @@ def _join_world(rank, world_size, port):
 def _worker(rank, world_size, port, argv, warmup, iters, results):
     import torch.distributed as dist
 
-    _join_world(rank, world_size, port)
+    join_gloo_world(rank, world_size, port)
     seconds, details = _ours(argv, world_size, warmup, iters)
     results.put((rank, seconds, details))
     dist.destroy_process_group()
@@ -178,7 +178,7 @@ def _single_process_world():
     from megatron_lite.training.distributed import free_port
 
     if not dist.is_initialized():
-        _join_world(0, 1, free_port())
+        join_gloo_world(0, 1, free_port())
         state.initialize(1, 1)
 
 
