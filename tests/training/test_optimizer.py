@@ -55,11 +55,17 @@ def test_scheduler_state_resumes_the_same_curve():
     assert straight[0] == pytest.approx(lr_at(0, opt))
 
 
-def test_clipped_adamw_equals_clip_grad_norm_then_adamw():
+def _two_equal_models():
+    """Two copies of one small model (seed 0): one for the reference optimizer, one for ours."""
     torch.manual_seed(0)
-    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
-    ours = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
-    ours.load_state_dict(ref.state_dict())
+    first = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    second = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+    second.load_state_dict(first.state_dict())
+    return first, second
+
+
+def test_clipped_adamw_equals_clip_grad_norm_then_adamw():
+    ref, ours = _two_equal_models()
     opt = OptimizerConfig(lr=1e-2, clip_grad=0.05)
     ref_optim = build_optimizer(ref, opt)
     our_optim = build_optimizer(ours, opt, clip_in_optimizer=True)
@@ -79,10 +85,7 @@ def test_clipped_adamw_equals_clip_grad_norm_then_adamw():
 
 
 def test_adamw_runs_torchs_fused_kernel_with_the_default_kernels_update():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
-    reference.load_state_dict(model.state_dict())
+    model, reference = _two_equal_models()
     opt = OptimizerConfig(lr=1e-2, weight_decay=0.1)
     ours = build_optimizer(model, opt)
     theirs = torch.optim.AdamW(parameter_groups(reference.named_parameters(), 0.1), lr=1e-2, foreach=False)
