@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 class ConfigError(ValueError):
@@ -136,8 +137,24 @@ class ModelConfig:
     """Give the output head its own weight instead of reusing the embedding."""
     init_method_std: float = option(0.02, "--init-method-std")
     """Standard deviation of the normal weight initialisation."""
-    layernorm_epsilon: float = option(1e-5, "--layernorm-epsilon")
-    """LayerNorm epsilon."""
+    norm_epsilon: float = option(1e-5, "--norm-epsilon", aliases=("--layernorm-epsilon",))
+    """Epsilon of every LayerNorm or RMSNorm (--layernorm-epsilon is its older name, as in Megatron-LM)."""
+    normalization: str = option("LayerNorm", "--normalization", choices=NORMALIZATIONS)
+    """Normalisation of the layers and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama)."""
+    swiglu: bool = option(False, "--swiglu")
+    """SiLU-gated MLP (Llama): down(silu(gate(x)) * up(x)); --ffn-hidden-size is the gated width, and when
+    not given it is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64."""
+    group_query_attention: bool = option(False, "--group-query-attention")
+    """Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads."""
+    num_query_groups: Optional[int] = option(None, "--num-query-groups")
+    """Key/value heads with --group-query-attention (1 = multi-query attention); otherwise one per attention
+    head (filled by validation)."""
+    add_bias_linear: bool = option(True, "--disable-bias-linear", action="store_false")
+    """Drop the bias of every linear layer (attention and MLP), as Llama does."""
+    use_rope_scaling: bool = option(False, "--use-rope-scaling")
+    """Llama 3.1's rotary frequency scaling (low/high-frequency factors 1 and 4, original context 8192)."""
+    rope_scaling_factor: float = option(8.0, "--rope-scaling-factor")
+    """With --use-rope-scaling: the factor long wavelengths are divided by."""
     recompute_activations: bool = option(False, "--recompute-activations")
     """Megatron-LM's shorthand for --recompute-granularity selective (recompute the attention core in
     backward); before issue 23 this flag recomputed whole layers (now --recompute-granularity full
@@ -352,9 +369,14 @@ class Config:
         for f in dataclasses.fields(cls):
             section_cls = f.default_factory  # every section field has its dataclass as factory
             known = {g.name for g in dataclasses.fields(section_cls)}
-            values = {k: _tuples(v) for k, v in data.get(f.name, {}).items() if k in known}
+            saved = {RENAMED_FIELDS.get(k, k): v for k, v in data.get(f.name, {}).items()}
+            values = {k: _tuples(v) for k, v in saved.items() if k in known}
             sections[f.name] = section_cls(**values)
         return cls(**sections)
+
+
+RENAMED_FIELDS = {"layernorm_epsilon": "norm_epsilon"}
+"""Field names of configs saved by earlier versions (checkpoints) -> today's names."""
 
 
 def flag_fields() -> Iterator[Tuple[str, dataclasses.Field]]:

@@ -56,7 +56,7 @@ def gpt2_config(config: Config, vocab_size: int, eos_id: Optional[int], bos_id: 
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": vocab_size, "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size,
         "n_layer": m.num_layers, "n_head": m.num_attention_heads, "n_inner": m.ffn_hidden_size,
-        "activation_function": "gelu", "layer_norm_epsilon": m.layernorm_epsilon,
+        "activation_function": "gelu", "layer_norm_epsilon": m.norm_epsilon,
         "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
         "initializer_range": m.init_method_std, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,

@@ -1,6 +1,6 @@
 """The GPT as a list of DeepSpeed layer specs, and the pipeline module built from it.
 
-    embedding (tied) -> N x transformer layer -> final LayerNorm -> head (tied to the embedding) -> loss
+    embedding (tied) -> N x transformer layer -> final norm -> head (tied to the embedding) -> loss
 
 Micro-batches are ((tokens, position_ids), (labels, loss_mask)). Only the
 hidden states [b, s, h] cross pipeline stages; the causal mask is implicit in
@@ -30,6 +30,7 @@ from megatron_lite.config import Config, ModelConfig
 from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
 from megatron_lite.model.arithmetic import require_vocab, spec_costs, stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.partition import stage_table
+from megatron_lite.model.norms import RMSNorm
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.model.transformer import TransformerLayer, normal_init
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
@@ -101,9 +102,23 @@ class TransformerLayerPipe(TransformerLayer):
 
 class FinalLayerNormPipe(nn.LayerNorm):
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+        super().__init__(config.hidden_size, eps=config.norm_epsilon)
         if sequence_parallel:  # it normalises this rank's sequence shard
             set_sequence_parallel_parameters(self)
+
+
+class FinalRMSNormPipe(RMSNorm):
+    """The final norm under --normalization RMSNorm (its own class: stage costs and DeepSpeed's
+    type:<regex> partitioning tell layers apart by class name)."""
+
+    def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
+        super().__init__(config.hidden_size, config.norm_epsilon)
+        if sequence_parallel:
+            set_sequence_parallel_parameters(self)
+
+
+def final_norm_class(config: ModelConfig):
+    return FinalRMSNormPipe if config.normalization == "RMSNorm" else FinalLayerNormPipe
 
 
 class LMHeadPipe(nn.Module):
@@ -135,7 +150,7 @@ def layer_specs(config: Config) -> List[LayerSpec]:
         TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, tied_weight_attr=["word_embeddings.weight"])
     ]
     specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i, 1 + i, sp) for i in range(model.num_layers)]
-    specs.append(LayerSpec(FinalLayerNormPipe, model, seed + 1 + model.num_layers, sp))
+    specs.append(LayerSpec(final_norm_class(model), model, seed + 1 + model.num_layers, sp))
     if model.untie_embeddings_and_output_weights:
         specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers, sp))
     else:

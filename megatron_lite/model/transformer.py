@@ -1,4 +1,6 @@
-"""Pre-LayerNorm GPT transformer layer on tensor-parallel building blocks.
+"""Pre-norm GPT transformer layer on tensor-parallel building blocks: GPT-2's block (LayerNorm, GeLU
+MLP, biases, multi-head attention) or the Llama family's (RMSNorm, SwiGLU, grouped-query attention, no
+biases, RoPE with Llama 3.1 scaling), as the model flags say.
 
 Activations are [b, s, h] (batch first). Heads and the MLP's inner width are
 split across TP ranks by the Column/Row parallel layers; this file calls no
@@ -23,7 +25,9 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear, set_sequence_parallel_parameters
+from megatron_lite.model.norms import build_norm
+from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.qkv import QKVParallelLinear
 from megatron_lite.parallel.random import (
     checkpoint,
     get_rng_tracker,
@@ -43,12 +47,37 @@ def scaled_normal_init(std: float, num_layers: int):
     return normal_init(std / math.sqrt(2.0 * num_layers))
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoFormer) applied to queries and keys, positions 0..s-1."""
+# Llama 3.1's RoPE scaling constants (its params.json; transformers' rope_type "llama3"): wavelengths
+# shorter than ORIGINAL / HIGH are kept, longer than ORIGINAL / LOW divided by the factor, and the band
+# between blended.
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 
-    def __init__(self, head_dim: int, base: int):
+
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3.1's frequency scaling of rotary inverse frequencies (fp32)."""
+    wavelength = 2 * math.pi / inv_freq
+    long_limit = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_LOW_FREQ_FACTOR
+    short_limit = LLAMA3_ORIGINAL_MAX_POSITIONS / LLAMA3_HIGH_FREQ_FACTOR
+    # 0 at the long end of the band, 1 at the short end.
+    smooth = ((LLAMA3_ORIGINAL_MAX_POSITIONS / wavelength - LLAMA3_LOW_FREQ_FACTOR)
+              / (LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR))
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > long_limit, inv_freq / factor, inv_freq)
+    in_band = (wavelength >= short_limit) & (wavelength <= long_limit)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer, rotate-half as in Llama) on queries and keys, positions
+    offset..offset+s-1; scaling_factor applies Llama 3.1's frequency scaling."""
+
+    def __init__(self, head_dim: int, base: int, scaling_factor: Optional[float] = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if scaling_factor is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -65,10 +94,12 @@ class RotaryEmbedding(nn.Module):
 # What `--attention-backend auto` takes per kind of device; the one place that rule lives.
 #   cpu:  sdpa, measured faster in whole training steps (tools/bench_training.py --part single,
 #         README "Benchmarks").
-#   cuda: fused, NOT measured yet: scripts/gpu_check.sh step b times whole causal attention (our
-#         fused softmax between two matmuls vs SDPA) for fp16/bf16 at s = 512..8192, names the
-#         winner, and fails while this entry disagrees with it; its report is the table to cite here.
-AUTO_ATTENTION_BACKEND = {"cpu": "sdpa", "cuda": "fused"}
+#   cuda: sdpa until measured otherwise: the fused path writes the [b, heads, s, s] scores that SDPA's
+#         flash kernel never materialises (on CPU the fused path is already 0.61x of SDPA at seq 1024).
+#         scripts/gpu_check.sh step b times whole causal attention (our fused softmax between two
+#         matmuls vs SDPA) for fp16/bf16 at s = 512..8192, names the winner, and fails while this
+#         entry disagrees with it; its report is the table to cite here.
+AUTO_ATTENTION_BACKEND = {"cpu": "sdpa", "cuda": "sdpa"}
 
 
 def resolve_attention_backend(backend: str, device_type: Optional[str] = None) -> str:
@@ -84,11 +115,14 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
+        groups = config.num_query_groups or heads
         self.head_dim = h // heads
+        # The master weight is [Q; K; V] with `groups` key/value heads; each rank takes whole query heads
+        # and the key/value groups they use (parallel/qkv.py).
+        self.query_key_value = QKVParallelLinear(h, heads, groups, config.add_bias_linear,
+                                                 normal_init(config.init_method_std), sequence_parallel)
         self.local_heads = heads // tp_world_size()
-        # stride=3: the master [3h, h] weight is [Q; K; V]; each rank takes whole heads of each.
-        self.query_key_value = ColumnParallelLinear(h, 3 * h, init_method=normal_init(config.init_method_std), stride=3,
-                                                    sequence_parallel=sequence_parallel)
+        self.local_groups = self.query_key_value.local_groups
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = resolve_attention_backend(config.attention_backend)
         self.softmax = FusedScaleMaskSoftmax(
@@ -97,9 +131,10 @@ class ParallelAttention(nn.Module):
         )
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.dropout_rng = layer_split_rng(layer_number)
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base,
+                                       config.rope_scaling_factor if config.use_rope_scaling else None)
                        if config.position_embedding_type == "rope" else None)
-        self.dense = RowParallelLinear(h, h, input_is_parallel=True,
+        self.dense = RowParallelLinear(h, h, bias=config.add_bias_linear, input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),
                                        sequence_parallel=sequence_parallel)
         self.recompute_core = config.recompute_granularity == "selective"
@@ -108,18 +143,20 @@ class ParallelAttention(nn.Module):
         """kv_cache (generation only): an object with `offset` (tokens already cached) and
         `append(k, v) -> (all keys, all values)`; x then holds the tokens after those."""
         offset = 0 if kv_cache is None else kv_cache.offset
-        qkv = self.query_key_value(x)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, 3h/tp]
+        # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, (np + 2 ng) hd], np heads and ng groups here
+        qkv = self.query_key_value(x)
         b, s, _ = qkv.shape
-        q, k, v = qkv.split(self.local_heads * self.head_dim, dim=-1)
+        hd = self.head_dim
+        q, k, v = qkv.split((self.local_heads * hd, self.local_groups * hd, self.local_groups * hd), dim=-1)
 
-        def heads(t):  # [b, s, np*hd] -> [b, np, s, hd]
-            return t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        def heads(t, n):  # [b, s, n*hd] -> [b, n, s, hd]
+            return t.view(b, s, n, hd).transpose(1, 2)
 
-        q, k, v = heads(q), heads(k), heads(v)
+        q, k, v = heads(q, self.local_heads), heads(k, self.local_groups), heads(v, self.local_groups)
         if self.rotary is not None:
             q, k = self.rotary(q, offset), self.rotary(k, offset)
         if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # [b, np, offset + s, hd]
+            k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():
             # Only q, k, v (views of qkv) and the context are kept; the [b, np, s, s] scores,
             # probabilities and dropout mask are made again in backward, with the same mask.
@@ -130,23 +167,30 @@ class ParallelAttention(nn.Module):
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Scores, causal softmax, dropout, x V: [b, np, s, hd] -> [b, np, s, hd]."""
+        """Scores, causal softmax, dropout, x V: q [b, np, s, hd], k and v [b, ng, s', hd] -> [b, np, s, hd].
+
+        A group's np/ng query heads are adjacent, so viewing q as [b, ng, (np/ng) s, hd] multiplies each
+        group's keys and values once, without repeating them per head."""
+        b, heads, s, hd = q.shape
+        groups = k.shape[1]
         # Heads are split across TP ranks, so their dropout masks must differ per rank.
         with get_rng_tracker().fork(self.dropout_rng):
+            if self.backend == "sdpa" and not offset:
+                # One kernel for scores, causal softmax, dropout and values (grouped keys and values
+                # read per group); its dropout draws from the stream forked above like nn.Dropout would.
+                p = self.attention_dropout.p if self.training else 0.0
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
+                                                      enable_gqa=groups != heads)
+            grouped_q = q.reshape(b, groups, heads // groups * s, hd)
+            scores = torch.matmul(grouped_q, k.transpose(-2, -1)).view(b, heads, s, -1)  # [b, np, s, s']
             if offset:
                 # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
                 # that SDPA's is_causal and the fused kernel handle.
-                scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, offset + s]
                 probs = self.attention_dropout(self._softmax_after_cache(scores, offset))
-                return torch.matmul(probs, v)  # [b, np, s, hd]
-            if self.backend == "sdpa":
-                # One kernel for scores, causal softmax, dropout and values; its dropout draws from
-                # the stream forked above like nn.Dropout would.
-                p = self.attention_dropout.p if self.training else 0.0
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
-            scores = torch.matmul(q, k.transpose(-2, -1))  # [b, np, s, s]
-            probs = self.attention_dropout(self.softmax(scores))
-            return torch.matmul(probs, v)  # [b, np, s, hd]
+            else:
+                probs = self.attention_dropout(self.softmax(scores))
+            context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd]
+            return context.view(b, heads, s, hd)
 
     def _softmax_after_cache(self, scores: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal softmax for queries at positions offset.. over keys 0..offset+s-1 (not square, so
@@ -158,41 +202,44 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
+    """GeLU MLP, or with --swiglu the SiLU-gated one: down(silu(gate(x)) * up(x)).
+
+    Under SwiGLU the master [2 ffn, h] weight of dense_h_to_4h is [gate; up] and each rank takes the
+    matching ffn/tp rows of both (stride 2), so its gate and up slices belong together."""
+
     def __init__(self, config: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.ffn_hidden_size,
+        ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * ffn if self.swiglu else ffn,
+                                                  bias=config.add_bias_linear, stride=2 if self.swiglu else 1,
                                                   init_method=normal_init(config.init_method_std),
                                                   sequence_parallel=sequence_parallel)
         self.dense_4h_to_h = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, input_is_parallel=True,
+            ffn, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=scaled_normal_init(config.init_method_std, config.num_layers),
             sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [b, s, h] -> [b, s, ffn/tp] -> [b, s, h]  (sequence parallel: [b, s/tp, h] in and out)
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
-
-
-def sequence_parallel_layer_norm(hidden_size: int, eps: float, sequence_parallel: bool) -> nn.LayerNorm:
-    """A LayerNorm; under sequence parallelism it sees this rank's shard, so its parameters are tagged."""
-    norm = nn.LayerNorm(hidden_size, eps=eps)
-    if sequence_parallel:
-        set_sequence_parallel_parameters(norm)
-    return norm
+        # [b, s, h] -> [b, s, ffn/tp] (SwiGLU: [b, s, 2 ffn/tp] first) -> [b, s, h]
+        # (sequence parallel: [b, s/tp, h] in and out)
+        inner = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = inner.chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(inner))
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attention(LN(x))), then x + dropout(MLP(LN(x))).
+    """x + dropout(attention(norm(x))), then x + dropout(MLP(norm(x))).
 
     layer_number counts from 1 over the whole model and names the layer's dropout streams.
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
-        h, eps = config.hidden_size, config.layernorm_epsilon
-        self.input_layernorm = sequence_parallel_layer_norm(h, eps, sequence_parallel)
+        self.input_layernorm = build_norm(config, sequence_parallel)
         self.attention = ParallelAttention(config, layer_number, sequence_parallel)
-        self.post_attention_layernorm = sequence_parallel_layer_norm(h, eps, sequence_parallel)
+        self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, sequence_parallel)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         # Replicated residual stream: one stream seeded alike on every TP rank keeps the replicas equal.

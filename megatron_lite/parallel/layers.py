@@ -23,7 +23,7 @@ step (parallel/sequence_parallel.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +48,15 @@ def default_init_method(weight: torch.Tensor) -> None:
 
 
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int = -1,
-                                         stride: int = 1) -> None:
-    """Tag a parameter; replicated ones (LayerNorm, row-parallel bias) get (False, -1, 1)."""
+                                         stride: int = 1, sections: Optional[Tuple[int, ...]] = None) -> None:
+    """Tag a parameter; replicated ones (LayerNorm, row-parallel bias) get (False, -1, 1).
+
+    sections: the full (TP = 1) lengths of the parts of partition_dim that are split separately (the fused
+    QKV's Q, K and V); None means `stride` equal parts."""
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
     param.partition_stride = stride
+    param.partition_sections = tuple(sections) if sections is not None else None
 
 
 def set_sequence_parallel_attribute(param: torch.Tensor) -> None:
@@ -96,39 +100,56 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def _master_slice(full_shape, partition_dim: int, stride: int, init_method: InitMethod) -> torch.Tensor:
+def equal_sections(size: int, stride: int) -> Tuple[int, ...]:
+    """`stride` equal parts of a dimension of `size`."""
+    return (split_size(size, stride, f"dimension of size {size} in {stride} parts"),) * stride
+
+
+def _master_slice(full_shape, partition_dim: int, sections: Sequence[int], init_method: InitMethod) -> torch.Tensor:
     """This rank's slice of a full-size fp32 CPU master weight filled by init_method.
 
-    With stride s the split dim is cut into s x tp chunks and rank r takes
-    chunks r, r + tp, ...: a fused [q; k; v] weight gives each rank [q_r; k_r; v_r].
+    The split dim is made of `sections` (their lengths), each cut into tp equal pieces; rank r takes
+    piece r of every section: a fused [Q; K; V] weight gives each rank [Q_r; K_r; V_r].
     """
     master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
     init_method(master)
     world = tp_world_size()
     if world == 1:
         return master
-    chunk = split_size(full_shape[partition_dim], world * stride, f"dimension {partition_dim} of the weight")
-    chunks = torch.split(master, chunk, dim=partition_dim)
-    return torch.cat(chunks[tp_rank()::world], dim=partition_dim)
+    pieces = []
+    for part in torch.split(master, list(sections), dim=partition_dim):
+        size = split_size(part.shape[partition_dim], world, f"a part of dimension {partition_dim} of the weight")
+        pieces.append(part.narrow(partition_dim, tp_rank() * size, size))
+    return torch.cat(pieces, dim=partition_dim)
 
 
 def _parameter(shape, dtype: torch.dtype, value: torch.Tensor, is_parallel: bool, dim: int = -1,
-               stride: int = 1) -> nn.Parameter:
+               stride: int = 1, sections: Optional[Tuple[int, ...]] = None) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype))
     with torch.no_grad():
         param.copy_(value)
-    set_tensor_model_parallel_attributes(param, is_parallel, dim, stride)
+    set_tensor_model_parallel_attributes(param, is_parallel, dim, stride, sections)
     return param
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A split along its output rows: each rank computes out/tp features."""
+    """y = x A^T + b with A split along its output rows: each rank computes out/tp features.
+
+    sections (lengths adding up to output_size) splits each part of the output separately, for fused
+    weights whose parts differ in size (grouped-query QKV); stride s means s equal sections."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
                  init_method: Optional[InitMethod] = None, stride: int = 1,
-                 params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False):
+                 params_dtype: torch.dtype = torch.float32, sequence_parallel: bool = False,
+                 sections: Optional[Sequence[int]] = None):
         super().__init__()
         world = tp_world_size()
+        if sections is None:
+            sections = equal_sections(output_size, stride)
+        elif sum(sections) != output_size:
+            raise ValueError(f"ColumnParallelLinear sections {tuple(sections)} do not add up to output_size "
+                             f"{output_size}")
+        stride = len(sections)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True with sequence_parallel=True: a sequence-parallel input feeds "
                              "split layers; gather the output where it is needed")
@@ -138,22 +159,31 @@ class ColumnParallelLinear(nn.Module):
                              "in per-rank [q_r k_r v_r] order, not the dense order; keep gather_output=False")
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.stride = gather_output, stride
-        self.output_size_per_partition = split_size(
-            output_size, world * stride, f"ColumnParallelLinear output_size (TP {world} x stride {stride})") * stride
+        self.sections = tuple(sections)
+        self.local_sections = tuple(
+            split_size(n, world, f"ColumnParallelLinear output section of {n} (TP {world})") for n in sections)
+        self.output_size_per_partition = sum(self.local_sections)
+        # Equal sections are recorded as a stride (checkpoints before grouped-query attention know only that).
+        recorded = None if len(set(self.sections)) == 1 else self.sections
 
-        weight = _master_slice((output_size, input_size), 0, stride, init_method or default_init_method)
+        weight = _master_slice((output_size, input_size), 0, self.sections, init_method or default_init_method)
         self.weight = _parameter((self.output_size_per_partition, input_size), params_dtype, weight,
-                                 True, 0, stride)
+                                 True, 0, stride, recorded)
         self.bias = None
         if bias:
             self.bias = _parameter((self.output_size_per_partition,), params_dtype, torch.zeros(()),
-                                   True, 0, stride)
+                                   True, 0, stride, recorded)
+
+    def local_weight_and_bias(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The weight and bias this rank multiplies with: its parameters (a subclass may assemble them)."""
+        return self.weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.local_weight_and_bias()
         if self.sequence_parallel:
-            return _SequenceParallelLinear.apply(x, self.weight, self.bias)  # [b, s/tp, in] -> [b, s, out/tp]
+            return _SequenceParallelLinear.apply(x, weight, bias)  # [b, s/tp, in] -> [b, s, out/tp]
         x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight, self.bias)  # [..., in] -> [..., out/tp]
+        y = F.linear(x, weight, bias)  # [..., in] -> [..., out/tp]
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
 
@@ -172,7 +202,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.input_size_per_partition = split_size(input_size, world, f"RowParallelLinear input_size (TP {world})")
 
-        weight = _master_slice((output_size, input_size), 1, 1, init_method or default_init_method)
+        weight = _master_slice((output_size, input_size), 1, (input_size,), init_method or default_init_method)
         self.weight = _parameter((output_size, self.input_size_per_partition), params_dtype, weight, True, 1)
         # Replicated: added once after the reduce, so every rank holds the whole bias.
         self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None
@@ -204,7 +234,7 @@ class VocabParallelEmbedding(nn.Module):
             num_embeddings, world, f"VocabParallelEmbedding num_embeddings (TP {world}; pad the vocabulary)")
         self.vocab_start_index, self.vocab_end_index = partition_range(self.num_embeddings_per_partition, tp_rank())
 
-        weight = _master_slice((num_embeddings, embedding_dim), 0, 1, init_method or default_init_method)
+        weight = _master_slice((num_embeddings, embedding_dim), 0, (num_embeddings,), init_method or default_init_method)
         self.weight = _parameter((self.num_embeddings_per_partition, embedding_dim), params_dtype, weight, True, 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

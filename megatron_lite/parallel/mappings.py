@@ -16,6 +16,11 @@ sequence, dim 1 of our batch-first [b, s, h] activations, into [b, s/tp, h]:
     gather from seq    forward all-gather   backward reduce-scatter: fused into the column-parallel
                        linear that consumes it (layers.py), so backward keeps only the shard
 
+Grouped-query attention with fewer key/value groups than TP ranks gathers weight rows (dim 0):
+
+    gather rows        forward all-gather   backward reduce-scatter (K/V weight shards -> the whole K/V
+                       weight; backward sums each shard's gradient over the ranks that used it)
+
 A reduce-scatter plus an all-gather move the bytes of the all-reduce they replace.
 Dim 1 is not the outermost dim: each collective runs on a [tp, b, s/tp, h] buffer
 (one extra copy of the activation when b > 1, a view when b = 1) instead of moving
@@ -78,6 +83,23 @@ def reduce_scatter_along_sequence(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, parts.flatten(0, 1), group=tp_group())  # rank r gets the sum of parts[r]
     return out
+
+
+class _GatherRowsFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        out = torch.empty((tp_world_size() * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x, group=tp_group())  # [tp * n, ...], rank order
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_output = grad_output.contiguous()
+        out = torch.empty((grad_output.size(0) // tp_world_size(),) + tuple(grad_output.shape[1:]),
+                          dtype=grad_output.dtype, device=grad_output.device)
+        _reduce_scatter_single(out, grad_output, group=tp_group())
+        return out
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
@@ -164,3 +186,8 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     """[b, s, h] partial sums over TP -> [b, s/tp, h] of the sum."""
     return x if tp_world_size() == 1 else _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+def gather_rows_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """[n, ...] on each rank -> [tp * n, ...] in rank order; backward sums each rank's rows over TP."""
+    return x if tp_world_size() == 1 else _GatherRowsFromModelParallelRegion.apply(x)

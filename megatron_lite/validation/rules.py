@@ -11,7 +11,7 @@ import dataclasses
 from typing import Iterable, List, Sequence, Tuple
 
 from megatron_lite import batching
-from megatron_lite.config import LOG_LEVELS, Config, ConfigError, flag_for, format_split
+from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import layers_per_stage_uniform
 
 PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
@@ -92,7 +92,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     require_at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                              "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"))
     hidden, heads = m.hidden_size, m.num_attention_heads
-    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * hidden
+    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.swiglu)
     if hidden % heads:
         divisors = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % tp == 0]
         near = sorted(divisors, key=lambda h: abs(h - heads))[:2]
@@ -109,11 +109,22 @@ def model_rules(config: Config, notes: List[str]) -> Config:
             code="heads_not_divisible_by_tp"
         )
     if ffn % tp:
+        gated = " (with --swiglu, both the gate and the up projection)" if m.swiglu else ""
         raise ConfigError(
             f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
-            f"column-wise across TP ranks. Use --ffn-hidden-size "
+            f"column-wise across TP ranks{gated}. Use --ffn-hidden-size "
             f"{batching.or_join(batching.nearest_multiples(ffn, tp))}", code="ffn_not_divisible_by_tp"
         )
+    groups = _query_groups(m, tp)
+    if m.normalization not in NORMALIZATIONS:
+        raise ConfigError(f"--normalization {m.normalization} is not one of {', '.join(NORMALIZATIONS)}")
+    if m.norm_epsilon <= 0:
+        raise ConfigError(f"--norm-epsilon {m.norm_epsilon} must be positive, e.g. 1e-5")
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        raise ConfigError("--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope; "
+                          f"got {m.position_embedding_type}")
+    if m.use_rope_scaling and not m.rope_scaling_factor >= 1.0:
+        raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor} must be at least 1, e.g. 8 (Llama 3.1)")
     if m.attention_backend not in ("auto", "sdpa", "fused"):
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
@@ -149,7 +160,51 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     _check_sequence_parallel(config)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
-                          model__recompute_granularity=granularity)
+                          model__recompute_granularity=granularity, model__num_query_groups=groups)
+
+
+def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
+    """Megatron-LM's default MLP width: 4h, or with --swiglu 2/3 of it rounded down to a multiple of 64
+    (the gated MLP's three matrices then hold about as many parameters as GeLU's two); at least 64."""
+    if not swiglu:
+        return 4 * hidden
+    return max(64, int(4 * hidden * 2 / 3 / 64) * 64)
+
+
+def _query_groups(m, tp: int) -> int:
+    """Key/value heads: --num-query-groups under --group-query-attention, else one per head."""
+    heads = m.num_attention_heads
+    if not m.group_query_attention:
+        if m.num_query_groups not in (None, heads):
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} needs --group-query-attention; add it, "
+                              f"or drop --num-query-groups for multi-head attention ({heads} groups)")
+        return heads
+    groups = m.num_query_groups
+    if groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups N (key/value heads; 1 is multi-query "
+                          f"attention), N dividing --num-attention-heads {heads}, e.g. "
+                          f"{batching.or_join([g for g in (1, 2, 4, 8) if heads % g == 0][-2:])}")
+    if groups < 1 or heads % groups:
+        divisors = [g for g in range(1, heads + 1) if heads % g == 0 and (g % tp == 0 or tp % g == 0)]
+        near = sorted(divisors, key=lambda g: abs(g - groups))[:2]
+        raise ConfigError(f"--num-query-groups {groups} does not divide --num-attention-heads {heads}; every group "
+                          f"serves the same number of query heads. Use --num-query-groups "
+                          f"{batching.or_join(sorted(near))}", code="heads_not_divisible_by_groups")
+    if groups % tp and tp % groups:
+        divisors = [g for g in range(1, heads + 1) if heads % g == 0 and (g % tp == 0 or tp % g == 0)]
+        near = sorted(divisors, key=lambda g: abs(g - groups))[:2]
+        raise ConfigError(
+            f"--num-query-groups {groups} neither divides nor is divided by --tensor-model-parallel-size {tp}: "
+            f"each TP rank needs whole groups, or one group shared by TP/groups ranks. Use --num-query-groups "
+            f"{batching.or_join(sorted(near))}", code="groups_not_compatible_with_tp")
+    head_dim = m.hidden_size // heads
+    if groups < tp and (groups * head_dim) % tp:
+        raise ConfigError(
+            f"--num-query-groups {groups} at --tensor-model-parallel-size {tp}: each group's key/value rows "
+            f"({head_dim} per group) are kept in {tp // groups} pieces, one per rank sharing it, and "
+            f"{head_dim} is not divisible by {tp // groups}. Use --num-query-groups {tp} or a head dimension "
+            f"divisible by {tp // groups}", code="groups_not_compatible_with_tp")
+    return groups
 
 
 def _check_sequence_parallel(config: Config) -> None:

@@ -34,7 +34,7 @@ def _models(extra):
         vocab_size=m.padded_vocab_size, hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
         num_layers=m.num_layers, ffn_hidden_size=m.ffn_hidden_size, max_positions=m.max_position_embeddings,
         rotary=m.position_embedding_type == "rope", rotary_base=m.rotary_base,
-        tied_head=not m.untie_embeddings_and_output_weights, layernorm_epsilon=m.layernorm_epsilon)).eval()
+        tied_head=not m.untie_embeddings_and_output_weights, layernorm_epsilon=m.norm_epsilon)).eval()
     load_megatron_lite_state(reference, ours.state_dict())
     return config, ours, reference
 

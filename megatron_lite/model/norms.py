@@ -1,0 +1,38 @@
+"""The two normalisations a layer can use: LayerNorm (GPT-2) and RMSNorm (Llama), picked by --normalization.
+
+Under sequence parallelism a norm sees only this TP rank's part of the sequence, so its parameters
+are tagged: their gradients are summed over TP once per step (parallel/sequence_parallel.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel.layers import set_sequence_parallel_parameters
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back before the weight, as
+    transformers' LlamaRMSNorm and Megatron-LM do (where eps sits changes the result: inside the root)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def build_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """The config's norm over the hidden size; tagged when it works on sequence shards."""
+    if config.normalization == "RMSNorm":
+        norm = RMSNorm(config.hidden_size, config.norm_epsilon)
+    else:
+        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    if sequence_parallel:
+        set_sequence_parallel_parameters(norm)
+    return norm
