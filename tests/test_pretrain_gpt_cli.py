@@ -36,6 +36,15 @@ def test_bad_flag_combination_at_world_size_8_exits_2_on_every_rank_and_rank0_re
     assert not any("Traceback" in out for out in outs)
 
 
+def test_query_groups_that_do_not_fit_tp_exit_2_with_one_line_before_any_collective():
+    proc = _launch(["--tensor-model-parallel-size", "2", "--hidden-size", "96", "--num-attention-heads", "6",
+                    "--group-query-attention", "--num-query-groups", "3"], WORLD_SIZE="2")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out
+    errors = [line for line in out.splitlines() if "--num-query-groups 3" in line]
+    assert len(errors) == 1 and "Use --num-query-groups 1 or 2" in errors[0], out
+
+
 def test_unknown_flag_exits_2_with_usage():
     proc = _launch(["--tensor-parallel-size", "2"])
     out, _ = proc.communicate(timeout=120)

@@ -136,7 +136,37 @@ RULES = [
                                   model__recompute_method="uniform", model__recompute_num_layers=1),
                  r"^--recompute-activations means --recompute-granularity selective \(as in Megatron-LM\); it "
                  r"contradicts --recompute-granularity full", id="recompute-activations-vs-full"),
+    pytest.param(model_rules, cfg(model__group_query_attention=True, model__num_query_groups=3),
+                 r"^--num-query-groups 3 does not divide --num-attention-heads 4; every group serves the same number "
+                 r"of query heads. Use --num-query-groups 2 or 4$", id="groups-not-dividing-heads"),
+    pytest.param(model_rules, layout(4, 4, model__hidden_size=96, model__num_attention_heads=12,
+                                     model__group_query_attention=True, model__num_query_groups=6),
+                 r"^--num-query-groups 6 neither divides nor is divided by --tensor-model-parallel-size 4: each TP "
+                 r"rank needs whole groups, or one group shared by TP/groups ranks. Use --num-query-groups 2 or 4$",
+                 id="groups-vs-tp"),
+    pytest.param(model_rules, layout(8, 8, model__hidden_size=32, model__num_attention_heads=8,
+                                     model__group_query_attention=True, model__num_query_groups=1),
+                 r"^--num-query-groups 1 at --tensor-model-parallel-size 8: each group's key/value rows \(4 per group\) "
+                 r"are kept in 8 pieces", id="shared-group-rows-vs-tp"),
+    pytest.param(model_rules, cfg(model__num_query_groups=2),
+                 r"^--num-query-groups 2 needs --group-query-attention; add it", id="groups-without-gqa"),
+    pytest.param(model_rules, cfg(model__group_query_attention=True),
+                 r"^--group-query-attention needs --num-query-groups N", id="gqa-without-groups"),
+    pytest.param(model_rules, layout(4, 4, model__swiglu=True, model__ffn_hidden_size=90),
+                 r"^--ffn-hidden-size 90 is not divisible by --tensor-model-parallel-size 4; the MLP is split "
+                 r"column-wise across TP ranks \(with --swiglu, both the gate and the up projection\). Use "
+                 r"--ffn-hidden-size 88 or 92$", id="swiglu-ffn-vs-tp"),
+    pytest.param(model_rules, cfg(model__use_rope_scaling=True),
+                 r"^--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope",
+                 id="rope-scaling-without-rope"),
 ]
+
+
+def test_swiglu_takes_megatron_lms_default_ffn_width():
+    from megatron_lite.validation.rules import default_ffn_hidden_size
+
+    assert default_ffn_hidden_size(4096, swiglu=True) == 10880  # int(4 x 4096 x 2/3 / 64) x 64, as Megatron-LM
+    assert default_ffn_hidden_size(4096, swiglu=False) == 16384
 
 
 @pytest.mark.parametrize("rule, config, message", RULES)

@@ -5,7 +5,8 @@ Layout of a --save folder:
     latest                          the newest complete tag (written last, atomically)
     .megatron_lite.lock             held by the run writing here (checkpoint/lock.py)
     iter_0000200/                   one complete checkpoint
-        megatron_lite.json          config, layout, iteration, consumed samples, tokenizer SHA-256 (rank 0)
+        megatron_lite.json          config, layout, fused weights' layout, iteration, consumed samples,
+                                    tokenizer SHA-256 (rank 0)
         rng_rank_00003.pt           every random generator of global rank 3
         layer_XX-model_YY-model_states.pt, mp_rank_XX_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_XX_
         optim_states.pt             DeepSpeed's files (names from deepspeed_compat)
@@ -109,7 +110,37 @@ def read_metadata(directory: str, tag: str) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e})") from None
     if not isinstance(metadata, dict) or not all(k in metadata for k in ("iteration", "layout", "config")):
         raise CheckpointError(f"{path}: not megatron_lite checkpoint metadata (needs iteration, layout, config)")
+    _check_fused_weights(path, metadata)
     return metadata
+
+
+def fused_weights(model: Dict[str, Any]) -> Dict[str, Any]:
+    """How the fused weights of a model (a saved config's "model" section) are laid out: the parts of their
+    first dimension, in order, with their full (TP 1) row counts. Each part is cut into TP equal contiguous
+    pieces and rank r's file holds piece r of every part, in this order (checkpoint/slicing.py).
+
+    Checkpoints written before this record existed have the same layout (GPT-2's [Q; K; V] with equal parts)."""
+    heads = model["num_attention_heads"]
+    head_dim = model["hidden_size"] // heads
+    groups = model.get("num_query_groups") or heads
+    layout = {"attention.query_key_value": {
+        "parts": ["query", "key", "value"], "rows": [heads * head_dim, groups * head_dim, groups * head_dim],
+        "query_heads_per_group": heads // groups}}
+    if model.get("swiglu"):
+        ffn = model["ffn_hidden_size"]
+        layout["mlp.dense_h_to_4h"] = {"parts": ["gate", "up"], "rows": [ffn, ffn]}
+    return layout
+
+
+def _check_fused_weights(path: str, metadata: Dict[str, Any]) -> None:
+    recorded = metadata.get("fused_weights")
+    if recorded is None:
+        return
+    expected = fused_weights(metadata["config"].get("model", {}))
+    if recorded != expected:
+        raise CheckpointError(f"{path}: its fused weights are laid out as {recorded}, but this version of "
+                              f"megatron_lite reads {expected} for that model: convert the checkpoint with the "
+                              f"version that wrote it")
 
 
 def write_metadata(folder: str, metadata: Dict[str, Any]) -> None:

@@ -40,6 +40,12 @@ from megatron_lite.checkpoint.format import CheckpointError
 
 def check_representable(config: Config) -> None:
     m = config.model
+    llama = [flag for flag, on in (("--swiglu", m.swiglu), ("--normalization RMSNorm", m.normalization == "RMSNorm"),
+                                   ("--group-query-attention", m.num_query_groups not in (None, m.num_attention_heads)),
+                                   ("--disable-bias-linear", not m.add_bias_linear)) if on]
+    if llama:
+        raise CheckpointError(f"export-hf: the model uses the Llama-family block ({', '.join(llama)}), which "
+                              f"GPT2LMHeadModel cannot hold; export-hf writes GPT-2 models only")
     if m.position_embedding_type != "learned_absolute":
         raise CheckpointError(f"export-hf: the model uses --position-embedding-type {m.position_embedding_type} "
                               f"(rotary); GPT2LMHeadModel has learned absolute positions only, and a GPT-NeoX "

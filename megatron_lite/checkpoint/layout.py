@@ -43,6 +43,9 @@ class ParamInfo:
     """Dimension split across TP ranks; -1 when replicated."""
     partition_stride: int
     """Chunks per rank along partition_dim (3 for the fused QKV: whole heads of Q, K and V)."""
+    partition_sections: Tuple[int, ...] = ()
+    """Full lengths of the parts of partition_dim each split over TP separately (slicing.py): the fused
+    QKV's (a hd, g hd, g hd), SwiGLU's (ffn, ffn); one part for a plain split; () when replicated."""
 
     @property
     def decays(self) -> bool:
@@ -72,12 +75,19 @@ class ModelLayout:
             self.params[index] = [ParamInfo(index, *entry) for entry in described[kind]]
 
     @staticmethod
-    def _describe(spec) -> List[Tuple[str, Tuple[int, ...], int, int]]:
+    def _describe(spec) -> List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...]]]:
         # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes.
         with torch.random.fork_rng(devices=[]), as_single_rank():
             module = spec.build()
-        return [(name, tuple(p.shape), p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1,
-                 getattr(p, "partition_stride", 1)) for name, p in module.named_parameters()]
+        described = []
+        for name, p in module.named_parameters():
+            split = getattr(p, "tensor_model_parallel", False)
+            dim, stride = (p.partition_dim, getattr(p, "partition_stride", 1)) if split else (-1, 1)
+            sections = getattr(p, "partition_sections", None) if split else ()
+            if sections is None:
+                sections = (p.shape[dim] // stride,) * stride
+            described.append((name, tuple(p.shape), dim, stride, tuple(sections)))
+        return described
 
     def layer_specs_with_files(self) -> List[int]:
         """Spec indices that have a layer file (every spec but the tied head)."""

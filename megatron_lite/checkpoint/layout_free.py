@@ -144,7 +144,7 @@ class LayoutFreeReader:
             def merged(name):
                 parts = [getattr(v, name) for v in per_rank]
                 return None if any(p is None for p in parts) else \
-                    slicing.merge(parts, info.partition_dim, info.partition_stride).contiguous()
+                    slicing.merge(parts, info.partition_dim, info.partition_sections).contiguous()
             states[key] = ParamState(merged("fp32"), merged("exp_avg"), merged("exp_avg_sq"), per_rank[0].step)
         missing = [k for s in wanted for k in ((s, p.name) for p in self.layout.params[s]) if k not in states]
         if missing:

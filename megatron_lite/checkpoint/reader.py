@@ -141,7 +141,7 @@ class CheckpointReader:
         for spec in self.layout.layer_specs_with_files():
             shards = self.layer_shards(spec)
             for info in self.layout.params[spec]:
-                full = slicing.merge([sd[info.name] for sd in shards], info.partition_dim, info.partition_stride)
+                full = slicing.merge([sd[info.name] for sd in shards], info.partition_dim, info.partition_sections)
                 weights[(spec, info.name)] = full.float()
                 self.dtypes[(spec, info.name)] = full.dtype
         return weights
@@ -189,7 +189,7 @@ class CheckpointReader:
                 for name, value in entries[0].items():
                     if torch.is_tensor(value) and value.dim() > 0:
                         merged[name] = slicing.merge([e[name] for e in entries], info.partition_dim,
-                                                     info.partition_stride)
+                                                     info.partition_sections)
                     else:
                         merged[name] = value
                 states[(info.spec, info.name, copy)] = merged

@@ -51,6 +51,13 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
         raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not divide the model's "
                               f"{m.num_attention_heads} attention heads and --ffn-hidden-size {m.ffn_hidden_size}; "
                               f"use a TP size that divides both")
+    groups = m.num_query_groups or m.num_attention_heads
+    head_dim = m.hidden_size // m.num_attention_heads
+    if (groups % tp and tp % groups) or (groups < tp and (groups * head_dim) % tp):
+        raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not fit the model's {groups} query "
+                              f"groups: a TP size must divide the groups, or be a multiple of them that divides "
+                              f"their {groups * head_dim} key/value rows; e.g. "
+                              f"{' or '.join(str(t) for t in (1, 2, 4, 8) if not groups % t or not t % groups)}")
     if pp < 1 or m.num_layers < pp:
         raise CheckpointError(f"--target-pipeline-model-parallel-size {pp} must be between 1 and the model's "
                               f"{m.num_layers} transformer layers")

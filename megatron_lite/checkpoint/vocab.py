@@ -33,4 +33,4 @@ def target_slices(info, full: torch.Tensor, tp: int, rows: int) -> List[torch.Te
     (another TP may pad it to another size), contiguous."""
     if is_vocab_parameter(info.name):
         full = resize_rows(full, rows)
-    return [t.contiguous() for t in slicing.split(full, tp, info.partition_dim, info.partition_stride)]
+    return [t.contiguous() for t in slicing.split(full, tp, info.partition_dim, info.partition_sections)]

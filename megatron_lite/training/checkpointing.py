@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import WriteError, describe, torch_save
 from megatron_lite.checkpoint.format import (
+    fused_weights,
     LATEST,
     TMP_PREFIX,
     UNIVERSAL_FORMAT,
@@ -106,6 +108,7 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
     return {"iteration": iteration, "consumed_samples": consumed_samples,
             "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
+            "fused_weights": fused_weights(dataclasses.asdict(config.model)),
             "tokenizer_sha256": file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None,
             "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name},
             "config": config.to_dict()}

@@ -21,6 +21,8 @@ MODEL_FIELDS = (
     ("model", "num_layers"), ("model", "hidden_size"), ("model", "num_attention_heads"),
     ("model", "ffn_hidden_size"), ("model", "position_embedding_type"), ("model", "max_position_embeddings"),
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
+    ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
+    ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"),
 )
 # DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
 # ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
@@ -29,7 +31,9 @@ LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipel
 
 FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
-              "data_parallel_size": "the data-parallel size (world size / (TP x PP))"}
+              "data_parallel_size": "the data-parallel size (world size / (TP x PP))",
+              "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
+              "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
 
 
 def flag_name(field: str) -> str:
@@ -40,9 +44,18 @@ def _applies(field: str, saved: Config) -> bool:
     position = saved.model.position_embedding_type
     if field == "max_position_embeddings":
         return position == "learned_absolute"  # rotary positions have no table
-    if field == "rotary_base":
+    if field in ("rotary_base", "use_rope_scaling"):
         return position == "rope"
+    if field == "rope_scaling_factor":
+        return saved.model.use_rope_scaling
     return True
+
+
+def _value(config: Config, section: str, name: str):
+    value = getattr(getattr(config, section), name)
+    if name == "num_query_groups" and value is None:  # saved before grouped-query attention: one per head
+        return config.model.num_attention_heads
+    return value
 
 
 def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optional[str] = None,
@@ -52,7 +65,7 @@ def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optio
     for section, name in fields:
         if not _applies(name, saved) and not _applies(name, new):
             continue
-        before, after = getattr(getattr(saved, section), name), getattr(getattr(new, section), name)
+        before, after = _value(saved, section, name), _value(new, section, name)
         if before != after:
             problems.append(f"{flag_name(name)}: checkpoint {before}, this run {after}")
     if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:

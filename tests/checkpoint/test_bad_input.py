@@ -69,6 +69,17 @@ def test_export_of_a_rotary_model_is_refused_naming_the_feature(rope_run, tmp_pa
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_export_of_a_llama_block_is_refused_naming_its_flags():
+    from megatron_lite.checkpoint.format import CheckpointError
+    from megatron_lite.checkpoint.hf_export import check_representable
+    from tests.model.gpt_layouts import tiny_config
+    from tests.model.test_llama_parallel import LLAMA
+
+    with pytest.raises(CheckpointError, match=r"Llama-family block \(--swiglu, --normalization RMSNorm, "
+                                              r"--group-query-attention, --disable-bias-linear\)"):
+        check_representable(tiny_config(extra=LLAMA))
+
+
 def test_reshard_never_writes_over_an_existing_folder(run22, tmp_path):
     target = tmp_path / "exists"
     target.mkdir()
