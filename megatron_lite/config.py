@@ -172,8 +172,8 @@ class ModelConfig:
     pipeline stage (block)."""
     attention_backend: str = option("auto", "--attention-backend", choices=("auto", "sdpa", "fused"))
     """Attention kernel: sdpa (torch's scaled_dot_product_attention), fused (our fused scaled-masked
-    causal softmax between two matmuls), or auto: the one measured faster on this kind of device
-    (sdpa on CPU, fused on CUDA)."""
+    causal softmax between two matmuls), or auto: SDPA, measured faster on CPU and taken on CUDA until
+    the GPU check measures otherwise (model/transformer.py AUTO_ATTENTION_BACKEND)."""
     masked_softmax_fusion: bool = option(True, "--no-masked-softmax-fusion", action="store_false")
     """Turn off the fused scaled-masked softmax kernel (eager torch ops instead)."""
     attention_softmax_in_fp32: bool = option(True, "--attention-softmax-in-fp32", action="boolean_optional")

@@ -45,5 +45,16 @@ def layout_summary(config: Config, backend: str, device: str) -> str:
             f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name} | global batch "
             f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "
             f"x DP {p.data_parallel_size} | GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
-            f"heads, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, {_count(total_parameters(config))} "
-            f"parameters")
+            f"heads{_block(m)}, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, "
+            f"{_count(total_parameters(config))} parameters")
+
+
+def _block(m) -> str:
+    """The block's departures from GPT-2's, as the flags name them ('' for GPT-2's block)."""
+    groups = m.num_query_groups or m.num_attention_heads
+    parts = [f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
+             "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
+             "no biases" if not m.add_bias_linear else "",
+             f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else ""]
+    named = [p for p in parts if p]
+    return f" ({', '.join(named)})" if named else ""
