@@ -13,6 +13,16 @@ rounds (each round: every trainer --iters steps in turn), at each --threads:
   HF        transformers' GPT2LMHeadModel (attn_implementation="sdpa", activation "gelu" as ours),
             model(input_ids, labels=...), backward, clip_grad_norm_, AdamW (no decay on 1-D)
 
+--model llama times the Llama-family block instead (same sizes; SwiGLU with ffn 640, Megatron-LM's
+default int(4 h 2/3 / 64) 64 for h = 256; RMSNorm; 2 query groups; no biases; untied head; RoPE base
+500000 with Llama 3.1 scaling), two trainers:
+
+  ours      pretrain_gpt.py's stack as above, with --swiglu --normalization RMSNorm
+            --group-query-attention --num-query-groups 2 --disable-bias-linear
+            --untie-embeddings-and-output-weights --position-embedding-type rope --use-rope-scaling
+  HF        transformers' LlamaForCausalLM (attn_implementation="sdpa") of the same config
+            (checkpoint/hf_llama.py's hf_config), driven as GPT2LMHeadModel is above
+
 All read the same synthetic tokens (random ids made by tools/preprocess_data.py with the
 NullTokenizer). The printed ratio is peer time / our time per round (above 1: ours is faster),
 the median over rounds, with the rounds' min-max, and the minor page faults per step (a counter
@@ -34,6 +44,7 @@ local copy instead, checked the same way).
     python tools/bench_single_peers.py                     # 1 and 2 threads
     python tools/bench_single_peers.py --threads 2 --rounds 9 --num-workers 0
     python tools/bench_single_peers.py --breakdown
+    python tools/bench_single_peers.py --model llama       # ours vs HF LlamaForCausalLM
 """
 from __future__ import annotations
 
@@ -65,6 +76,11 @@ NANOGPT_SHA256 = "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d1
 
 LAYERS, HIDDEN, HEADS, SEQ, MICRO, VOCAB = 4, 256, 8, 256, 4, 2048
 LR, CLIP, WEIGHT_DECAY = 1e-4, 1.0, 0.01
+LLAMA_FFN, LLAMA_QUERY_GROUPS = 640, 2  # 640: what --swiglu gives h = 256 without --ffn-hidden-size
+LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups",
+               str(LLAMA_QUERY_GROUPS), "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+               "--position-embedding-type", "rope", "--use-rope-scaling", "--rotary-base", "500000",
+               "--ffn-hidden-size", str(LLAMA_FFN)]
 
 
 def _sha256(path: str) -> str:
@@ -114,7 +130,7 @@ def synthetic_dataset(cache_dir: str) -> str:
     return random_token_dataset(os.path.join(cache_dir, f"synthetic-v{VOCAB}"), VOCAB, 2_000_000)
 
 
-def our_argv(data_prefix: str, cache_dir: str, num_workers: int | None, backend: str) -> list:
+def our_argv(data_prefix: str, cache_dir: str, num_workers: int | None, backend: str, model: str = "gpt") -> list:
     argv = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
             "--seq-length", str(SEQ), "--micro-batch-size", str(MICRO), "--global-batch-size", str(MICRO),
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--data-path", data_prefix,
@@ -125,7 +141,7 @@ def our_argv(data_prefix: str, cache_dir: str, num_workers: int | None, backend:
             "--eval-iters", "0"]
     if num_workers is not None:
         argv += ["--num-workers", str(num_workers)]
-    return argv
+    return argv + (LLAMA_FLAGS if model == "llama" else [])
 
 
 def ours(args, data_prefix: str):
@@ -133,8 +149,8 @@ def ours(args, data_prefix: str):
     from megatron_lite.arguments import parse_args
     from megatron_lite.training import loop
 
-    config, _ = parse_args(our_argv(data_prefix, args.cache_dir, args.num_workers, args.attention_backend),
-                           world_size=1)
+    config, _ = parse_args(our_argv(data_prefix, args.cache_dir, args.num_workers, args.attention_backend,
+                                    args.model), world_size=1)
     run = loop.setup(config)
     return our_step(run), run
 
@@ -189,6 +205,23 @@ def huggingface(args, data_prefix: str):
     model.train()
     optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
     # GPT2LMHeadModel shifts the labels inside
+    return plain_step(lambda x, _: model(input_ids=x, labels=x).loss, model, optimizer,
+                      MemmapBatches(data_prefix, seed=2))
+
+
+def huggingface_llama(data_prefix: str, config):
+    """--model llama: transformers' LlamaForCausalLM with our model's shape (hf_config of our ModelConfig)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_lite.checkpoint.hf_llama import hf_config
+    from megatron_lite.training.optimizer import parameter_groups
+
+    torch.manual_seed(0)
+    hf = LlamaConfig.from_dict(dict(hf_config(config.model), bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1))
+    model = LlamaForCausalLM._from_config(hf, attn_implementation="sdpa", dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
+    # LlamaForCausalLM shifts the labels inside
     return plain_step(lambda x, _: model(input_ids=x, labels=x).loss, model, optimizer,
                       MemmapBatches(data_prefix, seed=2))
 
@@ -266,6 +299,9 @@ def main(argv=None):
     parser.add_argument("--num-workers", type=int, default=None,
                         help="our DataLoader workers (default: pretrain_gpt.py's --num-workers default)")
     parser.add_argument("--attention-backend", default="auto", help="ours: pretrain_gpt.py's --attention-backend")
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="gpt: GPT-2's block against nanoGPT and HF GPT2LMHeadModel; llama: the Llama-family "
+                             "block against HF LlamaForCausalLM")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time our engine's instructions, ours with --num-workers 0, and our model in a "
                              "plain loop without DeepSpeed (in the same rounds)")
@@ -278,8 +314,11 @@ def main(argv=None):
 
     data_prefix = synthetic_dataset(args.cache_dir)
     ours_step, run = ours(args, data_prefix)
-    steps = {"ours": ours_step, "nanoGPT": nanogpt(args, data_prefix),
-             "HF GPT2LMHeadModel": huggingface(args, data_prefix)}
+    if args.model == "llama":
+        steps = {"ours": ours_step, "HF LlamaForCausalLM": huggingface_llama(data_prefix, run.config)}
+    else:
+        steps = {"ours": ours_step, "nanoGPT": nanogpt(args, data_prefix),
+                 "HF GPT2LMHeadModel": huggingface(args, data_prefix)}
     timer = None
     if args.breakdown:
         from megatron_lite.data.sampler import build_data_iterator
@@ -292,11 +331,15 @@ def main(argv=None):
         steps["ours, --num-workers 0"] = our_step(in_process)
         steps["our GPTModel, plain loop"] = our_model_plain_loop(args, data_prefix, run.config)
         steps["our GPTModel, DeepSpeed's plain engine"] = our_model_plain_engine(data_prefix, run.config)
-    print(f"# single-process training step: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, micro batch "
-          f"{MICRO}, vocabulary {VOCAB}, fp32, AdamW, clip {CLIP}, no dropout\n"
+    block = (f"Llama block (SwiGLU ffn {LLAMA_FFN}, RMSNorm, {LLAMA_QUERY_GROUPS} query groups, no biases, untied "
+             f"head, RoPE with Llama 3.1 scaling)" if args.model == "llama" else "GPT-2 block")
+    peers = ("LlamaForCausalLM (sdpa)" if args.model == "llama"
+             else f"GPT2LMHeadModel (sdpa); nanoGPT {NANOGPT_COMMIT[:8]} model.py")
+    print(f"# single-process training step, {block}: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, "
+          f"micro batch {MICRO}, vocabulary {VOCAB}, fp32, AdamW, clip {CLIP}, no dropout\n"
           f"# ours: pretrain_gpt.py's stack, --attention-backend {args.attention_backend}, --num-workers "
-          f"{run.config.data.num_workers}; nanoGPT {NANOGPT_COMMIT[:8]} model.py; transformers "
-          f"{__import__('transformers').__version__} GPT2LMHeadModel (sdpa); torch {torch.__version__}, "
+          f"{run.config.data.num_workers}; transformers {__import__('transformers').__version__} {peers}; "
+          f"torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start\n"
           f"# median over {args.rounds} interleaved rounds of {args.iters} steps each; ratio = its time / our time "
           f"(> 1: ours faster)")

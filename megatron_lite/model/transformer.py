@@ -17,7 +17,7 @@ checkpoint (model/recompute.py).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -80,15 +80,17 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        # x: [b, np, s, hd] at positions offset..offset+s-1
-        s = x.shape[2]
-        positions = torch.arange(offset, offset + s, device=x.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]
-        cos = torch.cat((freqs, freqs), dim=-1).cos().to(x.dtype)
-        sin = torch.cat((freqs, freqs), dim=-1).sin().to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        # q [b, np, s, hd] and k [b, ng, s, hd] at positions offset..offset+s-1, rotated by one cos/sin table
+        s, half = q.shape[2], q.shape[3] // 2
+        positions = torch.arange(offset, offset + s, device=q.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]; both halves of a head turn by these angles
+        cos = freqs.cos().to(q.dtype).repeat(1, 2)  # [s, hd]
+        sin = freqs.sin().to(q.dtype)
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        # Rotate-half, x cos + [-x2, x1] sin, written as x cos + roll(x, hd/2) [-sin, sin]: the same products,
+        # without negating and concatenating x's halves (and, in backward, their gradients).
+        return tuple(x * cos + x.roll(half, dims=-1) * signed_sin for x in (q, k))
 
 
 # What `--attention-backend auto` takes per kind of device; the one place that rule lives.
@@ -154,7 +156,7 @@ class ParallelAttention(nn.Module):
 
         q, k, v = heads(q, self.local_heads), heads(k, self.local_groups), heads(v, self.local_groups)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            q, k = self.rotary(q, k, offset)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():

@@ -1,0 +1,156 @@
+"""transformers' own LlamaForCausalLM is the external reference for our Llama-family GPT: built from
+hf_config() and given our weights through to_hf() (or giving us its weights through from_hf()), it
+computes our logits on the unpadded vocabulary."""
+import pytest
+import torch
+
+from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_llama import from_hf, hf_config, mapping, to_hf
+from megatron_lite.model.gpt import GPTModel
+from megatron_lite.model.transformer import RotaryEmbedding
+from megatron_lite.parallel.random import model_parallel_seed
+from tests.model.gpt_layouts import tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, BATCH, SEQ = 100, 2, 32  # 100 rows padded to 128 (multiple of 32)
+
+
+def llama_flags(groups=2, rope_scaling=True, untie=True):
+    # Weights of std 0.1, not 0.02: attention is then far from uniform, so positions (RoPE and its
+    # scaling) move the logits by much more than the tolerance.
+    flags = ["--num-layers", "2", "--init-method-std", "0.1", "--vocab-size", str(VOCAB), "--swiglu",
+             "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", str(groups),
+             "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "500000",
+             "--ffn-hidden-size", "96"]
+    return flags + (["--use-rope-scaling"] if rope_scaling else []) + (
+        ["--untie-embeddings-and-output-weights"] if untie else [])
+
+
+def hf_model(hf_dict, attention):
+    config = transformers.LlamaConfig.from_dict(hf_dict)
+    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attention,
+                                                      dtype=torch.float32).eval()
+
+
+def our_model(config):
+    """GPTModel in eval mode; its layers' dropout streams (which draw nothing in eval) must exist."""
+    model = GPTModel(config)
+    model_parallel_seed(config.training.seed, config.model.num_layers)
+    return model.eval()
+
+
+def load_into_hf(model, state):
+    """A tied model's lm_head.weight is the embedding's parameter: loading the embedding sets it."""
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert set(result.missing_keys) <= ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+
+
+def random_tokens(seed=0):
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def relative_error(theirs, ours):
+    return ((theirs - ours).abs().max() / ours.abs().max()).item()
+
+
+def logits_of_both(ours, hf, tokens):
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    with torch.no_grad():
+        return ours(tokens, positions), hf(tokens).logits
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("groups, untie", [(2, True), (1, True), (4, False)],
+                         ids=["gqa-2-groups", "mqa-1-group", "mha-tied-head"])
+def test_hf_llama_with_our_weights_through_to_hf_gives_our_logits(attention, groups, untie):
+    config = tiny_config(extra=llama_flags(groups, untie=untie))
+    ours = our_model(config)
+    hf = hf_model(hf_config(config.model), attention)
+    load_into_hf(hf, to_hf(ours.state_dict(), config.model))
+
+    expected, theirs = logits_of_both(ours, hf, random_tokens())
+    assert expected.shape == (BATCH, SEQ, config.model.padded_vocab_size) and theirs.shape == (BATCH, SEQ, VOCAB)
+    assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_our_model_with_hf_llama_weights_through_from_hf_gives_its_logits(attention):
+    config = tiny_config(extra=llama_flags())
+    torch.manual_seed(3)
+    hf = hf_model(hf_config(config.model), attention)
+    ours = our_model(config)
+    ours.load_state_dict(from_hf(hf.state_dict(), config.model), strict=True)
+
+    expected, theirs = logits_of_both(ours, hf, random_tokens(1))
+    assert relative_error(expected[..., :VOCAB], theirs) <= 1e-5
+    assert torch.equal(expected[..., VOCAB:], torch.zeros(BATCH, SEQ, 128 - VOCAB))  # zero padded rows
+
+
+def test_the_match_depends_on_llama3_rope_scaling():
+    """Llama 3.1's scaling changes these logits by over 100x the tolerance, so the matches above are not
+    vacuous: an HF model without it (or ours without it) disagrees."""
+    config = tiny_config(extra=llama_flags())
+    unscaled = tiny_config(extra=llama_flags(rope_scaling=False))
+    ours = our_model(config)
+    tokens = random_tokens()
+
+    without = dict(hf_config(config.model), rope_scaling=None)
+    assert hf_config(unscaled.model) == without
+    hf = hf_model(hf_config(config.model), "eager")
+    hf_unscaled = hf_model(without, "eager")
+    for model in (hf, hf_unscaled):
+        load_into_hf(model, to_hf(ours.state_dict(), config.model))
+    expected, theirs = logits_of_both(ours, hf, tokens)
+    _, theirs_unscaled = logits_of_both(ours, hf_unscaled, tokens)
+    assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
+    assert relative_error(theirs_unscaled, expected[..., :VOCAB]) > 1e-3
+
+    ours_unscaled = our_model(unscaled)
+    ours_unscaled.load_state_dict(ours.state_dict())
+    expected_unscaled, _ = logits_of_both(ours_unscaled, hf, tokens)
+    assert relative_error(theirs, expected_unscaled[..., :VOCAB]) > 1e-3
+
+    hd = config.model.hidden_size // config.model.num_attention_heads
+    ours_inv_freq = RotaryEmbedding(hd, config.model.rotary_base, config.model.rope_scaling_factor).inv_freq
+    torch.testing.assert_close(hf.model.rotary_emb.inv_freq, ours_inv_freq, rtol=1e-6, atol=0)
+    assert not torch.allclose(hf_unscaled.model.rotary_emb.inv_freq, ours_inv_freq)
+
+
+def test_hf_config_is_the_llama_3_1_shape():
+    config = tiny_config(extra=llama_flags() + ["--rope-scaling-factor", "16", "--norm-epsilon", "1e-6"])
+    hf = hf_config(config.model)
+    assert hf["rope_scaling"] == {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert (hf["rope_theta"], hf["rms_norm_eps"], hf["num_key_value_heads"], hf["intermediate_size"]) == (
+        500000.0, 1e-6, 2, 96)
+    assert (hf["vocab_size"], hf["tie_word_embeddings"], hf["attention_bias"], hf["mlp_bias"]) == (
+        VOCAB, False, False, False)
+    assert hf["max_position_embeddings"] == config.model.max_position_embeddings
+
+
+def test_to_hf_then_from_hf_gives_back_every_weight_with_zero_padding_rows():
+    config = tiny_config(extra=llama_flags())
+    dense = GPTModel(config).state_dict()
+    back = from_hf(to_hf(dense, config.model), config.model)
+    assert list(back) == [e.ours for e in mapping(config.model)] and set(back) == set(dense)
+    for name, tensor in dense.items():
+        if name in ("layers.0.word_embeddings.weight", "layers.4.output.weight"):
+            assert torch.equal(back[name][:VOCAB], tensor[:VOCAB]) and not back[name][VOCAB:].any()
+        else:
+            assert torch.equal(back[name], tensor), name
+
+
+def test_a_gpt2_shaped_model_or_a_mismatched_hf_model_is_refused_with_the_flag():
+    gpt2 = tiny_config()
+    with pytest.raises(CheckpointError, match="--swiglu, --normalization RMSNorm, --disable-bias-linear"):
+        hf_config(gpt2.model)
+    config = tiny_config(extra=llama_flags())
+    hf = to_hf(GPTModel(config).state_dict(), config.model)
+    hf["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)  # 4 key/value heads, not 2
+    with pytest.raises(CheckpointError, match=r"k_proj.weight is \[64, 64\], the config needs \[32, 64\]"):
+        from_hf(hf, config.model)
+    tied = tiny_config(extra=llama_flags(untie=False))
+    with pytest.raises(CheckpointError, match="--untie-embeddings-and-output-weights"):
+        from_hf(to_hf(GPTModel(config).state_dict(), config.model), tied.model)
