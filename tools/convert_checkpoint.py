@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     source(p)
     p.add_argument("--save", required=True, help="new folder to write (must not exist)")
 
-    p = sub.add_parser("export-hf", help="Hugging Face GPT2LMHeadModel folder (config.json, model.safetensors, "
-                                         "tokenizer.model)")
+    p = sub.add_parser("export-hf", help="Hugging Face folder (config.json, model.safetensors, tokenizer.model): "
+                                         "GPT2LMHeadModel, or LlamaForCausalLM for the Llama-family block")
     source(p)
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty)")
     p.add_argument("--tokenizer-model", default=None,

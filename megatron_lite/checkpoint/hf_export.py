@@ -1,4 +1,5 @@
-"""Export to a Hugging Face `GPT2LMHeadModel` folder: config.json, model.safetensors, tokenizer.model.
+"""Export to a Hugging Face folder (config.json, model.safetensors, tokenizer.model): a `GPT2LMHeadModel`
+for GPT-2's block, a `LlamaForCausalLM` for the Llama-family block (its mapping: checkpoint/hf_llama.py).
 
 Our GPT is GPT-2's architecture: learned absolute positions, pre-LayerNorm
 blocks, exact (erf) GeLU, a head tied to the word embedding, biases
@@ -17,7 +18,7 @@ merging puts it back to [Q; K; V] with heads contiguous inside each, which is
 exactly how GPT-2 splits c_attn's output into q, k, v and then into heads.
 The padded vocabulary rows are dropped (vocab_size = the tokenizer's).
 
-Not representable, refused with the reason: rotary position embeddings
+Not representable as GPT-2, refused with the reason: rotary position embeddings
 (GPT-2 has learned positions only; exporting them as GPT-NeoX is not
 implemented) and an untied output head (GPT2LMHeadModel ties it).
 Only `safetensors` is needed to write the folder; `transformers` to read it.
@@ -31,6 +32,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_lite.checkpoint import hf_llama
 from megatron_lite.checkpoint.merge import dense_state_dict
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.config import Config
@@ -38,14 +40,17 @@ from megatron_lite.atomic import WriteError, atomic_folder, describe
 from megatron_lite.checkpoint.format import CheckpointError
 
 
-def check_representable(config: Config) -> None:
+def llama_block_flags(config: Config):
+    """The Llama-family flags a model was built with (none: GPT-2's block)."""
     m = config.model
-    llama = [flag for flag, on in (("--swiglu", m.swiglu), ("--normalization RMSNorm", m.normalization == "RMSNorm"),
-                                   ("--group-query-attention", m.num_query_groups not in (None, m.num_attention_heads)),
-                                   ("--disable-bias-linear", not m.add_bias_linear)) if on]
-    if llama:
-        raise CheckpointError(f"export-hf: the model uses the Llama-family block ({', '.join(llama)}), which "
-                              f"GPT2LMHeadModel cannot hold; export-hf writes GPT-2 models only")
+    return [flag for flag, on in (("--swiglu", m.swiglu), ("--normalization RMSNorm", m.normalization == "RMSNorm"),
+                                  ("--group-query-attention", m.num_query_groups not in (None, m.num_attention_heads)),
+                                  ("--disable-bias-linear", not m.add_bias_linear)) if on]
+
+
+def check_representable(config: Config) -> None:
+    """Refuse, with the reason, a GPT-2-block model GPT2LMHeadModel cannot hold."""
+    m = config.model
     if m.position_embedding_type != "learned_absolute":
         raise CheckpointError(f"export-hf: the model uses --position-embedding-type {m.position_embedding_type} "
                               f"(rotary); GPT2LMHeadModel has learned absolute positions only, and a GPT-NeoX "
@@ -94,7 +99,11 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None,
         raise CheckpointError(f"--output {output} already exists and is not an empty folder; give a new folder")
     reader = CheckpointReader(load_dir, iteration)
     config = reader.config
-    check_representable(config)
+    llama = bool(llama_block_flags(config))
+    if llama:
+        hf_llama.check_llama(config.model)  # a partly Llama-shaped block is refused, naming what is missing
+    else:
+        check_representable(config)
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -114,7 +123,15 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None,
     vocab = config.model.vocab_size or config.model.padded_vocab_size
 
     _, dense = dense_state_dict(reader)
-    tensors = gpt2_state_dict(config, dense, vocab)
+    if llama:
+        architecture = "LlamaForCausalLM"
+        tensors = {k: v.float().contiguous() for k, v in hf_llama.to_hf(dense, config.model).items()}
+        hf_config = dict(hf_llama.hf_config(config.model), bos_token_id=bos_id, eos_token_id=eos_id,
+                         torch_dtype="float32")
+    else:
+        architecture = "GPT2LMHeadModel"
+        tensors = gpt2_state_dict(config, dense, vocab)
+        hf_config = gpt2_config(config, vocab, eos_id, bos_id)
     parent = os.path.dirname(os.path.abspath(output))
     try:
         os.makedirs(parent, exist_ok=True)
@@ -126,12 +143,12 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None,
         except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as its own error type
             raise WriteError(os.path.join(output, "model.safetensors"), describe(e)) from None
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(gpt2_config(config, vocab, eos_id, bos_id), f, indent=1)
+            json.dump(hf_config, f, indent=1)
         files = ["config.json", "model.safetensors"]
         if config.data.tokenizer_type == "SentencePieceTokenizer":
             shutil.copy2(tokenizer_model, os.path.join(tmp, "tokenizer.model"))
             files.append("tokenizer.model")
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above; atomic_folder renames into its place next
-    return {"tag": reader.tag, "architecture": "GPT2LMHeadModel", "vocab_size": vocab, "files": files,
+    return {"tag": reader.tag, "architecture": architecture, "vocab_size": vocab, "files": files,
             "parameters": sum(t.numel() for k, t in tensors.items())}

@@ -3,6 +3,7 @@
 - `run22`: TP 2 x PP 2 (4 processes), 4 layers, dropout 0, fp32, 4 steps, checkpoints at 2 and 4,
   validation at 2 and 4, every loss in TensorBoard (full precision).
 - `rope_run`: one process, rotary positions, 1 step (a model GPT-2 cannot represent).
+- `llama_run`: TP 2 (2 processes), the Llama-family block with 2 query groups, 2 steps, saved at 2.
 """
 import os
 import shutil
@@ -83,6 +84,19 @@ def rope_run(corpus, tmp_path_factory):
     pretrain(corpus, 1, layout(1, 1) + ["--position-embedding-type", "rope", "--train-iters", "1",
                                         "--eval-iters", "0", "--save", str(root / "ckpt")])
     return str(root / "ckpt")
+
+
+LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
+               "--num-attention-heads", "4", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+               "--position-embedding-type", "rope", "--use-rope-scaling", "--ffn-hidden-size", "64"]
+
+
+@pytest.fixture(scope="session")
+def llama_run(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama")
+    pretrain(corpus, 2, layout(2, 1) + LLAMA_FLAGS + ["--train-iters", "2", "--save", str(root / "ckpt"),
+                                                      "--tensorboard-dir", str(root / "tb")])
+    return {"ckpt": str(root / "ckpt"), "valid": scalars(root / "tb", "valid/loss"), "corpus": corpus}
 
 
 def copy_checkpoint(src, dst):

@@ -69,15 +69,16 @@ def test_export_of_a_rotary_model_is_refused_naming_the_feature(rope_run, tmp_pa
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_export_of_a_llama_block_is_refused_naming_its_flags():
+def test_export_of_a_partly_llama_shaped_block_is_refused_naming_the_missing_flags():
     from megatron_lite.checkpoint.format import CheckpointError
-    from megatron_lite.checkpoint.hf_export import check_representable
+    from megatron_lite.checkpoint.hf_llama import check_llama
     from tests.model.gpt_layouts import tiny_config
-    from tests.model.test_llama_parallel import LLAMA
 
-    with pytest.raises(CheckpointError, match=r"Llama-family block \(--swiglu, --normalization RMSNorm, "
-                                              r"--group-query-attention, --disable-bias-linear\)"):
-        check_representable(tiny_config(extra=LLAMA))
+    # SwiGLU and grouped-query attention but LayerNorm, biases and learned positions: neither GPT-2 nor Llama
+    config = tiny_config(extra=("--swiglu", "--group-query-attention", "--num-query-groups", "2"))
+    with pytest.raises(CheckpointError, match=r"without --normalization RMSNorm, --disable-bias-linear, "
+                                              r"--position-embedding-type rope"):
+        check_llama(config.model)
 
 
 def test_reshard_never_writes_over_an_existing_folder(run22, tmp_path):

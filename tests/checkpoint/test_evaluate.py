@@ -26,20 +26,12 @@ def test_evaluate_perplexity_equals_exp_of_the_logged_validation_loss(run22, tp,
     assert f"TP={tp}, PP={pp}" in result.stdout
 
 
-LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
-               "--num-attention-heads", "4", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-               "--position-embedding-type", "rope", "--use-rope-scaling", "--ffn-hidden-size", "64"]
 
-
-def test_a_llama_block_trained_at_tp2_evaluates_at_tp4_with_shared_query_groups_to_its_logged_loss(corpus, tmp_path):
-    from tests.checkpoint.conftest import layout, pretrain, scalars
-
-    pretrain(corpus, 2, layout(2, 1) + LLAMA_FLAGS + ["--train-iters", "2", "--save", str(tmp_path / "ckpt"),
-                                                      "--tensorboard-dir", str(tmp_path / "tb")])
-    prefix, _ = corpus
-    result = run_launcher(["tools/evaluate.py", "--load", str(tmp_path / "ckpt"), "--data-path", prefix,
+def test_a_llama_block_trained_at_tp2_evaluates_at_tp4_with_shared_query_groups_to_its_logged_loss(llama_run):
+    prefix, _ = llama_run["corpus"]
+    result = run_launcher(["tools/evaluate.py", "--load", llama_run["ckpt"], "--data-path", prefix,
                            "--split", "90,10,0", "--tensor-model-parallel-size", "4"], nproc=4, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"at iteration 2 on the valid split: loss (\S+)", result.stdout)
     assert match, result.stdout[-2000:]
-    assert float(match.group(1)) == pytest.approx(scalars(tmp_path / "tb", "valid/loss")[2], rel=1e-5)
+    assert float(match.group(1)) == pytest.approx(llama_run["valid"][2], rel=1e-5)

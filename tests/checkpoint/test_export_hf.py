@@ -1,4 +1,5 @@
-"""export-hf: Hugging Face's own GPT2LMHeadModel on the exported folder is our GPT (the external reference)."""
+"""export-hf: Hugging Face's own GPT2LMHeadModel / LlamaForCausalLM on the exported folder is our GPT (the external
+reference)."""
 import json
 
 import pytest
@@ -58,3 +59,30 @@ def test_hf_gpt2_gives_our_dense_logits_on_real_text_and_the_same_greedy_continu
         hf_out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=sp.eos_id())
     assert hf_out[0, len(prompt):].tolist() == ours_greedy
+
+
+def test_hf_llama_on_an_exported_tp2_llama_block_gives_our_dense_logits(llama_run, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import sentencepiece
+
+    from megatron_lite.checkpoint.dense import load_dense_model
+
+    out = tmp_path / "hf"
+    result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", llama_run["ckpt"], "--output", str(out))
+    assert "LlamaForCausalLM" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["num_key_value_heads"] == 2 and hf_config["rope_scaling"]["rope_type"] == "llama3"
+
+    config, ours = load_dense_model(llama_run["ckpt"])
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(out)).eval()
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(out / "tokenizer.model"))
+    assert hf_config["eos_token_id"] == sp.eos_id()
+    ids = sp.encode(TEXT)[: config.model.seq_length]
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        expected = ours(tokens, torch.arange(len(ids)).unsqueeze(0))[..., : config.model.vocab_size]
+        theirs = hf(tokens).logits
+    assert theirs.shape == expected.shape
+    assert ((theirs - expected).abs().max() / expected.abs().max()).item() <= 1e-5
