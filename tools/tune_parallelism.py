@@ -64,6 +64,7 @@ def _plan(argv) -> int:
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers)
     print(recipe.format_plan(p, own.show))
+    print(f"first: {recipe.first_choice_reason(p)}")
     if own.output:
         p.save(own.output)
     best = p.candidates[0].layout if p.candidates else "none"

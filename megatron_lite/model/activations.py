@@ -1,43 +1,61 @@
 """Bytes autograd keeps for backward for one micro-batch: per transformer layer, embedding and head.
 
 What each autograd node of our layer keeps (model/transformer.py; storages counted once), with
-e = bytes of an activation element (4 fp32, 2 bf16/fp16), k = bytes of a dropout mask element
-(1 on CUDA, where native_dropout keeps a bool mask; e on CPU, where dropout keeps a mask in the
-input's dtype: measured), t = TP, r = t with --sequence-parallel and 1 without (what divides the
-residual stream), b = micro batch, s = sequence, h = hidden, f = FFN width, a = heads:
+e = bytes of an activation element (4 fp32, 2 bf16/fp16; weights are the same dtype), k = bytes of a
+dropout mask element (1 on CUDA, where native_dropout keeps a bool mask; e on CPU, where dropout
+keeps a mask in the input's dtype: measured), t = TP, r = t with --sequence-parallel and 1 without
+(what divides the residual stream), b = micro batch, s = sequence, h = hidden, f = FFN width,
+a = heads, g = key/value groups, d = h / a; per TP rank n = a/t query heads and m = max(g/t, 1)
+groups, Q = e b s n d and K = e b s m d bytes of queries and keys (QKV = Q + 2K, the fused output):
 
-  2 LayerNorm inputs + 2 LayerNorm outputs       4 e bsh / r   (sequence parallel: shards; the
-                                                               column-parallel linears keep the shard
-                                                               and all-gather it again in backward)
-  LayerNorm mean and rstd (fp32)                 16 bs / r
-  QKV output (q, k, v are views of it)           3 e bsh / t
-  attention context (the projection's input)     e bsh / t
-  MLP: input of GELU and GELU output             2 e bsf / t
-  attention core:
-    the fused softmax keeps its output only      e a s^2 b / t
-    attention dropout (p > 0): mask + output     (k + e) a s^2 b / t
-    (--attention-backend sdpa instead: its flash kernels keep the fp32 log-sum-exp, 4 a s b / t,
-    and no s^2 term; on CPU, SDPA with dropout takes torch's math path, which keeps what the
-    fused path keeps - both measured)
-  two hidden dropouts (p > 0): masks             2 k bsh / r
-  => Korthikanti et al. 2022, for e = 2, k = 1, f = 4h (LayerNorm statistics left out):
+  2 norms, each with its output (the next linear's input), / r (sequence parallel: shards; the
+  column-parallel linears keep the shard and all-gather it again in backward):
+    LayerNorm  input, output, mean and rstd            2 e bsh + 8 bs (CUDA: fp32 statistics;
+                                                       CPU: 2 e bs, the input's dtype)
+    RMSNorm    fp32 input (the input itself in fp32,   (4 + 2e) bsh + 4 bs
+               a copy otherwise), the normalised input cast back (the weight's gradient),
+               output, fp32 rstd
+  q, k, v: what the attention keeps of them (below)    `attention_input_bytes`
+  RoPE: its cos and signed sin tables (shared by q, k) 2 e s d
+  g < t: the QKV weight multiplied with, its group's   e (n + 2) d h  (parallel/qkv.py; made per
+         K/V rows gathered                                            micro-batch)
+  attention context (the projection's input)           e bsh / t
+  MLP  GeLU: its input and output                      2 e bsf / t
+       SwiGLU: [gate; up], silu(gate), the product     4 e bsf / t
+  attention core (`attention_core_bytes`), by kernel (`attention_kernel`):
+    fused   the softmax output                         e a s^2 b / t
+            attention dropout (p > 0): mask + output   (k + e) a s^2 b / t
+    flash   (SDPA) the fp32 log-sum-exp                4 a s b / t, no s^2 term
+    math    (SDPA's fallback: on CPU with dropout)     as fused, in fp32 whatever the inputs
+  two hidden dropouts (p > 0): masks                   2 k bsh / r
+  => Korthikanti et al. 2022, for e = 2, k = 1, f = 4h, GPT-2's block (LayerNorm statistics left out):
      sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34/t + 5as/(ht)) with TP + SP.
 
+q, k and v (measured for every case; `attention_input_bytes`): q and k are views of the QKV output,
+or with RoPE new tensors; v is a view. SDPA's kernels keep what they are given (v's view keeps the
+whole QKV output). The fused path's matmuls keep the [b m, ., d] batches they fold [b, m, ., d] into:
+a view of the QKV output when b = 1 or m = 1, else a copy; queries are regrouped to [b, m, (n/m) s, d]
+first, a copy when n > m. The math path scales q and k into new tensors, converts 16-bit q, k, v to
+fp32, and repeats k and v to n heads when n > m.
+
 --recompute-granularity selective drops the attention core's terms: its checkpoint keeps q, k, v
-(the QKV output, counted above), and its output is the projection's input (counted above); so
-sbh 34/t with TP + SP. Under flash SDPA there is no s^2 term to drop: selective saves the
-log-sum-exp only, and still runs the attention core twice. Backward rebuilds one layer's
-attention core at a time (a transient).
+as given, and its output is the projection's input (counted above); so sbh 34/t with TP + SP.
+Under flash SDPA there is no s^2 term to drop: selective saves the log-sum-exp only, and still runs
+the attention core twice. Backward rebuilds one layer's attention core at a time (a transient).
 --recompute-granularity full keeps each recomputed chunk's input (e bsh / r) instead of its layers'
 activations (model/arithmetic.py `recompute_chunks`); backward rebuilds one chunk at a time: up to N
 layers' activations with --recompute-method uniform, one layer with block.
 
 First stage adds the embedding: token and position ids (8 bs each), the out-of-range mask at t > 1
-(bs), the dropout mask (k bsh / r). Last stage adds the final LayerNorm input (e bsh / r + 8 bs / r
-statistics), the head input (e bsh / r: the gathered sequence is not kept), the vocab-parallel cross
-entropy's saved fp32 softmax (4 bsV/t) and its targets (17 bs). The cross entropy works in place on
-fp32 logits, so the softmax is the logits' own buffer. 16-bit logits live on while their fp32 copy
-is made, and backward turns the fp32 gradient into a 16-bit one: a transient of e bsV/t when e < 4.
+(bs), the dropout mask (k bsh / r). Without dropout under sequence parallelism at b = 1 the first
+layer's input shard is a view of the whole embedding output: e bsh (1 - 1/t) more wherever that
+input is kept (not by a 16-bit RMSNorm, which keeps its fp32 copy instead).
+Last stage adds the final norm (as above, its output being the head's input; the gathered sequence
+is not kept), the vocab-parallel cross entropy's fp32 softmax (4 bsV/t), its local targets and
+out-of-range mask (9 bs), and the loss mask with the count it divides by (4 bs + 4). The cross
+entropy works in place on fp32 logits, so the softmax is the logits' own buffer. 16-bit logits live
+on while their fp32 copy is made, and backward turns the fp32 gradient into a 16-bit one: a
+transient of e bsV/t when e < 4.
 A non-last stage also keeps its output (e bsh / r) per micro-batch in flight for the send.
 """
 from __future__ import annotations
@@ -61,10 +79,23 @@ class Dims:
     h: int
     f: int
     a: int
+    g: int
 
     @property
     def bsh(self) -> int:
         return self.b * self.s * self.h
+
+    @property
+    def head_dim(self) -> int:
+        return self.h // self.a
+
+    @property
+    def local_heads(self) -> int:
+        return self.a // self.t
+
+    @property
+    def local_groups(self) -> int:
+        return max(self.g // self.t, 1)
 
 
 def dims(config: Config, device: str) -> Dims:
@@ -73,44 +104,118 @@ def dims(config: Config, device: str) -> Dims:
     t = p.tensor_model_parallel_size
     return Dims(e=e, k=1 if device == "cuda" else e, t=t, r=t if p.sequence_parallel else 1,
                 b=config.batch.micro_batch_size, s=m.seq_length, h=m.hidden_size, f=m.ffn_hidden_size,
-                a=m.num_attention_heads)
+                a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads)
+
+
+def attention_kernel(config: Config, device: str) -> str:
+    """What runs the attention core: "fused" (our softmax between two matmuls), "flash" (an SDPA kernel
+    that keeps the log-sum-exp, no s x s tensor) or "math" (SDPA's eager fallback, s x s tensors kept).
+    SDPA on CPU takes its flash kernel without dropout and the math path with it (measured); on CUDA
+    the flash kernel (16-bit, grouped keys and values read in place) or the memory-efficient one
+    (fp32), which cannot read grouped keys and values: fp32 with groups shared by several local
+    heads takes the math path (torch's sdp_utils; not measured here)."""
+    m = config.model
+    if resolve_attention_backend(m.attention_backend, device) != "sdpa":
+        return "fused"
+    if device != "cuda":
+        return "flash" if m.attention_dropout == 0 else "math"
+    d = dims(config, device)
+    grouped = d.local_heads != d.local_groups
+    return "math" if grouped and config.precision.dtype_name == "fp32" else "flash"
 
 
 def flash_attention(config: Config, device: str) -> bool:
     """Whether SDPA runs a kernel that keeps no s x s tensor (on CPU only without attention dropout)."""
-    m = config.model
-    return resolve_attention_backend(m.attention_backend, device) == "sdpa" and (
-        device == "cuda" or m.attention_dropout == 0)
+    return attention_kernel(config, device) == "flash"
+
+
+def attention_input_bytes(config: Config, device: str = "cuda", checkpointed: bool = False) -> int:
+    """Bytes of the q, k, v storages the attention keeps (module docstring), or with `checkpointed`
+    what selective recompute's checkpoint keeps of them: its inputs as given. Measured for every case
+    (tests/model/test_memory.py)."""
+    d = dims(config, device)
+    n, m = d.local_heads, d.local_groups
+    q = d.e * d.b * d.s * n * d.head_dim
+    kv = d.e * d.b * d.s * m * d.head_dim
+    rope = config.model.position_embedding_type == "rope"
+    kernel = "flash" if checkpointed else attention_kernel(config, device)
+    fold_is_view = d.b == 1 or m == 1  # [b, m, ., d] -> [b m, ., d] without a copy
+    if kernel == "flash":  # as given
+        q_view, k_view, v_view = not rope, not rope, True
+    elif kernel == "fused":
+        q_view, k_view, v_view = not rope and n == m and fold_is_view, not rope and fold_is_view, fold_is_view
+    elif d.e < 4 or n != m:  # math: fp32 copies of 16-bit inputs, or k and v repeated to n heads
+        return 3 * 4 * d.b * d.s * n * d.head_dim
+    else:  # math, fp32: q and k scaled into new tensors
+        q_view, k_view, v_view = False, False, fold_is_view
+    whole = q + 2 * kv if (q_view or k_view or v_view) else 0  # a view keeps the whole QKV output
+    return whole + (0 if q_view else q) + (0 if k_view else kv) + (0 if v_view else kv)
 
 
 def attention_core_bytes(config: Config, device: str = "cuda") -> int:
-    """What the attention core (scores, softmax, dropout, x V) keeps: selective recompute's saving."""
+    """What the attention core (scores, softmax, dropout, x V) keeps beyond its inputs: selective
+    recompute's saving."""
     d = dims(config, device)
     scores = d.a * d.s * d.s * d.b // d.t
-    if flash_attention(config, device):
+    kernel = attention_kernel(config, device)
+    if kernel == "flash":
         return 4 * scores // d.s  # the fp32 log-sum-exp per query
-    total = d.e * scores
+    # SDPA's math path works in fp32 whatever the inputs (its dropout mask: bool on CUDA, fp32 on CPU).
+    e, k = (4, 1 if device == "cuda" else 4) if kernel == "math" else (d.e, d.k)
+    total = e * scores
     if config.model.attention_dropout > 0:
-        total += (d.k + d.e) * scores
+        total += (k + e) * scores
+    return total
+
+
+def norm_bytes(config: Config, device: str = "cuda") -> int:
+    """One norm of the residual stream with its output (module docstring), on this rank's shard."""
+    d = dims(config, device)
+    if config.model.normalization == "RMSNorm":
+        return ((4 + 2 * d.e) * d.bsh + 4 * d.b * d.s) // d.r
+    statistic = 4 if device == "cuda" else d.e  # mean and rstd: fp32 on CUDA, the input's dtype on CPU
+    return (2 * d.e * d.bsh + 2 * statistic * d.b * d.s) // d.r
+
+
+def _layer_bytes(config: Config, device: str, selective: bool) -> int:
+    m, d = config.model, dims(config, device)
+    total = 2 * norm_bytes(config, device)
+    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bsh // d.t
+    if not selective:
+        total += attention_core_bytes(config, device)
+    if m.position_embedding_type == "rope":
+        total += 2 * d.e * d.s * d.head_dim
+    if d.g < d.t:
+        total += d.e * (d.local_heads + 2) * d.head_dim * d.h
+    total += (4 if m.swiglu else 2) * d.e * d.b * d.s * d.f // d.t
+    if m.hidden_dropout > 0:
+        total += 2 * d.k * d.bsh // d.r
     return total
 
 
 def full_layer_activation_bytes(config: Config, device: str = "cuda") -> int:
     """Bytes one transformer layer keeps for one micro-batch without any recompute."""
-    d = dims(config, device)
-    total = 4 * d.e * d.bsh // d.r + 16 * d.b * d.s // d.r + 4 * d.e * d.bsh // d.t + 2 * d.e * d.b * d.s * d.f // d.t
-    if config.model.hidden_dropout > 0:
-        total += 2 * d.k * d.bsh // d.r
-    return total + attention_core_bytes(config, device)
+    return _layer_bytes(config, device, selective=False)
 
 
 def layer_activation_bytes(config: Config, device: str = "cuda") -> int:
     """Bytes one transformer layer keeps for one micro-batch with the config's selective recompute
     (full recompute is per stage: stage_layer_bytes)."""
-    full = full_layer_activation_bytes(config, device)
-    if config.model.recompute_granularity == "selective":
-        return full - attention_core_bytes(config, device)
-    return full
+    return _layer_bytes(config, device, selective=config.model.recompute_granularity == "selective")
+
+
+def selective_rebuild_bytes(config: Config, device: str = "cuda") -> int:
+    """What backward rebuilds of one layer's attention core under selective recompute: its s x s terms
+    (or log-sum-exp) and the copies of q, k, v it folds them into (those the checkpoint does not hold)."""
+    copies = attention_input_bytes(config, device) - attention_input_bytes(config, device, checkpointed=True)
+    return attention_core_bytes(config, device) + max(copies, 0)
+
+
+def kv_gather_transient_bytes(config: Config) -> int:
+    """g < t: the whole K/V weight rows [2 g d, h] a layer gathers in forward (and their gradient in
+    backward) before taking its group's; 0 otherwise."""
+    d = dims(config, "cuda")
+    return d.e * 2 * d.g * d.head_dim * d.h if d.g < d.t else 0
 
 
 def stage_layer_bytes(config: Config, layers: int, device: str = "cuda") -> Tuple[int, int]:
@@ -120,7 +225,7 @@ def stage_layer_bytes(config: Config, layers: int, device: str = "cuda") -> Tupl
     d = dims(config, device)
     per_layer = layer_activation_bytes(config, device)
     if m.recompute_granularity == "selective":
-        return layers * per_layer, (attention_core_bytes(config, device) if layers else 0)
+        return layers * per_layer, (selective_rebuild_bytes(config, device) if layers else 0)
     if m.recompute_granularity != "full":
         return layers * per_layer, 0
     kept, transient = 0, 0
@@ -137,13 +242,23 @@ def embedding_activation_bytes(config: Config, device: str = "cuda") -> int:
     m, d = config.model, dims(config, device)
     bs = d.b * d.s
     total = 8 * bs + (8 * bs if m.position_embedding_type == "learned_absolute" else 0) + (bs if d.t > 1 else 0)
-    return total + (d.k * d.bsh // d.r if m.hidden_dropout > 0 else 0)
+    if m.hidden_dropout > 0:
+        return total + d.k * d.bsh // d.r
+    # No dropout copies the sequence shard, which at b = 1 is a view of the whole [1, s, h] output: what
+    # keeps the first layer's input (its norm, unless RMSNorm keeps an fp32 copy instead; full recompute's
+    # chunk input) keeps all of it alive (measured).
+    keeps_input = (m.recompute_granularity == "full" or m.normalization == "LayerNorm" or d.e == 4)
+    if d.r > 1 and d.b == 1 and keeps_input:
+        total += d.e * d.bsh - d.e * d.bsh // d.r
+    return total
 
 
-def head_activation_bytes(config: Config) -> int:
-    d = dims(config, "cuda")
+def head_activation_bytes(config: Config, device: str = "cuda") -> int:
+    """The final norm, the head's input, the cross entropy's softmax and targets."""
+    d = dims(config, device)
     bs = d.b * d.s
-    return 2 * d.e * d.bsh // d.r + 8 * bs // d.r + 4 * bs * config.model.padded_vocab_size // d.t + 17 * bs
+    # norm_bytes counts the norm's output, which is the head's input.
+    return norm_bytes(config, device) + 4 * bs * config.model.padded_vocab_size // d.t + 13 * bs + 4
 
 
 def head_transient_bytes(config: Config) -> int:

@@ -9,10 +9,19 @@ prices hundreds of layouts without building a layer.
 The GPT is a list of specs (model/gpt.py `layer_specs`):
     0            embedding: word [V, h] (split over TP) + learned positions [P, h] (whole)
     1 .. L       transformer layers
-    L + 1        final LayerNorm
+    L + 1        final norm (LayerNorm: weight and bias, 2h; RMSNorm: weight, h)
     L + 2        head: the embedding again (tied; a full copy of the embedding module on a
                  later stage) or its own [V, h] weight (untied)
-with V the padded vocabulary, h hidden, f FFN width, P max positions, t TP.
+with V the padded vocabulary, h hidden, f FFN width, P max positions, t TP, a heads,
+g key/value groups (a without grouped-query attention), d = h / a the head width.
+
+One transformer layer (model/transformer.py), each weight [out, in]:
+    QKV          [(a + 2g) d, h]   split over TP by Q, K and V rows (parallel/qkv.py)
+    projection   [h, h]            split over TP by columns
+    MLP in       [f, h]            GeLU; SwiGLU: [2f, h] (gate and up), split over TP by rows
+    MLP out      [h, f]            split over TP by columns
+    biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear
+    two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
 """
 from __future__ import annotations
 
@@ -31,12 +40,34 @@ def require_vocab(config: Config) -> ModelConfig:
     return model
 
 
-def layer_parameters(hidden: int, ffn: int, tp: int = 1) -> int:
-    """One transformer layer on one TP rank: QKV [3h, h] + bias, projection [h, h], MLP [f, h] + bias
-    and [h, f] split over TP; the row-parallel biases (2h) and two LayerNorms (4h) whole on every rank."""
-    h, f = hidden, ffn
-    split = (3 * h * h + 3 * h) + h * h + (f * h + f) + h * f
-    return split // tp + 2 * h + 4 * h
+def mlp_in_width(model: ModelConfig) -> int:
+    """Rows of the MLP's first weight: f, or 2f under SwiGLU (gate and up)."""
+    return 2 * model.ffn_hidden_size if model.swiglu else model.ffn_hidden_size
+
+
+def qkv_width(model: ModelConfig) -> int:
+    """Rows of the fused QKV weight: (a + 2g) d, i.e. 3h without grouped-query attention."""
+    h, a = model.hidden_size, model.num_attention_heads
+    return (a + 2 * (model.num_query_groups or a)) * (h // a)
+
+
+def norm_parameters(model: ModelConfig) -> int:
+    """One norm: LayerNorm's weight and bias (2h) or RMSNorm's weight (h)."""
+    return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
+
+
+def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """One transformer layer on one TP rank (the layout in the module docstring). Validation makes
+    every split part (a d, g d, f) divisible by TP; a rank sharing a key/value group with others
+    (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    qkv, mlp_in = qkv_width(model), mlp_in_width(model)
+    split = qkv * h + h * h + mlp_in * h + h * f
+    whole = 2 * norm_parameters(model)
+    if model.add_bias_linear:
+        split += qkv + mlp_in
+        whole += 2 * h  # the row-parallel biases, added after the reduction
+    return split // tp + whole
 
 
 def embedding_parameters(model: ModelConfig, tp: int = 1) -> int:
@@ -53,8 +84,8 @@ def spec_parameters(config: Config, tp: Optional[int] = None) -> List[int]:
     t = config.parallel.tensor_model_parallel_size if tp is None else tp
     embedding = embedding_parameters(m, t)
     head = m.padded_vocab_size * m.hidden_size // t if m.untie_embeddings_and_output_weights else embedding
-    layers = [layer_parameters(m.hidden_size, m.ffn_hidden_size, t)] * m.num_layers
-    return [embedding] + layers + [2 * m.hidden_size, head]
+    layers = [layer_parameters(m, t)] * m.num_layers
+    return [embedding] + layers + [norm_parameters(m), head]
 
 
 def total_parameters(config: Config) -> int:
@@ -64,11 +95,14 @@ def total_parameters(config: Config) -> int:
 
 
 def layer_forward_flops(model: ModelConfig, causal: bool) -> float:
-    """Forward FLOPs per token of one transformer layer: QKV, projection and MLP matmuls (2 per
-    multiply-add) plus the two attention matmuls over s keys; `causal` counts the s/2 keys a
-    token attends to on average, otherwise all s (Megatron-LM's accounting)."""
+    """Forward FLOPs per token of one transformer layer: the QKV ((a + 2g) d outputs: grouped keys and
+    values cost 2 g d h each, not 2h^2), projection and MLP matmuls (two of h x f, three under SwiGLU;
+    2 FLOPs per multiply-add) plus the two attention matmuls over s keys (every query head, so 2sh
+    each whatever g); `causal` counts the s/2 keys a token attends to on average, otherwise all s
+    (Megatron-LM's accounting)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
-    return 2 * (4 * h * h + 2 * h * f) + (2 if causal else 4) * s * h
+    matmuls = 3 if model.swiglu else 2
+    return 2 * (qkv_width(model) * h + h * h + matmuls * h * f) + (2 if causal else 4) * s * h
 
 
 def head_forward_flops(model: ModelConfig) -> float:
@@ -134,7 +168,11 @@ def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> Lis
     costs = [SpecCost("EmbeddingPipe", 4.0 * h, per_spec[0], False)]
     costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True)), per_spec[1], True)
               for _ in range(m.num_layers)]
-    costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, 2 * h, False))
+    # Class names as model/gpt.py builds them (`type:<regex>` partitioning matches them).
+    if m.normalization == "RMSNorm":
+        costs.append(SpecCost("FinalRMSNormPipe", 4.0 * h, norm_parameters(m), False))
+    else:
+        costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, norm_parameters(m), False))
     untied = m.untie_embeddings_and_output_weights
     # Head matmul plus the softmax cross entropy over the vocabulary; a tied head adds no parameters.
     costs.append(SpecCost("LMHeadPipe" if untied else "EmbeddingPipe", head_forward_flops(m) + 5.0 * v,

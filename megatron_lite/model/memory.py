@@ -3,16 +3,17 @@
 Bytes on one rank of stage i at its peak = weights + gradients + optimizer
 states (model states) + communication buffers + the largest of three phases:
   backward   activations (per micro-batch x micro-batches in flight) + the
-             largest short-lived peak (head logits / cross entropy, or what
-             recompute rebuilds at once);
+             largest short-lived peak (head logits / cross entropy, what
+             recompute rebuilds at once, or with fewer key/value groups than
+             TP ranks the gathered K/V weight rows);
   reduction  the gradient reduction's temporary copy (below);
   step       the optimizer's temporaries (below).
 The activations are gone before the reduction starts.
 
-Notation: P = this rank's parameters on the stage (after the TP split), N = DP,
-w = bytes of a weight (4 fp32, 2 bf16/fp16), e = bytes of an activation element
-(same as w), b = micro batch, s = sequence, h = hidden, f = FFN width,
-a = heads, t = TP, V = padded vocabulary.
+Notation: P = this rank's parameters on the stage (after the TP split; model/arithmetic.py
+counts the GPT-2 and the Llama block alike), N = DP, w = bytes of a weight (4 fp32,
+2 bf16/fp16), e = bytes of an activation element (same as w), b = micro batch,
+s = sequence, h = hidden, f = FFN width, a = heads, t = TP, V = padded vocabulary.
 
 Model states follow the optimizer DeepSpeed 0.19 builds for our engine
 (runtime/engine.py `_do_optimizer_sanity_check`, bf16_optimizer.py,
@@ -74,7 +75,14 @@ from typing import Any, Dict, List, Optional
 
 from megatron_lite.config import Config
 from megatron_lite.model import activations
-from megatron_lite.model.arithmetic import spec_parameters, stage_bounds, stage_parameters, transformer_layers_per_stage
+from megatron_lite.model.arithmetic import (
+    mlp_in_width,
+    qkv_width,
+    spec_parameters,
+    stage_bounds,
+    stage_parameters,
+    transformer_layers_per_stage,
+)
 
 GIB = 1024 ** 3
 DEFAULT_BUCKET = int(5e8)
@@ -196,10 +204,12 @@ def step_transient_bytes(config: Config, parameters: int, largest_tensor: int, d
 
 
 def largest_tensor(config: Config, first: bool, last: bool, layers: int) -> int:
-    """Elements of the largest parameter tensor on a stage (one TP rank)."""
+    """Elements of the largest parameter tensor on a stage (one TP rank): a norm's weight, the QKV
+    weight [(a + 2g) d / t, h], the MLP's first weight [f / t, h] (SwiGLU: [2f / t, h]), an embedding
+    or the head."""
     m, t = config.model, config.parallel.tensor_model_parallel_size
     h, vocab = m.hidden_size, m.padded_vocab_size * m.hidden_size // t
-    sizes = [2 * h] + ([3 * h * h // t, m.ffn_hidden_size * h // t] if layers else [])
+    sizes = [h] + ([qkv_width(m) * h // t, mlp_in_width(m) * h // t] if layers else [])
     if first:
         sizes += [vocab] + ([m.max_position_embeddings * h] if m.position_embedding_type == "learned_absolute" else [])
     if last:
@@ -249,7 +259,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
         if last:
-            per_mb += activations.head_activation_bytes(config)
+            per_mb += activations.head_activation_bytes(config, device)
         else:
             per_mb += boundary  # this stage's output, kept for the send
         inflight = micro_batches_in_flight(config, i)
@@ -259,7 +269,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             communication_buffers=comm + pipeline_buffer_count(i, pp, gas) * boundary,
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
             activations=per_mb * inflight,
-            transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt),
+            transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt,
+                          activations.kv_gather_transient_bytes(config) if layers else 0),
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload),
             step_transient=step_transient_bytes(config, params[i], largest_tensor(config, first, last, layers), device),
             cpu_bytes=states["cpu_bytes"],

@@ -8,7 +8,12 @@ batch 1, 2, 4, ... and gas from the global batch. Each candidate is the user's
 pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
 layout is never refused at launch; its command line is written from that
 Config (`arguments.config_to_argv`). A refused candidate keeps the validation
-error's code (`reason_code`), by which the plan groups its rejections. Then
+error's code (`reason_code`), by which the plan groups its rejections: e.g. a TP
+that heads, FFN width or key/value groups do not allow (grouped-query attention
+needs the groups to divide TP or TP to divide them, and a shared group's K/V
+rows to split over the ranks sharing it). Parameters, FLOPs and memory come
+from model/arithmetic.py and model/memory.py, which know GPT-2's and the Llama
+block alike. Then
 the memory savers are tried, fastest first (`savers`), and the first whose
 predicted peak on every stage fits the GPU less the margin is kept; the plan
 says which saver that was:
@@ -67,6 +72,8 @@ REJECTION_LABELS = {
     "heads_not_divisible_by_tp": "heads not divisible by TP",
     "ffn_not_divisible_by_tp": "FFN width not divisible by TP",
     "hidden_not_divisible_by_heads": "hidden not divisible by heads",
+    "groups_not_compatible_with_tp": "query groups neither divide nor are divided by TP (or K/V rows do not split)",
+    "heads_not_divisible_by_groups": "heads not divisible by query groups",
     "batch_not_divisible": "global batch not divisible by micro x DP",
     "world_not_divisible": "world size not divisible by TP x PP",
 }
@@ -371,6 +378,23 @@ def rejection_kind(rejection: Dict[str, Any]) -> str:
     """The words a rejection is grouped under in the table, from its reason code."""
     code = rejection.get("reason_code", "invalid")
     return REJECTION_LABELS.get(code, code.replace("_", " "))
+
+
+def first_choice_reason(p: Plan) -> str:
+    """Why the plan's first candidate is first, in the words of its order."""
+    if not p.candidates:
+        return "no candidate fits"
+    c, gpus_per_node = p.candidates[0], p.cluster["gpus_per_node"]
+    tail = (f"peak {max(c.peak_bytes_per_stage) / memory.GIB:.1f} GiB of the {p.memory_budget_bytes / memory.GIB:.1f} "
+            f"GiB budget; predicted throughput rank {c.throughput_rank} of {len(p.candidates)}")
+    if p.cluster["order"] == "throughput" or p.mode == "micro-batch-probe":
+        return f"{c.layout}: the highest predicted tokens/s; {tail}"
+    pp, gas = c.pipeline_model_parallel_size, c.gradient_accumulation_steps
+    tp = c.tensor_model_parallel_size
+    return (f"{c.layout}: gas {gas} {'>=' if gas >= 8 * pp else '<'} 8 x PP {pp}, "
+            f"TP {tp} {'= GPUs per node' if tp == gpus_per_node else f'the nearest to {gpus_per_node} GPUs per node'}, "
+            f"memory saver '{c.saver}' (tier {c.saver_tier}), {pp} stage{'s' if pp > 1 else ''}, micro batch "
+            f"{c.micro_batch_size} (Shaden's order, in that priority); {tail}")
 
 
 def format_plan(p: Plan, limit: int = 30) -> str:

@@ -10,14 +10,17 @@ from megatron_lite.parallel.random import checkpoint as random_checkpoint
 
 
 def _model_and_batch(config):
-    """The whole GPT of the config on this TP rank (TP groups made if none exist), the storages of its
-    parameters (never counted as activations), and one random micro-batch of tokens and positions."""
+    """The whole GPT of the config on this TP rank (TP groups made if none exist) in the config's
+    precision, the storages of its parameters (never counted as activations), and one random
+    micro-batch of tokens and positions."""
     from megatron_lite.parallel import state
     from megatron_lite.parallel.random import model_parallel_seed
 
     if not state.is_initialized():
         state.initialize(config.parallel.tensor_model_parallel_size, 1)
     model = GPTModel(config).train()
+    if config.precision.dtype_name != "fp32":  # as the engine casts it
+        model = model.to(torch.bfloat16 if config.precision.bf16 else torch.float16)
     model_parallel_seed(config.training.seed, config.model.num_layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
@@ -79,9 +82,11 @@ def _keeping_checkpoint_inputs(keep):
 
 def saved_bytes_per_layer(config):
     """Bytes the first transformer layer keeps for one micro-batch (on this TP rank): what autograd saves
-    plus what recompute keeps alive; its input comes from the embedding."""
+    plus what recompute keeps alive. Its input is the embedding's output in a storage of its own, as a
+    later layer's input is (a sequence shard of the embedding at micro batch 1 is a view of the whole
+    [1, s, h] output: the first stage's business, counted by saved_bytes_per_stage)."""
     model, params, tokens, positions = _model_and_batch(config)
-    x = model._forward_fns[0]((tokens, positions)).detach().requires_grad_(True)
+    x = model._forward_fns[0]((tokens, positions)).detach().clone().requires_grad_(True)
     kept = {}
 
     def keep(t):

@@ -6,9 +6,13 @@ import torch
 from megatron_lite.model import arithmetic
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import tiny_config
+from tests.model.test_llama_parallel import LLAMA  # SwiGLU, RMSNorm, 2 groups for 4 heads, no biases, RoPE
 
 VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "rope": ("--position-embedding-type", "rope"),
-            "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96")}
+            "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96"), "llama": LLAMA,
+            # one key/value group, with biases, LayerNorm and GeLU: each feature of the block on its own
+            "mqa_with_biases": ("--group-query-attention", "--num-query-groups", "1"),
+            "swiglu_tied": ("--swiglu",), "rmsnorm": ("--normalization", "RMSNorm")}
 
 
 def _built_stage(tp, pp, extra):
@@ -28,10 +32,10 @@ def _built_stage(tp, pp, extra):
             list(module.parts), list(module.layers_per_stage))
 
 
-@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven")] + [  # the other layouts in the full suite only
+@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven"), (4, 1, "llama")] + [  # the rest in the full suite
     pytest.param(*layout, marks=pytest.mark.slow) for layout in [
         (1, 1, "tied"), (2, 1, "tied"), (1, 2, "tied"), (2, 2, "tied"), (1, 4, "tied"), (2, 2, "untied"),
-        (1, 2, "rope"), (1, 3, "uneven")]])
+        (1, 2, "rope"), (1, 3, "uneven"), (2, 2, "llama"), (2, 1, "mqa_with_biases"), (4, 1, "mqa_with_biases")]])
 def test_stage_bounds_and_parameters_per_rank_match_the_built_pipeline(tp, pp, variant):
     config = tiny_config(tp, pp, 1, VARIANTS[variant])
     bounds = arithmetic.stage_bounds(config)
@@ -40,6 +44,21 @@ def test_stage_bounds_and_parameters_per_rank_match_the_built_pipeline(tp, pp, v
         assert parts == bounds, f"stage {stage}"
         assert layers == arithmetic.transformer_layers_per_stage(config, bounds)
         assert parameters == expected[stage], f"stage {stage} tp rank {tp_rank}: built {parameters}, counted {expected[stage]}"
+
+
+def test_llama_parameters_and_flops_are_counted_by_hand():
+    """h 64, 4 heads of 16, 2 groups, f 96, V 128, s 32, 4 layers: QKV (4 + 2 x 2) 16 x 64, projection
+    64 x 64, SwiGLU 2 x 96 x 64 + 64 x 96, two RMSNorms 64 each, no biases; final RMSNorm 64; untied head."""
+    config = tiny_config(1, 1, 1, LLAMA)
+    layer = 8 * 16 * 64 + 64 * 64 + 3 * 96 * 64 + 2 * 64
+    assert arithmetic.spec_parameters(config) == [128 * 64] + [layer] * 4 + [64, 128 * 64]
+    assert arithmetic.total_parameters(config) == 2 * 128 * 64 + 4 * layer + 64
+    # Per TP rank at TP 4, the 2 groups shared by 2 ranks each: every split matrix by 4, the norms whole.
+    assert arithmetic.spec_parameters(config, tp=4)[1] == (8 * 16 * 64 + 64 * 64 + 3 * 96 * 64) // 4 + 2 * 64
+    # Forward FLOPs per token: 2 per multiply-add of each matmul (the keys and values are 2 x 2 x 16 wide,
+    # not 2 x 64), and the attention's two matmuls over all 32 keys of every query head.
+    matmuls = 8 * 16 * 64 + 64 * 64 + 3 * 96 * 64
+    assert arithmetic.layer_forward_flops(config.model, causal=False) == 2 * matmuls + 4 * 32 * 64
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -54,9 +73,34 @@ def test_total_parameters_and_each_spec_match_the_dense_model(variant):
     # model.layers holds the tied embedding once: every spec but a tied head has its own module.
     assert built == (per_spec if "--untie-embeddings-and-output-weights" in VARIANTS[variant] else per_spec[:-1])
     assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
+    # `type:<regex>` partitioning matches the costs' names against the built classes.
+    names = [c.name for c in arithmetic.spec_costs(config)]
+    assert names[:len(model.layers)] == [type(layer).__name__ for layer in model.layers]
 
 
-@pytest.mark.parametrize("variant", ["tied", "uneven"])
+def _dense_parameters_at_tp(tp, variant):
+    """This TP rank's parameters of the whole model (PP 1) and the per-spec split."""
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel import state
+
+    config = tiny_config(tp, 1, 1, VARIANTS[variant])
+    state.initialize(tp, 1)
+    model = GPTModel(config)
+    return [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+
+
+@pytest.mark.parametrize("variant", ["llama", pytest.param("mqa_with_biases", marks=pytest.mark.slow)])
+def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_shared_by_ranks(variant):
+    """TP 4 with 2 (or 1) key/value groups: each rank holds a 1/4 piece of the K and V rows (parallel/qkv.py)."""
+    config = tiny_config(4, 1, 1, VARIANTS[variant])
+    per_spec = arithmetic.spec_parameters(config)
+    # model.layers holds the tied embedding once: every spec but a tied head has its own module.
+    expected = per_spec if config.model.untie_embeddings_and_output_weights else per_spec[:-1]
+    for built in run_distributed(_dense_parameters_at_tp, 4, 4, variant):
+        assert built == expected
+
+
+@pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases"])
 def test_forward_flops_per_token_match_torchs_flop_counter(variant):
     """Megatron's accounting (attention over all s keys), as torch counts the dense model's matmuls."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -84,15 +128,17 @@ RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
              "block": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")}
 
 
+@pytest.mark.parametrize("block", ["gpt2", "llama"])
 @pytest.mark.parametrize("recompute", [None, "selective", "full", "block"])
-def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backward_and_recompute(recompute):
+def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backward_and_recompute(recompute, block):
     """Forward, backward (two matmuls per forward matmul) and what recompute runs again, counted by torch."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    config = tiny_config(1, 1, 1, ("--attention-backend", "fused") + RECOMPUTE.get(recompute, ()))
+    llama = LLAMA if block == "llama" else ()
+    config = tiny_config(1, 1, 1, ("--attention-backend", "fused") + llama + RECOMPUTE.get(recompute, ()))
     m = config.model
     model = GPTModel(config).train()
     model_parallel_seed(config.training.seed, m.num_layers)

@@ -10,6 +10,7 @@ from megatron_lite.training.deepspeed_config import deepspeed_config
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
 from tests.model.activation_census import saved_bytes_per_stage
+from tests.model.test_llama_parallel import LLAMA
 
 GIB = 2 ** 30
 
@@ -135,8 +136,9 @@ def _measured_peaks(tp, pp, extra, tmp_path, free_last_stage_outputs=True):
 
 
 @pytest.mark.parametrize("tp, extra", [
-    (1, ()), pytest.param(2, (), marks=pytest.mark.slow),
-    pytest.param(2, ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow)])
+    (1, ()), (1, LLAMA), pytest.param(2, (), marks=pytest.mark.slow),
+    pytest.param(2, ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow),
+    pytest.param(2, LLAMA + ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow)])
 def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_at_pp2(tp, extra, tmp_path):
     results = _measured_peaks(tp, 2, extra, tmp_path)
     config = results[0]["config"]
@@ -145,65 +147,100 @@ def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_a
         assert r["peak"] == pytest.approx(stages[r["stage"]].peak, rel=0.10), (r["rank"], r["stage"], r["peak"])
 
 
-def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto"):
-    extra = ["--micro-batch-size", "2", "--global-batch-size", "8", "--attention-backend", backend]
+BLOCKS = {"gpt2": (), "llama": LLAMA}
+"""GPT-2's block, and the Llama block (SwiGLU, RMSNorm, 2 key/value groups for 4 heads: shared by two
+ranks at TP 4, no biases, RoPE, untied head)."""
+
+
+def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto", block="gpt2", micro=2, bf16=False):
+    extra = ["--micro-batch-size", str(micro), "--global-batch-size", "8", "--attention-backend", backend]
     if dropout:
         extra += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    extra += RECOMPUTE[recompute] + (["--sequence-parallel"] if sp else [])
-    return tiny_config(tp, pp, 1, extra)
+    extra += RECOMPUTE[recompute] + (["--sequence-parallel"] if sp else []) + (["--bf16"] if bf16 else [])
+    return tiny_config(tp, pp, 1, extra + list(BLOCKS[block]))
 
 
-def _census(tp, pp, recompute, dropout, sp=False):
-    return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout, sp))
+def _census(tp, pp, recompute, dropout, sp=False, block="gpt2", micro=2, bf16=False):
+    return saved_bytes_per_stage(_activation_config(tp, pp, recompute, dropout, sp, block=block, micro=micro,
+                                                    bf16=bf16))
 
 
 def _stage_census_cases():
-    """TP 1 with dropout in the fast tier (one layer's census covers TP 2 and SP there); the rest in the full suite."""
+    """TP 1 with dropout in the fast tier (one layer's census covers TP 2 and SP there), and the Llama block
+    at TP 4 (two ranks per key/value group) without dropout, bf16, micro batch 1 (the case a Llama plan
+    trains: its first stage keeps the whole embedding output under SP); the rest in the full suite."""
     for tp, sp in ((1, False), (2, False), (2, True)):
         for pp in (1, 2):
             for recompute in RECOMPUTE:
                 for dropout in (False, True):
                     fast = dropout and tp == 1
-                    yield pytest.param(tp, sp, pp, recompute, dropout, marks=() if fast else pytest.mark.slow)
+                    yield pytest.param(tp, sp, pp, recompute, dropout, "gpt2", 2, False,
+                                       marks=() if fast else pytest.mark.slow)
+    for tp, sp, pp, recompute, dropout, micro, bf16 in [
+            (4, True, 2, "none", False, 1, True), (4, False, 2, "selective", True, 2, False),
+            (4, True, 2, "full", False, 1, False), (1, False, 2, "block1", True, 2, True)]:
+        fast = (tp, sp, recompute) == (4, True, "none")
+        yield pytest.param(tp, sp, pp, recompute, dropout, "llama", micro, bf16, marks=() if fast else pytest.mark.slow)
 
 
-@pytest.mark.parametrize("tp, sp, pp, recompute, dropout", _stage_census_cases())
-def test_saved_activations_per_micro_batch_match_the_estimate(tp, sp, pp, recompute, dropout):
-    measured = run_distributed(_census, tp, tp, pp, recompute, dropout, sp)[0]
-    config = _activation_config(tp, pp, recompute, dropout, sp)
+@pytest.mark.parametrize("tp, sp, pp, recompute, dropout, block, micro, bf16", _stage_census_cases())
+def test_saved_activations_per_micro_batch_match_the_estimate(tp, sp, pp, recompute, dropout, block, micro, bf16):
+    measured = run_distributed(_census, tp, tp, pp, recompute, dropout, sp, block, micro, bf16)[0]
+    config = _activation_config(tp, pp, recompute, dropout, sp, block=block, micro=micro, bf16=bf16)
     stages = memory.estimate(config, deepspeed_config(config), device="cpu")
-    predicted = [st.activations_per_micro_batch for st in stages]
-    for stage, (got, want) in enumerate(zip(measured, predicted)):
-        assert got == pytest.approx(want, rel=0.10), f"stage {stage}: measured {got} predicted {want}"
+    assert measured == [st.activations_per_micro_batch for st in stages]
 
 
 CENSUS_ROWS = [(sp, recompute) for sp in (False, True) for recompute in ("none", "selective", "full")]
 
 
-def _layer_census(tp, rows, backend):
+def _layer_census(tp, configs):
     from megatron_lite.parallel import state
     from tests.model.activation_census import saved_bytes_per_layer
 
     state.initialize(tp, 1)
-    return [saved_bytes_per_layer(_activation_config(tp, 1, recompute, True, sp, backend))
-            for sp, recompute in rows if tp > 1 or not sp]
+    return [saved_bytes_per_layer(config) for config in configs]
 
 
-@pytest.mark.parametrize("backend", ["fused", pytest.param("sdpa", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-def test_one_layers_activations_match_the_estimate_with_sequence_parallel_and_recompute(tp, backend):
-    """Korthikanti et al.'s rows for our layer: TP x SP x recompute none / selective / full, per layer and
-    micro-batch (tools/activation_table.py prints them beside the paper's formula)."""
+def _layer_rows(tp, backend, block, **kw):
+    return [(sp, recompute, _activation_config(tp, 1, recompute, True, sp, backend, block, **kw))
+            for sp, recompute in CENSUS_ROWS if tp > 1 or not sp]
+
+
+def _assert_layer_census_equals_the_estimate(tp, rows):
     from megatron_lite.model import activations
 
-    rows = [row for row in CENSUS_ROWS if tp > 1 or not row[0]]
-    measured = run_distributed(_layer_census, tp, tp, rows, backend)
-    for (sp, recompute), *per_rank in zip(rows, *measured):
-        want = activations.stage_layer_bytes(_activation_config(tp, 1, recompute, True, sp, backend), 1, "cpu")[0]
+    measured = run_distributed(_layer_census, tp, tp, [config for _, _, config in rows])
+    for (sp, recompute, config), *per_rank in zip(rows, *measured):
+        want = activations.stage_layer_bytes(config, 1, "cpu")[0]
         for got in per_rank:
-            assert got == pytest.approx(want, rel=0.10), f"SP {sp}, {recompute}: measured {got}, estimate {want}"
-    none, selective, full = measured[0][-3:]
+            assert got == want, f"SP {sp}, {recompute}: measured {got}, estimate {want}"
+    return measured[0]
+
+
+def _layer_cases():
+    """GPT-2's block at TP 1 and 2 with the fused softmax, the Llama block at TP 4 (groups shared by two
+    ranks) in the fast tier; the rest in the full suite."""
+    for block in BLOCKS:
+        for backend in ("fused", "sdpa"):
+            for tp in (1, 2, 4):
+                fast = backend == "fused" and (tp < 4 if block == "gpt2" else tp == 4)
+                yield pytest.param(tp, backend, block, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("tp, backend, block", _layer_cases())
+def test_one_layers_activations_match_the_estimate_with_sequence_parallel_and_recompute(tp, backend, block):
+    """Korthikanti et al.'s rows for our layer: TP x SP x recompute none / selective / full, per layer and
+    micro-batch, byte for byte (tools/activation_table.py prints them beside the paper's formula)."""
+    none, selective, full = _assert_layer_census_equals_the_estimate(tp, _layer_rows(tp, backend, block))[-3:]
     assert full < selective < none
+
+
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 4])
+def test_llama_layers_activations_in_bf16_at_micro_batch_1_match_the_estimate(tp):
+    """What a Llama plan trains: bf16 (RMSNorm keeps an fp32 copy of its input), micro batch 1 (q, k, v
+    handed to SDPA as views: the whole QKV output stays), RoPE's rotated q and k kept besides."""
+    _assert_layer_census_equals_the_estimate(tp, _layer_rows(tp, "sdpa", "llama", micro=1, bf16=True))
 
 
 def test_first_stage_holds_more_micro_batches_than_the_last():

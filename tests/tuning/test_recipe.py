@@ -27,7 +27,9 @@ def _rejections(p, code):
 
 
 def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp2_with_sequence_parallelism(tmp_path):
-    p = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
+    # The fused softmax keeps the [b, a, s, s] probabilities per layer.
+    fused = BIG + ["--attention-backend", "fused"]
+    p = _plan(fused, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80)
     first = p.candidates[0]
     # Sequence parallelism fits it on two stages; without it, it took four (TP 8 x PP 4).
     assert (first.tensor_model_parallel_size, first.pipeline_model_parallel_size) == (8, 2)
@@ -36,8 +38,11 @@ def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp2_with_sequence_par
     assert max(first.peak_bytes_per_stage) <= p.memory_budget_bytes
     assert "does_not_fit_memory" in {r["reason_code"] for r in p.rejected}
     # One node does not hold it without the slow savers (ZeRO 2/3, offload).
-    one_node = _plan(BIG, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
+    one_node = _plan(fused, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
     assert all(c.saver_tier == 2 for c in one_node.candidates)
+    # SDPA's flash kernel (auto's choice on CUDA) keeps no s x s tensor: two stages need no saver.
+    flash = _plan(BIG, tmp_path, nodes=4, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1).candidates[0]
+    assert (flash.tensor_model_parallel_size, flash.pipeline_model_parallel_size, flash.saver) == (8, 2, "none")
 
 
 def test_rejections_name_their_reasons(tmp_path):
@@ -59,7 +64,7 @@ def test_rejections_name_their_reasons(tmp_path):
 
 
 def test_too_little_memory_rejects_everything_with_the_needed_bytes(tmp_path):
-    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=0.001)
+    p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=0.0001)
     assert not p.candidates
     assert all("does not fit" in r["reason"] and "GiB" in r["reason"] for r in p.rejected
                if r["reason_code"] == "does_not_fit_memory")
@@ -164,3 +169,30 @@ def test_estimate_memory_refuses_a_negative_gpu_memory_naming_the_flag():
                         "--gpu-memory-gb", "-1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--gpu-memory-gb must be a positive number of GiB" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+# The Llama block with 2 key/value groups for 12 heads of 16: TP 1 and 2 hold whole groups, TP 4 shares each
+# group between 2 ranks (each keeps half of its K/V rows); TP 3 neither divides nor is divided by 2 groups,
+# and at TP 6 and 12 a group's 16 rows do not split into 3 or 6 equal pieces.
+LLAMA_SMALL = ["--num-layers", "2", "--hidden-size", "192", "--num-attention-heads", "12", "--group-query-attention",
+               "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96", "--normalization", "RMSNorm",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+               "--seq-length", "48", "--vocab-size", "1000", "--global-batch-size", "24", "--bf16"]
+
+
+def test_llama_plan_with_2_query_groups_proposes_tp4_and_no_tp_that_validation_refuses(tmp_path):
+    p = _plan(LLAMA_SMALL, tmp_path, nodes=1, gpus_per_node=12, gpu_memory_gb=80)
+    assert {c.tensor_model_parallel_size for c in p.candidates} == {1, 2, 4}
+    refused = {r["tensor_model_parallel_size"] for r in p.rejected
+               if r["reason_code"] == "groups_not_compatible_with_tp"}
+    assert refused == {3, 6, 12}
+    assert "x query groups neither divide nor are divided by TP" in recipe.format_plan(p)
+    for c in p.candidates:  # what pretrain_gpt.py would be given: it validates
+        world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+        config, _ = parse_args(c.pretrain_argv, world_size=world)
+        assert config.model.num_query_groups == 2 and config.model.swiglu
+        # Memory through the same estimate as tools/estimate_memory.py, for the Llama block.
+        assert c.peak_bytes_per_stage == [st.peak for st in memory.estimate(config, deepspeed_config(config))]
+    first = p.candidates[0]
+    assert first.tensor_model_parallel_size == 4, "Shaden's order: the TP nearest the GPUs per node that validates"
+    assert recipe.first_choice_reason(p).startswith(f"{first.layout}: gas ")
