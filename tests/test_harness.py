@@ -49,8 +49,10 @@ def test_a_hang_fails_within_the_timeout():
 
 def test_run_launcher_starts_a_script_under_torch_distributed_run(tmp_path):
     script = tmp_path / "show_rank.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], "
-                      "'local', os.environ['LOCAL_RANK'])\n")
+    # One os.write per line: print() writes its arguments piece by piece, so two ranks sharing the
+    # launcher's stdout could interleave them ("rankrank 0 of 2 ...", seen once in CI).
+    script.write_text("import os\nos.write(1, f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} "
+                      "local {os.environ['LOCAL_RANK']}\\n\".encode())\n")
     result = run_launcher([str(script)], nproc=2, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "rank 0 of 2 local 0" in result.stdout and "rank 1 of 2 local 1" in result.stdout

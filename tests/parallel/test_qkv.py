@@ -76,7 +76,7 @@ def _parallel(tp, groups):
             "bias_grad": layer.bias.grad, "norm": global_grad_norm(list(layer.parameters())).item()}
 
 
-@pytest.mark.parametrize("tp, groups", [(2, 2), (4, 2), (4, 1), pytest.param(2, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp, groups", [(2, 2), (4, 2), (4, 1)])
 def test_qkv_projection_with_query_groups_matches_the_dense_one(tp, groups):
     dense_y, dense_x_grad, dense_w_grad, dense_b_grad = _dense(groups)
     for r in run_distributed(_parallel, tp, tp, groups):
