@@ -66,6 +66,7 @@ from typing import Tuple
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import recompute_chunks
 from megatron_lite.model.transformer import resolve_attention_backend
+from megatron_lite.parallel.qkv import local_query_groups
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Dims:
 
     @property
     def local_groups(self) -> int:
-        return max(self.g // self.t, 1)
+        return local_query_groups(self.g, self.t)
 
 
 def dims(config: Config, device: str) -> Dims:

@@ -13,19 +13,25 @@ TEXT = ('def read_config(path):\n    """Read a JSON file and return its contents
         '    with open(path) as f:\n        return json.load(f)\n')
 
 
-def test_hf_gpt2_gives_our_dense_logits_on_real_text_and_the_same_greedy_continuation(run22, tmp_path):
-    transformers = pytest.importorskip("transformers")
+def _export(ckpt, tmp_path, architecture):
+    """export-hf of `ckpt` into tmp_path/hf: (the folder, its config.json), checked to hold the three files."""
+    pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
+    out = tmp_path / "hf"
+    result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", ckpt, "--output", str(out))
+    assert architecture in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    return out, json.loads((out / "config.json").read_text())
+
+
+def test_hf_gpt2_gives_our_dense_logits_on_real_text_and_the_same_greedy_continuation(run22, tmp_path):
+    out, hf_config = _export(run22["ckpt"], tmp_path, "GPT2LMHeadModel")
     import sentencepiece
+    import transformers
 
     from megatron_lite.checkpoint.dense import load_dense_model
     from megatron_lite.inference.generation import SamplingOptions, generate
 
-    out = tmp_path / "hf"
-    result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", run22["ckpt"], "--output", str(out))
-    assert "GPT2LMHeadModel" in result.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
-    hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["activation_function"] == "gelu" and hf_config["tie_word_embeddings"] is True
 
     config, ours = load_dense_model(run22["ckpt"])
@@ -62,17 +68,12 @@ def test_hf_gpt2_gives_our_dense_logits_on_real_text_and_the_same_greedy_continu
 
 
 def test_hf_llama_on_an_exported_tp2_llama_block_gives_our_dense_logits(llama_run, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("safetensors")
+    out, hf_config = _export(llama_run["ckpt"], tmp_path, "LlamaForCausalLM")
     import sentencepiece
+    import transformers
 
     from megatron_lite.checkpoint.dense import load_dense_model
 
-    out = tmp_path / "hf"
-    result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", llama_run["ckpt"], "--output", str(out))
-    assert "LlamaForCausalLM" in result.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
-    hf_config = json.loads((out / "config.json").read_text())
     assert hf_config["num_key_value_heads"] == 2 and hf_config["rope_scaling"]["rope_type"] == "llama3"
 
     config, ours = load_dense_model(llama_run["ckpt"])
