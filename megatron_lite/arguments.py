@@ -24,6 +24,7 @@ from megatron_lite import config as config_module
 from megatron_lite.config import Config, ConfigError, flag_fields, parse_data_path, parse_split  # noqa: F401
 from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.validation import validate
+from megatron_lite.validation.resume import with_checkpoint_args
 
 LAUNCHER_FLAGS = (
     (("--local-rank", "--local_rank"),
@@ -195,7 +196,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
     """Parse and validate; raises ConfigError. argparse itself exits 2 on unknown flags."""
     args = build_parser().parse_args(argv)
     world = world_size if world_size is not None else world_size_from_environment()
-    return validate(config_from_args(args, world))
+    config = config_from_args(args, world)
+    if config.training.use_checkpoint_args:
+        config = with_checkpoint_args(config, given_fields(args))
+    return validate(config)
 
 
 def parse_args_or_exit(argv: Optional[Sequence[str]] = None) -> Config:

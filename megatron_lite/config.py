@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -118,8 +119,8 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = option(None, "--max-position-embeddings")
     """Rows of the learned position table, >= --seq-length; when not given, --seq-length."""
     vocab_size: Optional[int] = option(None, "--vocab-size")
-    """Tokenizer vocabulary before padding: the SentencePiece model's size (then this flag must agree
-    with it, or be left out), or the size for --tokenizer-type NullTokenizer."""
+    """Tokenizer vocabulary before padding: the tokenizer's own size when it has files (then this flag must
+    agree with it, or be left out), or the size for --tokenizer-type NullTokenizer."""
     make_vocab_size_divisible_by: int = option(128, "--make-vocab-size-divisible-by")
     """Pad the vocabulary to a multiple of this x TP so it splits evenly."""
     padded_vocab_size: Optional[int] = None
@@ -144,6 +145,8 @@ class ModelConfig:
     swiglu: bool = option(False, "--swiglu")
     """SiLU-gated MLP (Llama): down(silu(gate(x)) * up(x)); --ffn-hidden-size is the gated width, and when
     not given it is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64."""
+    openai_gelu: bool = option(False, "--openai-gelu")
+    """GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) computes it; default: exact (erf)."""
     group_query_attention: bool = option(False, "--group-query-attention")
     """Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads."""
     num_query_groups: Optional[int] = option(None, "--num-query-groups")
@@ -277,7 +280,11 @@ class DataConfig:
     tokenizer_type: Optional[str] = option(None, "--tokenizer-type", choices=TOKENIZER_TYPES)
     """Tokenizer kind; when not given, inferred from the other tokenizer flags."""
     tokenizer_model: Optional[str] = option(None, "--tokenizer-model")
-    """Path of the SentencePiece model."""
+    """The SentencePiece .model, or for HuggingFaceTokenizer a Hugging Face tokenizer folder or its tokenizer.json."""
+    vocab_file: Optional[str] = option(None, "--vocab-file")
+    """GPT2BPETokenizer: GPT-2-style vocab.json (token -> id)."""
+    merge_file: Optional[str] = option(None, "--merge-file")
+    """GPT2BPETokenizer: GPT-2-style merges.txt (one merge per line after the '#version' header)."""
     data_cache_path: Optional[str] = option(None, "--data-cache-path")
     """Folder for cached sample indices; when not given, cache/ next to the data (must be shared across nodes)."""
     num_workers: int = option(1, "--num-workers")
@@ -298,6 +305,13 @@ class TrainingConfig:
     """Checkpoint folder to write."""
     load: Optional[str] = option(None, "--load")
     """Checkpoint folder to resume from."""
+    use_checkpoint_args: bool = option(False, "--use-checkpoint-args")
+    """Take the model's shape flags (layers, widths, heads, query groups, block options, vocabulary, position
+    type, maximum positions) from --load's checkpoint; flags given on the command line must agree with it.
+    --seq-length stays this run's."""
+    finetune: bool = option(False, "--finetune")
+    """Load only the weights of --load's checkpoint: iteration 0, a fresh optimizer and learning-rate
+    schedule, the data from its start (Megatron-LM's --finetune). An imported checkpoint always starts so."""
     save_interval: Optional[int] = option(None, "--save-interval")
     """Save every this many steps; needs --save."""
     keep_last: Optional[int] = option(None, "--keep-last")

@@ -311,6 +311,26 @@ def engine_parameters(module: PipelineModule) -> Dict[Tuple[object, str], torch.
     return {pipeline_parameter_owner(name): p for name, p in module.named_parameters()}
 
 
+def _low_precision_groups(optimizer):
+    return getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+
+
+def set_master_weights(engine, values: Dict[torch.nn.Parameter, Dict[str, Optional[torch.Tensor]]]) -> None:
+    """Give every parameter its fp32 weight (`values[param]["fp32"]`, this rank's TP slice, whole), and the
+    fp32 master's fragment where ZeRO 1/2 or the bf16 optimizer keep one; the optimizer's state is left as
+    it is (fresh, for --finetune). Why here: the masters are reached through DeepSpeed's `_hp_mapping`."""
+    lp_groups = _low_precision_groups(engine.optimizer)
+    with torch.no_grad():
+        for param, value in values.items():
+            param.data.copy_(value["fp32"].to(param.dtype))
+        for lps in lp_groups or ():
+            for lp in lps:
+                mapping = lp._hp_mapping
+                if mapping is not None:  # None: no fragment of this parameter in this DP rank's partition
+                    src = mapping.lp_fragment_address
+                    mapping.hp_fragment.data.copy_(values[lp]["fp32"].flatten().narrow(0, src.start, src.numel))
+
+
 def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optional[torch.Tensor]]],
                         step: float) -> None:
     """Give every parameter of the engine its fp32 master weight and Adam moments (this rank's TP slice,
@@ -321,13 +341,12 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
     (`param._hp_mapping`: hp_fragment, lp/hp fragment addresses); the plain torch optimizer (fp32, ZeRO 0)
     holds the parameters themselves."""
     optimizer = engine.optimizer
-    lp_groups = getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+    lp_groups = _low_precision_groups(optimizer)
 
     def step_on(device):  # torch's fused AdamW keeps its step on the parameter's device
         return torch.tensor(float(step), dtype=torch.float32, device=device)
+    set_master_weights(engine, values)
     with torch.no_grad():
-        for param, value in values.items():
-            param.data.copy_(value["fp32"].to(param.dtype))
         if lp_groups is None:  # a torch optimizer over the parameters themselves
             inner = optimizer
             for param, value in values.items():
@@ -347,7 +366,6 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
                 value = values[lp]
                 src = mapping.lp_fragment_address
                 dst = mapping.hp_fragment_address
-                mapping.hp_fragment.data.copy_(value["fp32"].flatten().narrow(0, src.start, src.numel))
                 for key, buffer in moments.items():
                     if value[key] is not None:
                         buffer.narrow(0, dst.start, dst.numel).copy_(

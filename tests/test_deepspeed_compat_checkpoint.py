@@ -143,6 +143,42 @@ def test_set_optimizer_state_is_what_deepspeeds_public_getters_read_back(extra):
         assert bad == [] and steps == {7.0} and counters == (7, 28, 1)
 
 
+def _set_weights_keeps_moments(extra):
+    """set_master_weights, then the public getters give the weights set and the moments of before."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from megatron_lite import deepspeed_compat
+
+    config, engine = _engine_after_a_step(extra)
+    params = [p for _, p in engine.module.named_parameters()]
+    lp = hasattr(params[0], "_hp_mapping")
+    inner = engine.engine.optimizer
+
+    def moments(p):
+        if lp:
+            return [safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")]
+        return [inner.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")]
+    before = {p: moments(p) for p in params}
+    generator = torch.Generator().manual_seed(1)
+    values = {p: {"fp32": torch.randn(p.shape, generator=generator)} for p in params}
+    deepspeed_compat.set_master_weights(engine.engine, values)
+    bad = []
+    for p in params:
+        master = safe_get_full_fp32_param(p) if lp else p.detach()
+        if not torch.equal(master.float(), values[p]["fp32"]) or not torch.equal(p.detach(), values[p]["fp32"].to(p.dtype)):
+            bad.append(("weight", tuple(p.shape)))
+        if not all(torch.equal(a, b) for a, b in zip(moments(p), before[p])) or not before[p][1].abs().sum() > 0:
+            bad.append(("moments", tuple(p.shape)))
+    return bad
+
+
+@pytest.mark.parametrize("extra", [["--zero-stage", "0"], ["--bf16", "--zero-stage", "1"]],
+                         ids=["torch-adamw", "zero1-bf16"])
+def test_set_master_weights_sets_weights_and_fp32_masters_and_leaves_the_moments(extra):
+    for bad in run_distributed(_set_weights_keeps_moments, 2, extra):
+        assert bad == []
+
+
 def _loss_scaler_round_trip():
     from deepspeed.accelerator import get_accelerator
 

@@ -117,3 +117,23 @@ def test_sequence_parallel_at_tp1_exits_2_before_any_rendezvous_naming_the_flag(
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 2 and "--sequence-parallel splits the sequence" in out
     assert "--tensor-model-parallel-size 2" in out and "Traceback" not in out
+
+
+def test_a_missing_tokenizer_model_beside_data_with_a_sidecar_exits_2_with_one_line_naming_it(tmp_path):
+    # The data's sidecar records its tokenizer's hash; checking it once hashed the missing file (a traceback).
+    import numpy as np
+
+    from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
+    from megatron_lite.data.sidecar import write_sidecar
+
+    prefix = str(tmp_path / "tiny_text_document")
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        writer.add_document(list(range(60)))
+    write_sidecar(prefix, {"tokenizer": {"type": "SentencePieceTokenizer", "model_sha256": "0" * 64}})
+    missing = tmp_path / "missing.model"
+    proc = _launch(["--data-path", prefix, "--tokenizer-model", str(missing), "--split", "1,0,0"])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert [line for line in out.splitlines() if line.strip()] == [
+        f"pretrain_gpt.py: error: --tokenizer-model {missing}: no such file; train one with tools/train_tokenizer.py "
+        f"or point at an existing .model file, Hugging Face tokenizer folder or tokenizer.json"]

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Convert a megatron_lite checkpoint: merge it into one file, reshard it, or export it to Hugging Face.
+"""Convert a megatron_lite checkpoint: merge it into one file, reshard it, export it to Hugging Face, or import one.
 
     convert_checkpoint.py merge     --load ckpt [--iteration N] --output model.pt [--strip-vocab-padding]
     convert_checkpoint.py reshard   --load ckpt --save ckpt_tp1pp4 --target-tensor-model-parallel-size 1 \\
                                     --target-pipeline-model-parallel-size 4 [--no-optimizer]
     convert_checkpoint.py universal --load ckpt --save ckpt_universal
-    convert_checkpoint.py export-hf --load ckpt --output hf_model/
+    convert_checkpoint.py export-hf --load ckpt --output hf_model/ [--dtype bfloat16]
+    convert_checkpoint.py import-hf --input hf_model/ --output ckpt --target-tensor-model-parallel-size 2 \
+                                    --target-pipeline-model-parallel-size 2
 
 A bad checkpoint or flag is one line on stderr and exit 2; nothing is left at the target.
 """
@@ -57,12 +59,32 @@ def build_parser() -> argparse.ArgumentParser:
     source(p)
     p.add_argument("--save", required=True, help="new folder to write (must not exist)")
 
-    p = sub.add_parser("export-hf", help="Hugging Face folder (config.json, model.safetensors, tokenizer.model): "
+    p = sub.add_parser("export-hf", help="Hugging Face folder (config.json, model.safetensors, the tokenizer's files): "
                                          "GPT2LMHeadModel, or LlamaForCausalLM for the Llama-family block")
     source(p)
     p.add_argument("--output", required=True, help="folder to write (must not exist or be empty)")
     p.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece model to copy alongside (default: the one training used)")
+                   help="the tokenizer to copy alongside, a SentencePiece .model or a Hugging Face tokenizer.json or "
+                        "its folder (default: the one training used)")
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json (default: training's)")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt (default: training's)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype of the written tensors (default: float32, the trained fp32 masters)")
+
+    p = sub.add_parser("import-hf", help="Hugging Face GPT2LMHeadModel, LlamaForCausalLM or MistralForCausalLM folder "
+                                         "-> a checkpoint of ours at iteration 0 under any TP x PP; train it with "
+                                         "pretrain_gpt.py --load CKPT --use-checkpoint-args")
+    p.add_argument("--input", required=True, help="the Hugging Face folder (config.json and safetensors, as "
+                                                  "save_pretrained writes; pytorch_model.bin is read without "
+                                                  "running any code)")
+    p.add_argument("--output", required=True, help="new checkpoint folder to write (must not exist)")
+    p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-partition-method", default=None,
+                   help="the --pipeline-partition-method the training run will use (default: cost)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="sequence length recorded in the checkpoint's config (default: the model's maximum "
+                        "positions); training chooses its own with --seq-length")
     return parser
 
 
@@ -100,10 +122,25 @@ def main(argv=None) -> int:
             print(f"wrote the layout-free form of {args.load}/{r['tag']} (TP={tp}, PP={pp}, DP={dp}, ZeRO {zero}, "
                   f"{precision}) to {args.save}: {r['parameters']:,} parameters with fp32 weights, Adam moments and "
                   f"step; --load it under any layout; {time.time() - start:.1f}s")
+        elif args.command == "import-hf":
+            from megatron_lite.checkpoint.hf_import import import_hf
+            from megatron_lite.validation import validate
+
+            r = import_hf(args.input, args.output, args.target_tensor_model_parallel_size,
+                          args.target_pipeline_model_parallel_size, lambda config: validate(config, 1)[0],
+                          args.target_pipeline_partition_method, args.seq_length)
+            for note in r["notes"]:
+                print(note)
+            vocab, padded = r["vocab"]
+            print(f"imported {args.input} ({r['architecture']}, {r['parameters']:,} parameters, vocabulary {vocab} "
+                  f"padded to {padded}) into {args.output}/{r['tag']} at TP={r['target'][0]}, PP={r['target'][1]}: "
+                  f"fp32 weights, no optimizer state; train it with --load {args.output} --use-checkpoint-args; "
+                  f"{time.time() - start:.1f}s")
         else:
             from megatron_lite.checkpoint.hf_export import export_hf
 
-            r = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
+            r = export_hf(args.load, args.output, args.iteration, args.tokenizer_model, args.dtype, args.vocab_file,
+                          args.merge_file)
             print(f"exported {args.load}/{r['tag']} to {args.output} as {r['architecture']}: {r['parameters']:,} "
                   f"parameters, vocabulary {r['vocab_size']}, files {', '.join(r['files'])}, {time.time() - start:.1f}s")
     except CheckpointError as e:

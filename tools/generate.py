@@ -34,8 +34,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after the end-of-document token")
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece model (default: the one training used)")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece model, or Hugging Face tokenizer folder (default: the one training used)")
+    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json (default: the one training used)")
+    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt (default: the one training used)")
     return p
+
+
+def run_tokenizer(args, config):
+    """The tokenizer the run trained with, or the files given instead; refused when its vocabulary differs."""
+    from megatron_lite.data.tokenizer import TOKENIZER_FILE_FIELDS, build_tokenizer
+
+    kind = config.data.tokenizer_type or "NullTokenizer"
+    reads = TOKENIZER_FILE_FIELDS.get(kind, ())
+    files = {}
+    for field in ("tokenizer_model", "vocab_file", "merge_file"):
+        flag, given = "--" + field.replace("_", "-"), getattr(args, field)
+        if given and field not in reads:
+            raise CheckpointError(f"{flag} {given} is not read by {kind}, the tokenizer the run used")
+        files[field] = path = given or getattr(config.data, field)
+        if field in reads and not (path and os.path.exists(path)):
+            raise CheckpointError(f"{flag} {path}: no such file; give the {kind} files the run used with "
+                                  + " and ".join("--" + f.replace("_", "-") for f in reads))
+    tokenizer = build_tokenizer(kind, files["tokenizer_model"], config.model.vocab_size, files["vocab_file"],
+                                files["merge_file"])
+    if tokenizer.vocab_size != config.model.vocab_size:
+        named = " ".join(f"--{field.replace('_', '-')} {files[field]}" for field in reads)
+        raise CheckpointError(f"{named} has {tokenizer.vocab_size} pieces, but the model in {args.load} was trained "
+                              f"with a vocabulary of {config.model.vocab_size}; give the tokenizer the run used")
+    return tokenizer
 
 
 def main(argv=None) -> int:
@@ -49,22 +76,11 @@ def main(argv=None) -> int:
     import torch
 
     from megatron_lite.checkpoint.dense import load_dense_model
-    from megatron_lite.data.tokenizer import build_tokenizer
     from megatron_lite.inference.generation import SamplingOptions, generate
 
     try:
         config, model = load_dense_model(args.load, args.iteration)
-        tokenizer_model = args.tokenizer_model or config.data.tokenizer_model
-        if config.data.tokenizer_type == "SentencePieceTokenizer" and not (tokenizer_model and
-                                                                           os.path.isfile(tokenizer_model)):
-            raise CheckpointError(f"the SentencePiece model {tokenizer_model} the run used is not there; "
-                                  f"give --tokenizer-model PATH.model")
-        tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", tokenizer_model,
-                                    config.model.vocab_size)
-        if tokenizer.vocab_size != config.model.vocab_size:
-            raise CheckpointError(f"--tokenizer-model {tokenizer_model} has {tokenizer.vocab_size} pieces, but the "
-                                  f"model in {args.load} was trained with a vocabulary of {config.model.vocab_size}; "
-                                  f"give the tokenizer model the run used")
+        tokenizer = run_tokenizer(args, config)
         prompt = tokenizer.tokenize(args.prompt)
         options = SamplingOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, use_kv_cache=not args.no_kv_cache,
@@ -73,7 +89,7 @@ def main(argv=None) -> int:
         start = time.time()
         new = generate(model, config, prompt, options)
         seconds = time.time() - start
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
     print(tokenizer.detokenize(list(prompt) + new))

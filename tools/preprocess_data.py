@@ -4,8 +4,10 @@
     python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model spm32k.model --append-eod --workers 8
 
+(or --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt, or
+--tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER_OR_tokenizer.json)
 writes data/corpus_text_document.{bin,idx}, byte-identical to Megatron-LM's
-tools/preprocess_data.py for the same input and model, readable by Megatron-LM,
+tools/preprocess_data.py for the same input and tokenizer, readable by Megatron-LM,
 Megatron-DeepSpeed and GPT-NeoX, and data/corpus_text_document.json, which
 records the tokenizer, dtype and counts. Input: files or globs (a glob's
 matches sorted), one JSON object per line, plain, .gz or .zst, read streaming.
@@ -22,7 +24,7 @@ tools/merge_datasets.py joins the shards into what one run would have written.
 Exit status: 0 when the files were written (bad lines, if any, skipped);
 1 when --strict met a bad line, a compressed file was corrupt, or no line held
 a document (nothing written; a shard without documents is written empty);
-2 for unusable arguments (missing input or tokenizer model, bad shard flags).
+2 for unusable arguments (missing input or tokenizer file, bad shard flags).
 """
 from __future__ import annotations
 
@@ -44,9 +46,9 @@ from megatron_lite.data.input_files import (  # noqa: E402
 )
 from megatron_lite.data.jsonl import ZSTD_SUFFIXES, line_blocks  # noqa: E402
 from megatron_lite.data.sidecar import (  # noqa: E402
-    describe_outputs, remove_outputs, shard_prefix, sidecar_path, tokenizer_identity, write_sidecar,
+    describe_outputs, remove_outputs, shard_prefix, sidecar_path, tokenizer_identity, tokenizer_sha256, write_sidecar,
 )
-from megatron_lite.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.data.tokenizer import TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 REPORTED_BAD_LINES = 5
 
@@ -61,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize; one output pair per key")
     g.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", required=True, choices=SENTENCEPIECE_TYPES + ("NullTokenizer",))
-    g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file; for HuggingFaceTokenizer a Hugging Face tokenizer folder or its "
+                        "tokenizer.json")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2-style vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2-style merges.txt")
     g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     g.add_argument("--append-eod", action="store_true", help="end every non-empty document with the eod id")
     g = p.add_argument_group("output")
@@ -211,13 +217,23 @@ def main(argv=None) -> int:
             import zstandard  # noqa: F401
         except ImportError:
             return usage_error("reading .zst input needs the zstandard package: pip install zstandard")
+    for field in ("tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(args, field) and field not in TOKENIZER_FILE_FIELDS[args.tokenizer_type]:
+            return usage_error(f"--{field.replace('_', '-')} {getattr(args, field)} is not read by --tokenizer-type "
+                               f"{args.tokenizer_type}; drop it or give the type that reads it")
+    tokenizer_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.vocab_file, args.merge_file)
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer(*tokenizer_args)
+        files_sha256 = tokenizer_sha256(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
     except (OSError, ValueError) as e:
         return usage_error(str(e))
+    if args.append_eod and tokenizer.eod < 0:
+        return usage_error(f"--append-eod needs an end-of-document token, but the tokenizer names none (a "
+                           f"HuggingFaceTokenizer's eos_token comes from the tokenizer_config.json or "
+                           f"special_tokens_map.json beside its tokenizer.json); drop --append-eod or add one")
     dtype = token_dtype(tokenizer.vocab_size)
-    identity = tokenizer_identity(tokenizer, args.tokenizer_type, args.tokenizer_model, args.append_eod)
-    encoder_args = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, args.json_keys, args.append_eod, dtype)
+    identity = tokenizer_identity(tokenizer, args.tokenizer_type, files_sha256, args.append_eod)
+    encoder_args = (tokenizer_args, args.json_keys, args.append_eod, dtype)
     datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
     prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
     writers = []

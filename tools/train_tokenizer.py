@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train a SentencePiece tokenizer (BPE or unigram) from a JSONL corpus.
+"""Train a tokenizer from a JSONL corpus: SentencePiece (BPE or unigram), or GPT-2's byte-level BPE.
 
     python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 32000 --model-prefix spm32k
 
@@ -8,11 +8,26 @@ training sentences of at most --max-sentence-length bytes, newlines kept, so
 the model learns code and prose layout. SentencePiece samples at most
 --input-sentence-size of them. Ids: unk 0, bos 1, eos 2 (our end of
 document), pad 3, as Megatron-LM's SentencePiece tokenizers expect.
+
+    python tools/train_tokenizer.py --input corpus.jsonl --vocab-size 32000 --model-type byte-level-bpe \\
+        --model-prefix bpe32k
+
+trains with Hugging Face's `tokenizers` (GPT-2's pre-tokenizer, the 256 bytes
+as the alphabet, <|endoftext|> as id 0 and end of document) on the first
+--input-sentence-size sentences, and writes the folder bpe32k with
+tokenizer.json and tokenizer_config.json (--tokenizer-type HuggingFaceTokenizer
+--tokenizer-model bpe32k) and GPT-2-style vocab.json and merges.txt
+(--tokenizer-type GPT2BPETokenizer --vocab-file bpe32k/vocab.json --merge-file
+bpe32k/merges.txt). Both give the same ids, except for text that spells
+<|endoftext|>: the tokenizer.json reads it as the special token, GPT-2's BPE
+(as Megatron-LM's GPT2BPETokenizer) as plain text.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
+import json
 import os
 import sys
 import time
@@ -21,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.atomic import WriteError, describe, write_bytes, write_text  # noqa: E402
 from megatron_lite.data.jsonl import BadLine, open_input, parse_line, split_lines  # noqa: E402
+from megatron_lite.data.tokenizer import GPT2_EOD  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,9 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL, JSONL.gz or JSONL.zst, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose strings are training text")
-    p.add_argument("--model-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--model-prefix", required=True,
+                   help="writes PREFIX.model and PREFIX.vocab; for byte-level-bpe, the folder PREFIX")
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--model-type", choices=("bpe", "unigram", "byte-level-bpe"), default="bpe",
+                   help="bpe, unigram: SentencePiece; byte-level-bpe: GPT-2's, with Hugging Face's tokenizers")
     p.add_argument("--character-coverage", type=float, default=0.9995,
                    help="share of characters the vocabulary must cover; the rarest become bytes or unk")
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
@@ -111,11 +129,85 @@ def publish(model_proto: bytes, model_prefix: str) -> None:
         raise
 
 
+BYTE_LEVEL_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
+
+
+def train_byte_level_bpe(sentences, vocab_size: int):
+    """A GPT-2-style byte-level BPE (a tokenizers.Tokenizer) trained on `sentences`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # as GPT-2's: adds no token
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[GPT2_EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(sentences, trainer)
+    return tokenizer
+
+
+def byte_level_files(tokenizer) -> dict:
+    """name -> text of the folder's files: the tokenizer.json, its tokenizer_config.json (eos/bos for
+    transformers and HuggingFaceTokenizer), and the same BPE as GPT-2's vocab.json and merges.txt."""
+    model = json.loads(tokenizer.to_str())["model"]
+    vocab = dict(sorted(model["vocab"].items(), key=lambda item: item[1]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]  # "a b" before tokenizers 0.20
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": GPT2_EOD, "eos_token": GPT2_EOD,
+              "unk_token": GPT2_EOD, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
+    return {"vocab.json": json.dumps(vocab, ensure_ascii=False) + "\n",
+            "merges.txt": "#version: 0.2\n" + "".join(f"{m}\n" for m in merges),
+            "tokenizer_config.json": json.dumps(config, indent=1) + "\n",
+            "tokenizer.json": tokenizer.to_str(pretty=True)}
+
+
+def publish_folder(files: dict, folder: str) -> None:
+    """Each file written atomically, tokenizer.json last: its appearance means the others are there."""
+    written = []
+    try:
+        for name in BYTE_LEVEL_FILES:
+            write_text(os.path.join(folder, name), files[name])
+            written.append(name)
+    except WriteError:
+        for name in written:
+            os.remove(os.path.join(folder, name))
+        raise
+
+
+def main_byte_level_bpe(args, stream) -> int:
+    if args.vocab_size < 257:
+        print(f"train_tokenizer.py: error: --vocab-size {args.vocab_size} is too small for a byte-level BPE, whose "
+              f"256 bytes and {GPT2_EOD} come first; use 257 or more", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.num_threads))  # before tokenizers starts its threads
+    start = time.perf_counter()
+    sentences = itertools.islice(stream, args.input_sentence_size or None)
+    tokenizer = train_byte_level_bpe(sentences, args.vocab_size)
+    if stream.documents == 0:
+        print(f"train_tokenizer.py: error: {args.input} has no usable documents", file=sys.stderr)
+        return 1
+    try:
+        os.makedirs(args.model_prefix, exist_ok=True)
+        publish_folder(byte_level_files(tokenizer), args.model_prefix)
+    except OSError as e:
+        print(f"train_tokenizer.py: error: {WriteError(args.model_prefix, describe(e))}", file=sys.stderr)
+        return 1
+    except WriteError as e:
+        print(f"train_tokenizer.py: error: {e}; nothing was written", file=sys.stderr)
+        return 1
+    print(f"trained byte-level-bpe vocab {tokenizer.get_vocab_size()} on {stream.sentences} sentences "
+          f"({stream.bytes / 1e6:.1f} MB) from {stream.documents} documents ({stream.bad_lines} bad lines) in "
+          f"{time.perf_counter() - start:.1f}s -> {args.model_prefix}/{{tokenizer.json,tokenizer_config.json,"
+          f"vocab.json,merges.txt}}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isfile(args.input):
         print(f"train_tokenizer.py: error: --input {args.input}: no such file", file=sys.stderr)
         return 2
+    if args.model_type == "byte-level-bpe":
+        return main_byte_level_bpe(args, SentenceStream(args.input, args.json_keys, args.max_sentence_length))
     import sentencepiece
 
     stream = SentenceStream(args.input, args.json_keys, args.max_sentence_length)

@@ -143,6 +143,12 @@ def _check_fused_weights(path: str, metadata: Dict[str, Any]) -> None:
                               f"version that wrote it")
 
 
+def weights_only(metadata: Dict[str, Any], finetune: bool) -> bool:
+    """Whether --load takes a checkpoint's weights alone (iteration 0, a fresh optimizer): under --finetune,
+    and always for a model imported from Hugging Face (it has no training state)."""
+    return finetune or bool(metadata.get("imported_from"))
+
+
 def write_metadata(folder: str, metadata: Dict[str, Any]) -> None:
     write_text(os.path.join(folder, METADATA), json.dumps(metadata, indent=1))
 

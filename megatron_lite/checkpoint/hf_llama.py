@@ -20,12 +20,13 @@ come back as zeros. Only weights are mapped: dtypes are kept, and tokenizer ids 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
+from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.transformer import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -33,25 +34,11 @@ from megatron_lite.model.transformer import (
     LLAMA3_ORIGINAL_MAX_POSITIONS,
 )
 
-StateDict = Dict[str, torch.Tensor]
-
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # Derived from rope_theta, not weights; older Llama checkpoints (pytorch_model.bin) still carry them.
 DERIVED_SUFFIX = "rotary_emb.inv_freq"
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """One of our dense parameters and the Hugging Face tensors it holds, stacked along dim 0 in order."""
-
-    ours: str
-    shape: Tuple[int, ...]
-    """Our tensor's shape."""
-    theirs: Tuple[str, ...]
-    rows: Tuple[int, ...]
-    """dim 0 of each of theirs (the other dims are ours); rows of ours past their sum are vocabulary padding."""
-
-    def their_shape(self, index: int) -> Tuple[int, ...]:
-        return (self.rows[index],) + self.shape[1:]
+FLAGS = "--num-layers, --hidden-size, --num-attention-heads, --num-query-groups, --ffn-hidden-size, --vocab-size, " \
+        "--untie-embeddings-and-output-weights"
 
 
 def vocab_size(m: ModelConfig) -> int:
@@ -98,66 +85,31 @@ def mapping(m: ModelConfig) -> List[Mapped]:
     return table
 
 
-def _some(names: List[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+def hf_name(name: str) -> str:
+    return name
 
 
-def _check_names(have, want, what: str) -> None:
-    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    if missing or extra:
-        problems = [f"lacks {_some(missing)}"] if missing else []
-        problems += [f"has unexpected {_some(extra)}"] if extra else []
-        raise CheckpointError(f"{what} {' and '.join(problems)}: it is not the Llama model the config describes "
-                              f"(--num-layers, --untie-embeddings-and-output-weights)")
-
-
-def _check_shape(name: str, tensor: torch.Tensor, shape: Tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"{name} is {list(tensor.shape)}, the config needs {list(shape)}: the model flags "
-                              f"(--hidden-size, --num-attention-heads, --num-query-groups, --ffn-hidden-size, "
-                              f"--vocab-size) must describe the same model")
+def is_derived(name: str) -> bool:
+    return name.endswith(DERIVED_SUFFIX)
 
 
 def to_hf(dense: StateDict, m: ModelConfig) -> StateDict:
-    """Our dense (TP = PP = 1) state dict -> LlamaForCausalLM's: fused weights split, vocabulary padding dropped.
-
-    A split weight's pieces are copies (safetensors refuses tensors that share memory); the rest are views."""
-    table = mapping(m)
-    _check_names(dense, [e.ours for e in table], "the dense state dict")
-    out = {}
-    for e in table:
-        tensor = dense[e.ours]
-        _check_shape(e.ours, tensor, e.shape)
-        pieces = tensor[:sum(e.rows)].split(e.rows)
-        for name, piece in zip(e.theirs, pieces):
-            out[name] = piece.clone() if len(pieces) > 1 else piece
-    return out
+    """Our dense (TP = PP = 1) state dict -> LlamaForCausalLM's: fused weights split, vocabulary padding dropped."""
+    return hf_mapping.to_hf(dense, mapping(m), FLAGS)
 
 
 def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
     """LlamaForCausalLM's state dict -> our dense one: q/k/v and gate/up fused, the vocabulary padded with zeros
     to padded_vocab_size. A tied model's lm_head.weight (in state_dict(), not in save_pretrained's files) must
     be the embedding itself."""
-    table = mapping(m)
-    hf = {k: t for k, t in hf.items() if not k.endswith(DERIVED_SUFFIX)}
+    hf = {k: t for k, t in hf.items() if not is_derived(k)}
     if not m.untie_embeddings_and_output_weights and "lm_head.weight" in hf:
         head = hf.pop("lm_head.weight")
         embedding = hf.get("model.embed_tokens.weight")
         if embedding is None or not (head is embedding or torch.equal(head, embedding)):
             raise CheckpointError("the Hugging Face model has its own lm_head.weight but the config ties the output "
                                   "head to the embedding; add --untie-embeddings-and-output-weights")
-    _check_names(hf, [n for e in table for n in e.theirs], "the Hugging Face state dict")
-    out = {}
-    for e in table:
-        pieces = []
-        for index, name in enumerate(e.theirs):
-            _check_shape(name, hf[name], e.their_shape(index))
-            pieces.append(hf[name])
-        padding = e.shape[0] - sum(e.rows)
-        if padding:
-            pieces.append(pieces[0].new_zeros((padding,) + e.shape[1:]))
-        out[e.ours] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return out
+    return hf_mapping.from_hf(hf, mapping(m), FLAGS)
 
 
 def rope_scaling(m: ModelConfig) -> Optional[dict]:
@@ -185,3 +137,59 @@ def hf_config(m: ModelConfig) -> dict:
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights, "pretraining_tp": 1, "use_cache": True,
         "bos_token_id": None, "eos_token_id": None,
     }
+
+
+def _refuse(where: str, field: str, value, reason: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {field} = {value!r} {reason}")
+
+
+def _rope(c: dict, where: str) -> dict:
+    """Our rope fields from transformers' rope keys: `rope_parameters` (transformers 5) or `rope_theta` with
+    `rope_scaling` (the keys Llama 3.1's own config.json and transformers 4 use)."""
+    parameters = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or parameters
+    theta = parameters.get("rope_theta", c.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise _refuse(where, "rope_theta", theta, "is not a whole number, which --rotary-base needs")
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return {"rotary_base": int(theta), "use_rope_scaling": False}
+    if kind != "llama3":
+        raise _refuse(where, "rope_scaling.rope_type", kind, "is not supported: only the default rotary "
+                      "frequencies and Llama 3.1's (llama3) are")
+    for key, ours in (("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR), ("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR),
+                      ("original_max_position_embeddings", LLAMA3_ORIGINAL_MAX_POSITIONS)):
+        if float(scaling.get(key, ours)) != float(ours):
+            raise _refuse(where, f"rope_scaling.{key}", scaling.get(key), f"is not supported: --use-rope-scaling "
+                          f"has Llama 3.1's {ours}")
+    return {"rotary_base": int(theta), "use_rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+
+
+def model_fields(c: dict, where: str) -> dict:
+    """Our ModelConfig fields for a LlamaForCausalLM / MistralForCausalLM config.json; a field we cannot
+    represent is refused by name. Mistral's sliding window is the caller's (it depends on the sequence length)."""
+    heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
+    groups = int(c.get("num_key_value_heads") or heads)
+    if c.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+        raise _refuse(where, "head_dim", c.get("head_dim"), f"is not hidden_size / num_attention_heads = "
+                      f"{hidden} / {heads}; a separate head width (--kv-channels) is not supported")
+    if c.get("hidden_act", "silu") != "silu":
+        raise _refuse(where, "hidden_act", c.get("hidden_act"), "is not supported: --swiglu gates with silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if c.get(key):
+            raise _refuse(where, key, c[key], "is not supported: the Llama-family block here has no biases "
+                          "(--disable-bias-linear)")
+    if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "is not supported: rotary "
+                      "embeddings cover the whole head here")
+    fields = dict(
+        num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=int(c["intermediate_size"]), max_position_embeddings=int(c["max_position_embeddings"]),
+        vocab_size=int(c["vocab_size"]), norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
+        swiglu=True, group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
+        add_bias_linear=False, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+        init_method_std=float(c.get("initializer_range", 0.02)), hidden_dropout=0.0,
+        attention_dropout=float(c.get("attention_dropout", 0.0)))
+    fields.update(_rope(c, where))
+    return fields

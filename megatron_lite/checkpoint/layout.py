@@ -76,8 +76,9 @@ class ModelLayout:
 
     @staticmethod
     def _describe(spec) -> List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...]]]:
-        # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes.
-        with torch.random.fork_rng(devices=[]), as_single_rank():
+        # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes;
+        # on the meta device, so a large model's layer costs no memory.
+        with torch.random.fork_rng(devices=[]), as_single_rank(), torch.device("meta"):
             module = spec.build()
         described = []
         for name, p in module.named_parameters():

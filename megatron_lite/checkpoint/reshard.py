@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -99,12 +99,33 @@ def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
             "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp}, "ds_version": deepspeed.__version__}
 
 
+def write_engine_states(folder: str, config: Config, layout: ModelLayout, bounds: List[int], run,
+                        moments: Callable[[int], List[dict]]) -> None:
+    """Every stage's and TP rank's model-states file: a plain AdamW state (`moments(stage)`: per TP rank,
+    optimizer index -> step and moments; empty dicts for none) with the run's schedule and counters."""
+    p = config.parallel
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    groups = _groups(config, run.lr_scheduler)
+    for stage in range(pp):
+        params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
+        decay = sum(1 for info, _ in params if info.decays)
+        param_groups = []
+        if decay:
+            param_groups.append(dict(groups[0], params=list(range(decay))))
+        if len(params) > decay:
+            param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
+        opt_state = moments(stage)
+        for r in range(tp):
+            torch_save(_engine_state(run, {"state": opt_state[r], "param_groups": param_groups}, tp, pp, dp),
+                       os.path.join(folder, mp_rank_file(stage, r, tp)))
+
+
 def _source(load_dir: str, iteration: Optional[int]) -> LayoutFreeReader:
     tag = resolve_tag(load_dir, iteration)
     return LayoutFreeReader(os.path.join(load_dir, tag), read_metadata(load_dir, tag))
 
 
-def _refuse_existing(save_dir: str) -> str:
+def refuse_existing(save_dir: str) -> str:
     if os.path.exists(save_dir):
         raise CheckpointError(f"--save {save_dir} already exists; give a new folder (the source and any existing "
                               f"checkpoint are never written over)")
@@ -118,7 +139,7 @@ def _refuse_existing(save_dir: str) -> str:
 
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[int] = None,
             no_optimizer: bool = False, partition_method: Optional[str] = None, log=print) -> dict:
-    _refuse_existing(save_dir)
+    refuse_existing(save_dir)
     source = _source(load_dir, iteration)
     tag = os.path.basename(source.folder)
     config = target_config(source.config, tp, pp, partition_method)
@@ -142,27 +163,18 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 torch_save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
             log(f"  layer {spec:02d}: {len(per_rank[0])} tensors x {tp} TP ranks")
 
-        groups = _groups(config, run.lr_scheduler)
-        for stage in range(pp):
-            params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
+        def moments(stage: int) -> List[dict]:
             opt_state = [{} for _ in range(tp)]
-            for index, (info, _) in enumerate(params):
+            for index, (info, _) in enumerate(layout.stage_parameters(bounds[stage], bounds[stage + 1])):
                 state = states[(info.spec, info.name)]
                 if state.exp_avg is None:
                     continue
-                moments = {k: target_slices(info, getattr(state, k), tp, rows) for k in ("exp_avg", "exp_avg_sq")}
+                pieces = {k: target_slices(info, getattr(state, k), tp, rows) for k in ("exp_avg", "exp_avg_sq")}
                 for r in range(tp):
                     opt_state[r][index] = {"step": torch.tensor(float(state.step or step or 0)),
-                                           "exp_avg": moments["exp_avg"][r], "exp_avg_sq": moments["exp_avg_sq"][r]}
-            decay = sum(1 for info, _ in params if info.decays)
-            param_groups = []
-            if decay:
-                param_groups.append(dict(groups[0], params=list(range(decay))))
-            if len(params) > decay:
-                param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
-            for r in range(tp):
-                torch_save(_engine_state(run, {"state": opt_state[r], "param_groups": param_groups}, tp, pp, dp),
-                           os.path.join(tmp, mp_rank_file(stage, r, tp)))
+                                           "exp_avg": pieces["exp_avg"][r], "exp_avg_sq": pieces["exp_avg_sq"][r]}
+            return opt_state
+        write_engine_states(tmp, config, layout, bounds, run, moments)
 
         copied_rng = source.tp == tp and source.pp == pp and not source.universal
         if copied_rng:  # read and written again, never copied unread: a file is validated before it travels
@@ -187,7 +199,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
 
 def universal(load_dir: str, save_dir: str, iteration: Optional[int] = None) -> dict:
     """The checkpoint's layout-free form in a new folder (`latest` + the tag folder), loadable anywhere."""
-    _refuse_existing(save_dir)
+    refuse_existing(save_dir)
     source = _source(load_dir, iteration)
     tag = os.path.basename(source.folder)
     with atomic_folder(save_dir) as tmp_root:

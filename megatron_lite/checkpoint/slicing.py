@@ -29,10 +29,15 @@ def merge(slices: Sequence[torch.Tensor], dim: int, sections: Sequence[int]) -> 
     return torch.cat([per_rank[r][c] for c in range(len(sections)) for r in range(tp)], dim=dim)
 
 
-def split(full: torch.Tensor, tp: int, dim: int, sections: Sequence[int]) -> List[torch.Tensor]:
-    """Every TP rank's slice of the full tensor; a replicated tensor is copied to each rank."""
+def piece(full: torch.Tensor, tp: int, rank: int, dim: int, sections: Sequence[int]) -> torch.Tensor:
+    """TP rank `rank`'s slice of the full tensor (a view where it is one piece); a replicated tensor is whole."""
     if dim < 0 or tp == 1:
-        return [full.clone() for _ in range(tp)]
+        return full
     parts = torch.split(full, list(sections), dim=dim) if len(sections) > 1 else (full,)
-    pieces = [torch.split(p, _pieces(p.shape[dim], tp), dim=dim) for p in parts]
-    return [torch.cat([piece[r] for piece in pieces], dim=dim).clone() for r in range(tp)]
+    pieces = [torch.split(p, _pieces(p.shape[dim], tp), dim=dim)[rank] for p in parts]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def split(full: torch.Tensor, tp: int, dim: int, sections: Sequence[int]) -> List[torch.Tensor]:
+    """Every TP rank's slice of the full tensor, each its own copy; a replicated tensor is copied to each rank."""
+    return [piece(full, tp, r, dim, sections).clone() for r in range(tp)]

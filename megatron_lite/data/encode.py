@@ -36,9 +36,9 @@ class EncodedChunk:
 class ChunkEncoder:
     """Holds the tokenizer; built once per worker process."""
 
-    def __init__(self, tokenizer_type: str, tokenizer_model: Optional[str], vocab_size: Optional[int],
-                 json_keys: Sequence[str], append_eod: bool, dtype) -> None:
-        self.tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+    def __init__(self, tokenizer_args: Sequence, json_keys: Sequence[str], append_eod: bool, dtype) -> None:
+        """tokenizer_args: build_tokenizer's arguments (type, model, vocab size, vocab file, merge file)."""
+        self.tokenizer = build_tokenizer(*tokenizer_args)
         self.json_keys = list(json_keys)
         self.append_eod = append_eod
         self.dtype = np.dtype(dtype)

@@ -1,7 +1,7 @@
 """The JSON file next to each .bin/.idx pair that says how it was made.
 
-`{prefix}.json` records the tokenizer's identity (type, SHA-256 of the model
-file, vocabulary size, eod id, whether eod was appended), the token dtype, the
+`{prefix}.json` records the tokenizer's identity (type, SHA-256 of its files
+(`tokenizer_sha256`), vocabulary size, eod id, whether eod was appended), the token dtype, the
 counts (documents, sequences, tokens, bad lines skipped), the sizes of the
 .bin and .idx, and for a shard its index, the shard count and a fingerprint of
 the whole input listing. tools/merge_datasets.py checks shards against each
@@ -17,6 +17,7 @@ from typing import Optional
 
 from megatron_lite.atomic import write_text
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
+from megatron_lite.data.tokenizer import HF_SIDE_FILES, tokenizer_files
 
 FORMAT = "megatron_lite.dataset"
 VERSION = 1
@@ -43,11 +44,28 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def tokenizer_identity(tokenizer, tokenizer_type: str, model_path: Optional[str], append_eod: bool) -> dict:
-    """What must agree for two outputs to be one dataset: the same ids for the same text."""
+def tokenizer_sha256(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,
+                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> Optional[str]:
+    """The identity of the files that decide a tokenizer's ids: a SentencePiece .model's or a tokenizer.json's
+    own SHA-256 (what sidecars and checkpoints recorded for SentencePiece before the other types existed),
+    the SHA-256 of the lines 'vocab.json SHA256' and 'merges.txt SHA256' for GPT-2 BPE; None for NullTokenizer.
+    A Hugging Face folder's tokenizer_config.json is left out: it names the special tokens, whose ids the
+    sidecar records beside this."""
+    files = [(path, name) for path, name in tokenizer_files(tokenizer_type, tokenizer_model, vocab_file, merge_file)
+             if name not in HF_SIDE_FILES]
+    if not files:
+        return None
+    if len(files) == 1:
+        return file_sha256(files[0][0])
+    return hashlib.sha256("".join(f"{name} {file_sha256(path)}\n" for path, name in files).encode()).hexdigest()
+
+
+def tokenizer_identity(tokenizer, tokenizer_type: str, files_sha256: Optional[str], append_eod: bool) -> dict:
+    """What must agree for two outputs to be one dataset: the same ids for the same text. `files_sha256`:
+    tokenizer_sha256()'s digest (kept under the key `model_sha256`, which SentencePiece sidecars have)."""
     return {
         "type": tokenizer_type,
-        "model_sha256": file_sha256(model_path) if model_path else None,
+        "model_sha256": files_sha256,
         "vocab_size": int(tokenizer.vocab_size),
         "eod": int(tokenizer.eod),
         "append_eod": bool(append_eod),

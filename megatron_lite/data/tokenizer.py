@@ -1,20 +1,44 @@
 """Tokenizers behind the small interface the rest of the code uses.
 
 `vocab_size`, `eod`, `bos`, `pad`, `tokenize(text) -> list[int]`,
-`detokenize(ids) -> str`. An id of -1 means the tokenizer has no such token
-(SentencePiece's convention). No torch here: tools/preprocess_data.py imports
-this module in every worker.
+`tokenize_batch(texts) -> list of int arrays`, `detokenize(ids) -> str`. An id
+of -1 means the tokenizer has no such token (SentencePiece's convention). Each
+gives the ids Megatron-LM's tokenizer of the same `--tokenizer-type` gives, so
+that tools/preprocess_data.py writes Megatron-LM's bytes. No torch here:
+tools/preprocess_data.py imports this module in every worker.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_lite.config import TOKENIZER_TYPES
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
+GPT2_EOD = "<|endoftext|>"
+TOKENIZER_FILE_FIELDS = {**{kind: ("tokenizer_model",) for kind in SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer",)},
+                         "GPT2BPETokenizer": ("vocab_file", "merge_file"), "NullTokenizer": ()}
+"""The config fields (flags) naming each type's files."""
+HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+"""Files beside a tokenizer.json that name its special tokens (eos, bos, pad), as transformers reads them."""
+GPT2_HINT = ("give GPT-2-style vocab.json and merges.txt (tools/train_tokenizer.py --model-type byte-level-bpe "
+             "writes both)")
+HF_HINT = ("give a Hugging Face tokenizer folder holding tokenizer.json, or the tokenizer.json "
+           "(tools/train_tokenizer.py --model-type byte-level-bpe writes one)")
+
+
+def check_file(path: Optional[str], flag: str, hint: str) -> str:
+    """`path` if it names a readable file; else FileNotFoundError/PermissionError naming the flag and the file."""
+    if not path:
+        raise ValueError(f"{flag} is needed: {hint}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{flag} {path}: no such file; {hint}")
+    if not os.access(path, os.R_OK):
+        raise PermissionError(f"{flag} {path}: file is not readable (permissions); {hint}")
+    return path
 
 
 class SentencePieceTokenizer:
@@ -23,9 +47,7 @@ class SentencePieceTokenizer:
     def __init__(self, model_path: str) -> None:
         if not model_path:
             raise ValueError("SentencePieceTokenizer needs --tokenizer-model PATH.model")
-        if not os.path.isfile(model_path):
-            raise FileNotFoundError(f"--tokenizer-model {model_path}: no such file; train one with "
-                                    f"tools/train_tokenizer.py")
+        check_file(model_path, "--tokenizer-model", "train one with tools/train_tokenizer.py")
         import sentencepiece
 
         self.model_path = model_path
@@ -92,10 +114,176 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None):
-    """`--tokenizer-type` / `--tokenizer-model` / `--vocab-size` -> a tokenizer."""
+class GPT2BPETokenizer:
+    """GPT-2's byte-level BPE from vocab.json + merges.txt, read as Megatron-LM's GPT2BPETokenizer reads them.
+
+    Megatron-LM runs OpenAI's Python BPE: GPT-2's pre-tokenizer regex, bytes mapped to printable
+    characters, merges applied by rank, a token missing from the vocabulary becoming id 0. The `tokenizers`
+    library does the same steps in Rust. Text that spells <|endoftext|> is ordinary text there, so there
+    are no added tokens here. Its merges are the lines of merges.txt after the first (the '#version'
+    header) and before the last newline, split on whitespace; so they are here. eod: <|endoftext|>'s id.
+    """
+
+    def __init__(self, vocab_file: Optional[str], merge_file: Optional[str]) -> None:
+        check_file(vocab_file, "--vocab-file", GPT2_HINT)
+        check_file(merge_file, "--merge-file", GPT2_HINT)
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json ({e})") from None
+        if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+            raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (a JSON object of token: id)")
+        if GPT2_EOD not in vocab:
+            raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD} token, which GPT2BPETokenizer uses as "
+                             f"end of document")
+        if vocab and max(vocab.values()) >= len(vocab):
+            raise ValueError(f"--vocab-file {vocab_file}: ids must be 0..{len(vocab) - 1} for its {len(vocab)} "
+                             f"tokens, but it has id {max(vocab.values())}")
+        try:
+            with open(merge_file, encoding="utf-8") as f:
+                lines = f.read().split("\n")[1:-1]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--merge-file {merge_file}: not a GPT-2 merges.txt ({e})") from None
+        merges = [pair for pair in (tuple(line.split()) for line in lines) if len(pair) == 2]
+        id_zero = [token for token, i in vocab.items() if i == 0]
+        try:
+            model = models.BPE(vocab=vocab, merges=merges, unk_token=id_zero[0] if id_zero else None)
+        except Exception as e:  # tokenizers raises a bare Exception for a merge whose result has no id
+            raise ValueError(f"--merge-file {merge_file} does not fit --vocab-file {vocab_file} ({e})") from None
+        self._tokenizer = Tokenizer(model)
+        self._tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tokenizer.decoder = decoders.ByteLevel()
+        self.vocab_size = len(vocab)
+        self.eod = vocab[GPT2_EOD]
+        self.bos = -1
+        self.pad = -1
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+        return [np.array(self.tokenize(text), dtype=np.int32) for text in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def hf_tokenizer_json(path: Optional[str]) -> str:
+    """--tokenizer-model of a HuggingFaceTokenizer (a folder, or its tokenizer.json) -> the tokenizer.json."""
+    if not path:
+        raise ValueError(f"HuggingFaceTokenizer needs --tokenizer-model: {HF_HINT}")
+    if os.path.isdir(path):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"--tokenizer-model {path}: the folder has no tokenizer.json (a slow "
+                                    f"tokenizer's files alone are not read); {HF_HINT}")
+        return check_file(file, "--tokenizer-model", HF_HINT)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--tokenizer-model {path}: no such file or folder; {HF_HINT}")
+    return check_file(path, "--tokenizer-model", HF_HINT)
+
+
+def hf_side_files(tokenizer_json: str) -> List[str]:
+    """The tokenizer_config.json / special_tokens_map.json beside a file named tokenizer.json (its folder is a
+    Hugging Face tokenizer folder; beside a file of another name they would belong to something else)."""
+    if os.path.basename(tokenizer_json) != "tokenizer.json":
+        return []
+    folder = os.path.dirname(tokenizer_json)
+    return [os.path.join(folder, name) for name in HF_SIDE_FILES if os.path.isfile(os.path.join(folder, name))]
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face tokenizer.json, run by the `tokenizers` library as transformers runs it.
+
+    Megatron-LM's HuggingFaceTokenizer loads the folder with transformers' AutoTokenizer and tokenizes with
+    `tokenizer(text).input_ids`: the tokenizer.json's normalizer, pre-tokenizer, model and post-processor
+    (which may add a BOS), with its truncation and padding switched off. Those are the steps here. eod, bos
+    and pad are the eos, bos and pad tokens named by special_tokens_map.json, else tokenizer_config.json
+    (transformers' precedence), beside tokenizer.json; -1 where none is named.
+    """
+
+    def __init__(self, path: Optional[str]) -> None:
+        from tokenizers import Tokenizer
+
+        file = hf_tokenizer_json(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"--tokenizer-model {file}: not a readable tokenizer.json ({e})") from None
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        self.path = path
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        special = {}
+        for side in hf_side_files(file):  # special_tokens_map.json comes last and wins
+            special.update(_named_special_tokens(side))
+        self.eod, self.bos, self.pad = (self._id_of(special.get(key), key, file)
+                                        for key in ("eos_token", "bos_token", "pad_token"))
+
+    def _id_of(self, token: Optional[str], key: str, file: str) -> int:
+        if token is None:
+            return -1
+        token_id = self._tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"--tokenizer-model {file}: its {key} {token!r} is not in the vocabulary")
+        return token_id
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+        return [np.array(self.tokenize(text), dtype=np.int32) for text in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def _named_special_tokens(path: str) -> dict:
+    """{"eos_token": "</s>", ...} from a tokenizer_config.json or special_tokens_map.json (a token may be
+    written as a string or as {"content": ...})."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tokenizer-model {path}: not readable JSON ({e})") from None
+    named = {}
+    for key in ("eos_token", "bos_token", "pad_token"):
+        value = data.get(key) if isinstance(data, dict) else None
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            named[key] = value
+    return named
+
+
+def tokenizer_files(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> List[Tuple[str, str]]:
+    """(path, its name in a Hugging Face model folder) of each file the tokenizer reads, the file that
+    defines its ids first: what an export copies beside the weights. NullTokenizer reads none."""
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        return [(check_file(tokenizer_model, "--tokenizer-model", "the SentencePiece model"), "tokenizer.model")]
+    if tokenizer_type == "HuggingFaceTokenizer":
+        file = hf_tokenizer_json(tokenizer_model)
+        return [(file, "tokenizer.json")] + [(side, os.path.basename(side)) for side in hf_side_files(file)]
+    if tokenizer_type == "GPT2BPETokenizer":
+        return [(check_file(vocab_file, "--vocab-file", GPT2_HINT), "vocab.json"),
+                (check_file(merge_file, "--merge-file", GPT2_HINT), "merges.txt")]
+    return []
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_size: Optional[int] = None,
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
+    """`--tokenizer-type` and the flags naming its files (`--tokenizer-model`, or `--vocab-file` and
+    `--merge-file`), or `--vocab-size` for NullTokenizer -> a tokenizer. A missing file raises
+    FileNotFoundError, an unusable one ValueError, each naming the flag and the file."""
     if tokenizer_type in SENTENCEPIECE_TYPES:
         return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         return NullTokenizer(vocab_size)
     raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")

@@ -77,27 +77,50 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
         method = ",".join(map(str, reader.metadata["layers_per_stage"]))
     try:
         config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir)
-        if not config.data.data_path:
+        if not config.data.data_path:  # before any group: every rank stops here alike
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp)
         engine = Engine(config, with_scheduler=False)
         load_weights(engine, config, load_dir, reader.tag)
-        tokenizer = build_tokenizer(config.data.tokenizer_type or "NullTokenizer", config.data.tokenizer_model,
-                                    config.model.vocab_size)
-        gbs, t = config.batch.global_batch_size, config.training
-        try:
-            datasets = build_train_valid_test_datasets(
-                config.data.data_path, config.data.split, config.model.seq_length,
-                (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs), t.seed, config.data.data_cache_path,
-                tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        dataset = datasets[SPLITS.index(split_name)]
-        if dataset is None or t.eval_iters == 0:
-            raise ConfigError(f"--split {format_split(config.data.split)} gives the {split_name} split no documents (or "
-                              f"--eval-iters is 0); nothing to evaluate")
+        dataset = _dataset(config, split_name)
         loss = evaluate(engine, dataset, config)
     finally:
         dist.barrier()
+    t = config.training
     return EvalResult(loss=loss, perplexity=math.exp(loss), iteration=reader.iteration, batches=t.eval_iters,
-                      samples=t.eval_iters * gbs, layout=(tp, pp, config.parallel.data_parallel_size))
+                      samples=t.eval_iters * config.batch.global_batch_size,
+                      layout=(tp, pp, config.parallel.data_parallel_size))
+
+
+def _dataset(config: Config, split_name: str):
+    """The split's dataset as training sized it; its first --eval-iters global batches are evaluated."""
+    if not config.data.data_path:
+        raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
+    d = config.data
+    tokenizer = build_tokenizer(d.tokenizer_type or "NullTokenizer", d.tokenizer_model, config.model.vocab_size,
+                                d.vocab_file, d.merge_file)
+    gbs, t = config.batch.global_batch_size, config.training
+    try:
+        datasets = build_train_valid_test_datasets(
+            config.data.data_path, config.data.split, config.model.seq_length,
+            (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs), t.seed, config.data.data_cache_path,
+            tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dataset = datasets[SPLITS.index(split_name)]
+    if dataset is None or t.eval_iters == 0:
+        raise ConfigError(f"--split {format_split(config.data.split)} gives the {split_name} split no documents (or "
+                          f"--eval-iters is 0); nothing to evaluate")
+    return dataset
+
+
+def evaluation_samples(load_dir: str, data_path: Sequence[Tuple[float, str]], split: Tuple[float, float, float],
+                       split_name: str = "valid", eval_iters: Optional[int] = None) -> list:
+    """The samples `evaluate_checkpoint` averages the loss over (dicts of tokens, labels and loss mask, in
+    order), read in this process without any process group: for checking its loss against another
+    implementation's."""
+    reader = CheckpointReader(load_dir)
+    config = _eval_config(reader.config, reader.tp * reader.pp, reader.tp, reader.pp,
+                          reader.config.parallel.pipeline_partition_method, data_path, split, eval_iters, load_dir)
+    dataset = _dataset(config, split_name)
+    return [dataset[i] for i in range(config.training.eval_iters * config.batch.global_batch_size)]

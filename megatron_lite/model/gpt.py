@@ -19,6 +19,7 @@ stages), and the head gathers the sequence back for the vocab-parallel cross ent
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -135,11 +136,18 @@ class LMHeadPipe(nn.Module):
         return self.output(hidden)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp]
 
 
-def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean cross entropy over the unmasked tokens of a micro-batch; logits stay split over TP."""
+def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Tensor],
+            vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Mean cross entropy over the unmasked tokens of a micro-batch; logits stay split over TP, and the
+    padded vocabulary columns (from vocab_size on) are out of the softmax."""
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(logits.float(), labels)  # [b, s]
+    losses = vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)  # [b, s]
     return masked_mean(losses, loss_mask)
+
+
+def model_loss_fn(model: ModelConfig):
+    """The loss DeepSpeed's pipeline calls with (logits, (labels, loss mask)) for this model's vocabulary."""
+    return functools.partial(loss_fn, vocab_size=model.vocab_size)
 
 
 def layer_specs(config: Config) -> List[LayerSpec]:
@@ -173,7 +181,7 @@ class GPTPipe(OwnPartitionPipelineModule):
             super().__init__(
                 layers=layer_specs(config),
                 topology=topology,
-                loss_fn=loss_fn,
+                loss_fn=model_loss_fn(config.model),
                 partition_method=config.parallel.pipeline_partition_method,
                 activation_checkpoint_interval=0,
             )
@@ -227,4 +235,4 @@ class GPTModel(nn.Module):
         x = run_stage(self._forward_fns, (tokens, position_ids), self.model_config)
         if labels is None:
             return x
-        return loss_fn(x, (labels, loss_mask))
+        return loss_fn(x, (labels, loss_mask), self.model_config.vocab_size)

@@ -204,7 +204,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """GeLU MLP, or with --swiglu the SiLU-gated one: down(silu(gate(x)) * up(x)).
+    """GeLU MLP (exact, or tanh with --openai-gelu), or with --swiglu the SiLU-gated one: down(silu(gate(x)) * up(x)).
 
     Under SwiGLU the master [2 ffn, h] weight of dense_h_to_4h is [gate; up] and each rank takes the
     matching ffn/tp rows of both (stride 2), so its gate and up slices belong together."""
@@ -212,6 +212,7 @@ class ParallelMLP(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool = False):
         super().__init__()
         ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * ffn if self.swiglu else ffn,
                                                   bias=config.add_bias_linear, stride=2 if self.swiglu else 1,
                                                   init_method=normal_init(config.init_method_std),
@@ -228,7 +229,7 @@ class ParallelMLP(nn.Module):
         if self.swiglu:
             gate, up = inner.chunk(2, dim=-1)
             return self.dense_4h_to_h(F.silu(gate) * up)
-        return self.dense_4h_to_h(F.gelu(inner))
+        return self.dense_4h_to_h(F.gelu(inner, approximate=self.gelu_approximate))
 
 
 class TransformerLayer(nn.Module):

@@ -2,7 +2,11 @@
 
     loss = log(sum_v exp(z_v - m)) - (z_target - m),   m = max_v z_v
 
-Each rank holds z[..., start:end]. The max and the sum of exponentials are
+Each rank holds z[..., start:end]. Columns past the tokenizer's vocabulary (the
+rows padded for TP, --make-vocab-size-divisible-by) are left out of the softmax:
+their logits count as -inf, so the loss is the real vocabulary's whatever the
+padding (an imported model's loss is its own; TP 1 and TP 4 pad differently and
+agree), and those rows get no gradient. The max and the sum of exponentials are
 all-reduced in fp32 over the TP group; the target logit comes from the one
 rank whose range holds the target (the others contribute 0 to the same sum).
 Gradient: softmax(z) - onehot(target), each rank for its own columns.
@@ -25,8 +29,12 @@ from megatron_lite.parallel.tp import all_reduce, partition_range, tp_rank
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, vocab_parallel_logits, target, inplace):
+    def forward(ctx, vocab_parallel_logits, target, inplace, vocab_size):
         logits = vocab_parallel_logits.float()  # [..., V/tp]; the caller's own tensor when it is fp32
+        padded_from = _first_padded_column(logits.size(-1), vocab_size)
+        if padded_from is not None:
+            logits = logits if inplace else logits.clone()
+            logits[..., padded_from:] = float("-inf")  # exp gives 0: out of the softmax, no gradient
         logits_max = all_reduce(logits.max(dim=-1).values, op=dist.ReduceOp.MAX)
         logits = logits.sub_(logits_max.unsqueeze(-1)) if inplace else logits - logits_max.unsqueeze(-1)
 
@@ -52,16 +60,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # softmax - onehot(target) on the owning rank; softmax alone elsewhere. In place: backward runs once.
         grad = softmax.scatter_add_(-1, local_target.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token fp32 loss [...] from logits [..., V/tp] and integer targets [...] in [0, V).
+def _first_padded_column(local_size: int, vocab_size) -> "int | None":
+    """This rank's first column past the tokenizer's vocabulary, None when it has none."""
+    if vocab_size is None:
+        return None
+    start, end = partition_range(local_size, tp_rank())
+    return None if vocab_size >= end else max(vocab_size - start, 0)
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 vocab_size: "int | None" = None) -> torch.Tensor:
+    """Per-token fp32 loss [...] from logits [..., V/tp] and integer targets [...] in [0, vocab_size);
+    columns from vocab_size on (padding) are out of the softmax (None: every column is in).
 
     With autograd on, fp32 logits are overwritten (see the module docstring): compute
     the loss last, or pass a copy.
     """
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, torch.is_grad_enabled())
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, torch.is_grad_enabled(), vocab_size)
 
 
 def masked_mean(loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

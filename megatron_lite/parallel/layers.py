@@ -111,8 +111,11 @@ def _master_slice(full_shape, partition_dim: int, sections: Sequence[int], init_
     The split dim is made of `sections` (their lengths), each cut into tp equal pieces; rank r takes
     piece r of every section: a fused [Q; K; V] weight gives each rank [Q_r; K_r; V_r].
     """
-    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
-    init_method(master)
+    if torch.empty(0).is_meta:  # built on the meta device only for names and shapes (checkpoint/layout.py)
+        master = torch.empty(full_shape, dtype=torch.float32, device="meta")
+    else:
+        master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        init_method(master)
     world = tp_world_size()
     if world == 1:
         return master

@@ -43,6 +43,7 @@ from megatron_lite.checkpoint.format import (
     rng_file,
     saved_tags,
     tag_for,
+    weights_only,
     write_latest,
     write_metadata,
     zero3_model_states_file,
@@ -52,10 +53,16 @@ from megatron_lite.checkpoint.layout_free import storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
-from megatron_lite.data.sidecar import file_sha256
+from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.parallel import state
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
-from megatron_lite.training.layout_free_resume import Resumed, agree, load_layout_free, load_weights_layout_free
+from megatron_lite.training.layout_free_resume import (
+    Resumed,
+    agree,
+    load_layout_free,
+    load_weights_fresh_optimizer,
+    load_weights_layout_free,
+)
 from megatron_lite.training.rng_state import read_rng_state, rng_state, set_rng_state
 
 __all__ = ["CheckpointError", "WriteError", "SaveFolder", "Resumed", "open_save_folder", "save", "load", "latest_tag",
@@ -102,14 +109,22 @@ def open_save_folder(config: Config, lock: Optional[SaveFolderLock], problem: Op
     return SaveFolder(lock=lock, run_id=run_id[0])
 
 
+def _tokenizer_sha256(config: Config) -> Optional[str]:
+    """The identity of the tokenizer's files, which a resume compares; None when they are gone since start-up."""
+    d = config.data
+    try:
+        return tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+    except (OSError, ValueError):
+        return None
+
+
 def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> dict:
     p = config.parallel
-    tokenizer = config.data.tokenizer_model
     return {"iteration": iteration, "consumed_samples": consumed_samples,
             "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
-            "tokenizer_sha256": file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None,
+            "tokenizer_sha256": _tokenizer_sha256(config),
             "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name},
             "config": config.to_dict()}
 
@@ -257,6 +272,12 @@ def load(engine, config: Config) -> Resumed:
         return Resumed(0, 0)
     metadata = read_metadata(directory, tag)
     folder = os.path.join(directory, tag)
+    if weights_only(metadata, config.training.finetune):
+        load_weights_fresh_optimizer(engine, config, folder, metadata)
+        source = metadata.get("imported_from")
+        what = f"the {source['architecture']} imported from {source['path']}" if source else f"{folder} (--finetune)"
+        return Resumed(0, 0, f"loaded the weights of {what}: iteration 0, a fresh optimizer and learning-rate "
+                             f"schedule, the data from its start")
     if not _same_layout(engine, config, metadata):
         return load_layout_free(engine, config, folder, metadata, _same_places(engine, config, metadata))
     # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.

@@ -117,3 +117,10 @@ def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict
     with torch.no_grad():
         for param, value in values.items():
             param.data.copy_(value["fp32"].to(param.dtype))
+
+
+def load_weights_fresh_optimizer(engine, config: Config, folder: str, metadata: dict) -> None:
+    """Weights only, from any layout, into parameters and fp32 masters (--finetune, imported models); the
+    optimizer, schedule, counters and random generators stay as a new run has them."""
+    values, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
+    deepspeed_compat.set_master_weights(engine.engine, values)

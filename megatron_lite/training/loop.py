@@ -147,7 +147,9 @@ def setup(config: Config) -> Run:
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     summary = layout_summary(config, dist.get_backend(), "cuda" if torch.cuda.is_available() else "cpu")
     print_rank0(summary)
-    tokenizer = build_tokenizer(config.data.tokenizer_type, config.data.tokenizer_model, config.model.vocab_size)
+    d = config.data
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, config.model.vocab_size, d.vocab_file,
+                                d.merge_file)
     config = checkpointing.with_saved_stages(config)
     engine = Engine(config)
     iteration, consumed = 0, 0
@@ -157,6 +159,8 @@ def setup(config: Config) -> Run:
         if iteration:
             print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples"
                         + (f"; {resumed.note}" if resumed.note else ""))
+        elif resumed.note:
+            print_rank0(resumed.note)
         else:
             print_rank0(f"--load {config.training.load} holds no checkpoint yet: starting from iteration 0")
     gbs, t = config.batch.global_batch_size, config.training

@@ -13,7 +13,7 @@ import torch
 
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import spec_costs
-from megatron_lite.model.gpt import GPTPipe, build, layer_specs, loss_fn
+from megatron_lite.model.gpt import GPTPipe, build, layer_specs, model_loss_fn
 from megatron_lite.model.partition import SpecCost
 from megatron_lite.model.spec_profile import measure_spec_seconds
 from megatron_lite.parallel import state
@@ -29,7 +29,7 @@ def agreed_spec_seconds(config: Config) -> List[float]:
     rank of the job calls it (TP layers run their collectives inside the measurement)."""
     m = config.model
     seconds = measure_spec_seconds(
-        layer_specs(config), loss_fn, config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
+        layer_specs(config), model_loss_fn(m), config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
         config.training.seed, m.num_layers, device=_this_rank_device(),
         sequence_shards=config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel else 1)
     return state.agree_with_rank0(seconds)

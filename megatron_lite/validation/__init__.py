@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lite.config import Config, ConfigError
-from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_rules
+from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
 from megatron_lite.validation.rules import (
     batch_rules,
@@ -35,6 +35,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("logging", logging_rules, ()),
     ("tokenizer", tokenizer_rules, ("parallel", "model")),
     ("data", data_rules, ("batch", "training")),
+    ("tokenizer-data", tokenizer_matches_data, ("tokenizer", "data")),
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
     ("checkpoint", checkpoint_rules, ("parallel", "model", "tokenizer")),
 )

@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import json
 import os
-from typing import List
+from typing import List, Optional
 
 from megatron_lite.config import Config, ConfigError, pad_vocab_size, vocab_padding_note
-from megatron_lite.data.tokenizer import SENTENCEPIECE_TYPES, TOKENIZER_TYPES
+from megatron_lite.data.tokenizer import (
+    GPT2_HINT, SENTENCEPIECE_TYPES, TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer,
+)
 from megatron_lite.validation.rules import split_rules
 
 DATA_HINT = ("give the prefix of a .bin/.idx pair written by tools/preprocess_data.py "
              "(e.g. data/corpus_text_document)")
+TOKENIZER_FILE_HINT = ("train one with tools/train_tokenizer.py or point at an existing .model file, Hugging Face "
+                       "tokenizer folder or tokenizer.json")
+# What each tokenizer type needs, and what its files are called in messages.
+NEEDS = {"SentencePieceTokenizer": "--tokenizer-model PATH.model",
+         "HuggingFaceTokenizer": "--tokenizer-model FOLDER (a Hugging Face tokenizer folder, or its tokenizer.json)",
+         "GPT2BPETokenizer": "--vocab-file VOCAB.json and --merge-file MERGES.txt",
+         "NullTokenizer": "--vocab-size N"}
+TOKENIZER_FILES_NAME = {"SentencePieceTokenizer": "a SentencePiece model", "HuggingFaceTokenizer": "a tokenizer.json",
+                        "GPT2BPETokenizer": "a vocab.json + merges.txt"}
 
 
 def check_readable_file(path: str, flag: str, hint: str) -> None:
@@ -38,7 +49,6 @@ def data_rules(config: Config, notes: List[str]) -> Config:
     for _, prefix in d.data_path:
         for suffix in (".bin", ".idx"):
             check_readable_file(prefix + suffix, "--data-path", DATA_HINT)
-    tokenizer_matches_data(config, notes)
     from megatron_lite.data.gpt_dataset import check_splits
     from megatron_lite.data.indexed_dataset import IndexedDataset
 
@@ -51,19 +61,20 @@ def data_rules(config: Config, notes: List[str]) -> Config:
     return config
 
 
-def tokenizer_matches_data(config: Config, notes: List[str]) -> None:
-    """Data tokenized with one SentencePiece model must not train with another: preprocess_data.py's
-    sidecar records the model's SHA-256. Data without a sidecar (made by Megatron-LM) passes with a note."""
-    from megatron_lite.data.sidecar import SidecarError, file_sha256, read_sidecar, sidecar_path
+def tokenizer_matches_data(config: Config, notes: List[str]) -> Config:
+    """Data tokenized with one tokenizer must not train with another: preprocess_data.py's sidecar records the
+    SHA-256 of the tokenizer's files. Data without a sidecar (made by Megatron-LM) passes with a note. A
+    section of its own, after the tokenizer's and the data's: it reads the files both of them checked."""
+    from megatron_lite.data.sidecar import SidecarError, read_sidecar, sidecar_path, tokenizer_sha256
 
-    model = config.data.tokenizer_model
-    if not model:  # a NullTokenizer: ids are taken as they are, there is no model to compare
-        return
+    d = config.data
+    if not d.data_path or d.tokenizer_type == "NullTokenizer":  # ids are taken as they are: nothing to compare
+        return config
     ours = None
-    for _, prefix in config.data.data_path:
+    for _, prefix in d.data_path:
         if not os.path.isfile(sidecar_path(prefix)):
             notes.append(f"--data-path {prefix}: no {os.path.basename(sidecar_path(prefix))} sidecar (not made by "
-                         f"tools/preprocess_data.py), so its tokenizer cannot be checked against --tokenizer-model")
+                         f"tools/preprocess_data.py), so its tokenizer cannot be checked against {_files_flags(d)}")
             continue
         try:
             recorded = (read_sidecar(prefix).get("tokenizer") or {}).get("model_sha256")
@@ -71,68 +82,87 @@ def tokenizer_matches_data(config: Config, notes: List[str]) -> None:
             raise ConfigError(f"--data-path: {e}") from None
         if not recorded:
             continue
-        ours = ours or file_sha256(model)
+        ours = ours or tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
         if recorded != ours:
-            raise ConfigError(f"--data-path {prefix} was tokenized with a SentencePiece model of SHA-256 "
-                              f"{recorded[:12]}..., but --tokenizer-model {model} is {ours[:12]}...: the token ids "
-                              f"would mean other pieces; give the tokenizer model the data was made with")
+            raise ConfigError(f"--data-path {prefix} was tokenized with {TOKENIZER_FILES_NAME[d.tokenizer_type]} of "
+                              f"SHA-256 {recorded[:12]}..., but {_files_flags(d)} "
+                              f"{'are' if d.vocab_file else 'is'} {ours[:12]}...: the token ids would mean other "
+                              f"tokens; give the tokenizer the data was made with")
+    return config
+
+
+def _files_flags(d) -> str:
+    """'--tokenizer-model PATH' or '--vocab-file V --merge-file M': the flags naming a run's tokenizer files."""
+    given = [(flag, path) for flag, path in (("--tokenizer-model", d.tokenizer_model), ("--vocab-file", d.vocab_file),
+                                             ("--merge-file", d.merge_file)) if path]
+    return " ".join(f"{flag} {path}" for flag, path in given) or "the tokenizer"
+
+
+def inferred_tokenizer_type(tokenizer_model, vocab_file, merge_file, vocab_size) -> Optional[str]:
+    """--tokenizer-type when not given: --vocab-file/--merge-file -> GPT2BPETokenizer; --tokenizer-model naming a
+    folder or a .json file -> HuggingFaceTokenizer, another file -> SentencePieceTokenizer; --vocab-size alone ->
+    NullTokenizer."""
+    if vocab_file is not None or merge_file is not None:
+        return "GPT2BPETokenizer"
+    if tokenizer_model is not None:
+        hf = os.path.isdir(tokenizer_model) or tokenizer_model.endswith(".json")
+        return "HuggingFaceTokenizer" if hf else "SentencePieceTokenizer"
+    return "NullTokenizer" if vocab_size is not None else None
 
 
 def tokenizer_rules(config: Config, notes: List[str]) -> Config:
-    """Which tokenizer, and the vocabulary it decides: a SentencePiece model's size wins, and a
-    --vocab-size that disagrees with it is refused. The padded size is derived here."""
+    """Which tokenizer, and the vocabulary it decides: a tokenizer read from files (SentencePiece, GPT-2 BPE,
+    Hugging Face) has its own size, and a --vocab-size that disagrees with it is refused. Every file flag is
+    checked before anything else, so a missing file costs one line naming it. The padded size is derived here."""
     d, m = config.data, config.model
+    for flag, path in (("--tokenizer-model", d.tokenizer_model), ("--vocab-file", d.vocab_file),
+                       ("--merge-file", d.merge_file)):
+        if path is not None and not (flag == "--tokenizer-model" and os.path.isdir(path)):
+            check_readable_file(path, flag, GPT2_HINT if flag != "--tokenizer-model" else TOKENIZER_FILE_HINT)
     kind = d.tokenizer_type
     if kind is not None and kind not in TOKENIZER_TYPES:
         raise ConfigError(f"--tokenizer-type {kind} is not one of {', '.join(TOKENIZER_TYPES)}")
     if kind in SENTENCEPIECE_TYPES:
         kind = "SentencePieceTokenizer"
+    kind = kind or inferred_tokenizer_type(d.tokenizer_model, d.vocab_file, d.merge_file, m.vocab_size)
     vocab = m.vocab_size
-    if d.tokenizer_model is not None:
-        check_readable_file(d.tokenizer_model, "--tokenizer-model",
-                            "train one with tools/train_tokenizer.py or point at an existing .model file")
-        if kind is None:
-            kind = "SentencePieceTokenizer"
-    if kind is None and vocab is not None:
-        kind = "NullTokenizer"
-    if kind == "SentencePieceTokenizer" and d.tokenizer_model is None:
-        raise ConfigError("--tokenizer-type SentencePieceTokenizer needs --tokenizer-model PATH.model")
-    if kind == "NullTokenizer" and vocab is None:
-        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size N")
-    if d.data_path and kind is None:
-        raise ConfigError(
-            "--data-path needs a vocabulary: give --tokenizer-type SentencePieceTokenizer --tokenizer-model "
-            "PATH.model, or --tokenizer-type NullTokenizer --vocab-size N"
-        )
-    if kind == "SentencePieceTokenizer":
-        model_vocab = sentencepiece_vocab_size(d.tokenizer_model)
-        if vocab is not None and vocab != model_vocab:
-            raise ConfigError(
-                f"--vocab-size {vocab} disagrees with --tokenizer-model {d.tokenizer_model}, which has "
-                f"{model_vocab} pieces; the tokenizer decides the vocabulary: drop --vocab-size "
-                f"(or use --vocab-size {model_vocab})"
-            )
-        vocab = model_vocab
-    config = config.replace(data__tokenizer_type=kind)
-    if vocab is None:
+    if kind is None:
+        if d.data_path:
+            raise ConfigError("--data-path needs a vocabulary: give --tokenizer-type SentencePieceTokenizer "
+                              "--tokenizer-model PATH.model (or GPT2BPETokenizer --vocab-file --merge-file, or "
+                              "HuggingFaceTokenizer --tokenizer-model FOLDER), or --tokenizer-type NullTokenizer "
+                              "--vocab-size N")
         return config
+    for field in ("tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(d, field) is not None and field not in TOKENIZER_FILE_FIELDS[kind]:
+            flag = "--" + field.replace("_", "-")
+            raise ConfigError(f"{flag} {getattr(d, field)} is not read by --tokenizer-type {kind}, which takes "
+                              f"{NEEDS[kind]}; drop {flag} or give the type that reads it")
+    if any(getattr(d, field) is None for field in TOKENIZER_FILE_FIELDS[kind]) or (kind == "NullTokenizer"
+                                                                                     and vocab is None):
+        raise ConfigError(f"--tokenizer-type {kind} needs {NEEDS[kind]}")
+    config = config.replace(data__tokenizer_type=kind)
+    if kind != "NullTokenizer":
+        try:
+            tokenizer = build_tokenizer(kind, d.tokenizer_model, None, d.vocab_file, d.merge_file)
+        except (OSError, ValueError) as e:  # the tokenizer names the flag and the file
+            raise ConfigError(str(e)) from None
+        if vocab is not None and vocab != tokenizer.vocab_size:
+            raise ConfigError(
+                f"--vocab-size {vocab} disagrees with {_files_flags(d)}, which has {tokenizer.vocab_size} "
+                f"{'pieces' if kind == 'SentencePieceTokenizer' else 'tokens'}; the tokenizer decides the "
+                f"vocabulary: drop --vocab-size (or use --vocab-size {tokenizer.vocab_size})"
+            )
+        vocab = tokenizer.vocab_size
+        if d.eod_mask_loss and tokenizer.eod < 0:
+            raise ConfigError(f"--eod-mask-loss masks the end-of-document token, but {_files_flags(d)} names "
+                              f"none (no eos_token); drop --eod-mask-loss or give a tokenizer with one")
     tp = config.parallel.tensor_model_parallel_size
     note = vocab_padding_note(vocab, m.make_vocab_size_divisible_by, tp)
     if note:
         notes.append(note)
     return config.replace(model__vocab_size=vocab,
                           model__padded_vocab_size=pad_vocab_size(vocab, m.make_vocab_size_divisible_by, tp))
-
-
-def sentencepiece_vocab_size(path: str) -> int:
-    import sentencepiece
-
-    processor = sentencepiece.SentencePieceProcessor()
-    try:
-        processor.Load(path)
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(f"--tokenizer-model {path}: not a readable SentencePiece model ({e})") from None
-    return processor.vocab_size()
 
 
 def deepspeed_rules(config: Config, notes: List[str]) -> Config:

@@ -12,7 +12,7 @@ loader supports the change. As Megatron-LM's check_checkpoint_args, but listing 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
 
@@ -22,13 +22,17 @@ MODEL_FIELDS = (
     ("model", "ffn_hidden_size"), ("model", "position_embedding_type"), ("model", "max_position_embeddings"),
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
-    ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"),
+    ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
 )
 # DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
 # ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
 LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipeline_model_parallel_size"),
                  ("parallel", "data_parallel_size"), ("parallel", "zero_stage"), ("model", "padded_vocab_size"))
 
+# What --use-checkpoint-args takes from the checkpoint: the model's shape and meaning, as Megatron-LM's
+# load_args_from_checkpoint does, but not --seq-length (this run's choice, up to the maximum positions).
+CHECKPOINT_ARGS = tuple(name for _, name in MODEL_FIELDS) + (
+    "group_query_attention", "norm_epsilon", "make_vocab_size_divisible_by")
 FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
               "data_parallel_size": "the data-parallel size (world size / (TP x PP))",
@@ -69,34 +73,76 @@ def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optio
         if before != after:
             problems.append(f"{flag_name(name)}: checkpoint {before}, this run {after}")
     if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:
-        problems.append(f"--tokenizer-model: checkpoint trained with a model of SHA-256 {saved_tokenizer_sha256[:12]}..., "
-                        f"this run's {new.data.tokenizer_model} is {new_tokenizer_sha256[:12]}...")
+        d = new.data
+        files = " ".join(f"{flag} {path}" for flag, path in (("--tokenizer-model", d.tokenizer_model),
+                                                              ("--vocab-file", d.vocab_file),
+                                                              ("--merge-file", d.merge_file)) if path)
+        problems.append(f"{files.split(' ')[0]}: checkpoint trained with a model of SHA-256 "
+                        f"{saved_tokenizer_sha256[:12]}..., this run's {files} {'are' if d.vocab_file else 'is'} "
+                        f"{new_tokenizer_sha256[:12]}...")
     return problems
 
 
-def checkpoint_rules(config: Config, notes: List[str]) -> Config:
-    load = config.training.load
-    if not load:
-        return config
+def _saved(load: str):
+    """(tag folder, metadata, saved Config) of --load's checkpoint; None when it holds none yet."""
     from megatron_lite.checkpoint.format import CheckpointError, probe_load_dir, read_metadata
-    from megatron_lite.data.sidecar import file_sha256
 
     try:
         tag = probe_load_dir(load)
         if tag is None:
-            return config
+            return None
         metadata = read_metadata(load, tag)
-        saved = Config.from_dict(metadata["config"])
+        return os.path.join(load, tag), metadata, Config.from_dict(metadata["config"])
     except (CheckpointError, TypeError) as e:
         raise ConfigError(str(e)) from None
-    tokenizer = config.data.tokenizer_model
-    new_sha = file_sha256(tokenizer) if tokenizer and os.path.isfile(tokenizer) else None
-    where = os.path.join(load, tag)
+
+
+def with_checkpoint_args(config: Config, given: Iterable[str]) -> Config:
+    """--use-checkpoint-args: the model fields of --load's checkpoint, except those given as flags (`given`:
+    `model__field` names), which the resume check then compares with the checkpoint."""
+    load = config.training.load
+    saved = _saved(load) if load else None
+    if saved is None:
+        raise ConfigError(f"--use-checkpoint-args takes the model flags from --load's checkpoint, but "
+                          f"{'no --load was given' if not load else f'--load {load} holds no checkpoint'}; give "
+                          f"--load CKPT (a convert_checkpoint.py import-hf output, or a --save folder)")
+    model = saved[2].model
+    taken = {f"model__{name}": getattr(model, name) for name in CHECKPOINT_ARGS if f"model__{name}" not in given}
+    return config.replace(**taken)
+
+
+def checkpoint_rules(config: Config, notes: List[str]) -> Config:
+    load = config.training.load
+    if config.training.finetune and not load:
+        raise ConfigError("--finetune loads the weights of --load's checkpoint; give --load CKPT")
+    if not load:
+        return config
+    from megatron_lite.data.sidecar import tokenizer_sha256
+
+    found = _saved(load)
+    if found is None:
+        if config.training.finetune:
+            raise ConfigError(f"--finetune: --load {load} holds no checkpoint to take the weights of")
+        return config
+    where, metadata, saved = found
+    d = config.data  # the tokenizer section, which this one needs, found its files
+    new_sha = tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     problems = resume_differences(saved, config, metadata.get("tokenizer_sha256"), new_sha)
     if problems:
-        raise ConfigError(f"--load {where} was trained with another model; resume with the checkpoint's values "
-                          f"(or start a new run with another --save): " + "; ".join(problems))
+        hint = ("add --use-checkpoint-args to take them from the checkpoint" if not config.training.use_checkpoint_args
+                else "drop the flags that disagree")
+        raise ConfigError(f"--load {where} was trained with another model; {hint}, or resume with the checkpoint's "
+                          f"values (or start a new run with another --save): " + "; ".join(problems))
     from megatron_lite.checkpoint.layout_free import storage_of
+
+    from megatron_lite.checkpoint.format import weights_only
+
+    if weights_only(metadata, config.training.finetune):
+        if config.parallel.zero_stage >= 2:
+            why = "--finetune" if config.training.finetune else "an imported model"
+            raise ConfigError(f"--load {where} is loaded as weights only ({why}), which fills ZeRO 0 and 1 engines; "
+                              f"use --zero-stage 0 or 1")
+        return config
 
     problems = resume_differences(saved, config, fields=LAYOUT_FIELDS)
     stored_zero, stored_precision = storage_of(metadata)

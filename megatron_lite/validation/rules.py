@@ -120,6 +120,9 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         raise ConfigError(f"--normalization {m.normalization} is not one of {', '.join(NORMALIZATIONS)}")
     if m.norm_epsilon <= 0:
         raise ConfigError(f"--norm-epsilon {m.norm_epsilon} must be positive, e.g. 1e-5")
+    if m.openai_gelu and m.swiglu:
+        raise ConfigError("--openai-gelu chooses GeLU's approximation, but --swiglu gates with SiLU and has no GeLU; "
+                          "drop one of them")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         raise ConfigError("--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope; "
                           f"got {m.position_embedding_type}")

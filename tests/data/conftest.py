@@ -30,3 +30,15 @@ def spm_model(corpus, tmp_path_factory):
     run_tool("train_tokenizer.py", "--input", corpus, "--model-prefix", prefix, "--vocab-size", 600,
              "--num-threads", 1)
     return f"{prefix}.model"
+
+
+@pytest.fixture(scope="session")
+def bpe_files(tmp_path_factory):
+    """Corpus, GPT-2 vocab.json + merges.txt and a Hugging Face folder of the same BPE (tests/data/bpe_files.py)."""
+    from tests.data.bpe_files import corpus_texts, write_corpus, write_gpt2_files, write_hf_folder
+
+    root = tmp_path_factory.mktemp("bpe")
+    texts = corpus_texts()
+    vocab_file, merge_file = write_gpt2_files(root / "gpt2", texts)
+    return {"texts": texts, "corpus": write_corpus(root / "corpus.jsonl", texts), "vocab_file": vocab_file,
+            "merge_file": merge_file, "hf": write_hf_folder(root / "hf", vocab_file, merge_file)}

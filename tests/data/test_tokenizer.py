@@ -41,5 +41,5 @@ def test_null_tokenizer_reads_ids_and_uses_the_last_id_as_eod():
 
 
 def test_unknown_tokenizer_type_names_the_choices():
-    with pytest.raises(ValueError, match="NullTokenizer"):
-        build_tokenizer("GPT2BPETokenizer")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer"):
+        build_tokenizer("BertWordPieceLowerCase")

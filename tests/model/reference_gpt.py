@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ class ReferenceConfig:
     rotary_base: int = 10000
     tied_head: bool = True
     layernorm_epsilon: float = 1e-5
+    real_vocab_size: Optional[int] = None
+    """The tokenizer's vocabulary: the loss's softmax covers only these columns (the rest is TP padding)."""
 
 
 def gelu(x):
@@ -112,6 +115,7 @@ class ReferenceGPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
+        logits = logits[..., :self.cfg.real_vocab_size or self.cfg.vocab_size]
         log_probs = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
         nll = -log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return (nll * loss_mask).sum() / loss_mask.sum()

@@ -16,7 +16,8 @@ def _models(extra):
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    # A vocabulary that gets padded (100 -> 128), so the padded rows are part of the check; weights
+    # A vocabulary that gets padded (100 -> 128), so the padded rows are part of the check (in the logits,
+    # out of the loss's softmax); weights
     # large enough for logits of order 1, where a wrong mapping or formula cannot hide.
     config = tiny_config(extra=("--num-layers", "2", "--vocab-size", "100", "--init-method-std", "0.2", *extra))
     ours = GPTModel(config).eval()
@@ -34,7 +35,8 @@ def _models(extra):
         vocab_size=m.padded_vocab_size, hidden_size=m.hidden_size, num_heads=m.num_attention_heads,
         num_layers=m.num_layers, ffn_hidden_size=m.ffn_hidden_size, max_positions=m.max_position_embeddings,
         rotary=m.position_embedding_type == "rope", rotary_base=m.rotary_base,
-        tied_head=not m.untie_embeddings_and_output_weights, layernorm_epsilon=m.norm_epsilon)).eval()
+        tied_head=not m.untie_embeddings_and_output_weights, layernorm_epsilon=m.norm_epsilon,
+        real_vocab_size=m.vocab_size)).eval()
     load_megatron_lite_state(reference, ours.state_dict())
     return config, ours, reference
 

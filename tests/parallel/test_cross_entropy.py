@@ -23,7 +23,11 @@ def _loss_and_logits_grad(tp, logits, target, loss_mask):
     loss = vocab_parallel_cross_entropy(local, target)
     mean = masked_mean(loss, loss_mask)
     mean.backward()
-    return loss.detach(), mean.detach(), local.grad
+    # The same logits with the padded columns out of the softmax: targets are real tokens then.
+    padded = rank_slice(logits, dist.get_rank(), tp, -1).clone().requires_grad_()
+    real_loss = vocab_parallel_cross_entropy(padded, target % VOCAB, VOCAB)
+    masked_mean(real_loss, loss_mask).backward()
+    return loss.detach(), mean.detach(), local.grad, real_loss.detach(), padded.grad
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,7 +47,7 @@ def test_vocab_parallel_cross_entropy_per_token_loss_matches_dense(tp):
     logits, target, _, results = _case(tp)
     assert target.max() >= VOCAB, "the case must include targets in padded rows"
     dense = F.cross_entropy(logits.view(-1, PADDED_VOCAB), target.view(-1), reduction="none").view(SEQ, BATCH)
-    for rank, (loss, _, _) in enumerate(results):
+    for rank, (loss, *_) in enumerate(results):
         assert loss.dtype == torch.float32
         assert_matches(loss, dense, f"rank {rank} per-token loss")
 
@@ -56,7 +60,7 @@ def test_vocab_parallel_cross_entropy_masked_mean_and_logits_grad_match_dense(tp
     ignored = target.masked_fill(loss_mask == 0, -100)
     dense = F.cross_entropy(dense_logits.view(-1, PADDED_VOCAB), ignored.view(-1), ignore_index=-100)
     dense.backward()
-    for rank, (_, mean, grad) in enumerate(results):
+    for rank, (_, mean, grad, *_) in enumerate(results):
         assert_matches(mean, dense.detach(), f"rank {rank} masked mean loss")
         assert_matches(grad, rank_slice(dense_logits.grad, rank, tp, -1), f"rank {rank} logits grad")
 
@@ -106,3 +110,15 @@ def test_masked_mean_of_a_fully_masked_batch_is_zero_not_nan():
     mean = masked_mean(loss, torch.zeros(3, 2))
     mean.backward()
     assert mean.item() == 0.0 and torch.equal(loss.grad, torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_padded_vocabulary_columns_are_out_of_the_softmax_and_get_no_gradient(tp):
+    logits, target, loss_mask, results = _case(tp)
+    real = logits[..., :VOCAB].clone().requires_grad_()
+    dense = F.cross_entropy(real.view(-1, VOCAB), (target % VOCAB).view(-1), reduction="none").view(SEQ, BATCH)
+    ((dense * loss_mask).sum() / loss_mask.sum()).backward()
+    full_grad = torch.cat([real.grad, torch.zeros(SEQ, BATCH, PADDED_VOCAB - VOCAB)], dim=-1)
+    for rank, (*_, real_loss, grad) in enumerate(results):
+        assert_matches(real_loss, dense.detach(), f"rank {rank} loss over the real vocabulary")
+        assert_matches(grad, rank_slice(full_grad, rank, tp, -1), f"rank {rank} logits grad, zero in the padding")

@@ -1,0 +1,203 @@
+"""A Hugging Face model folder -> a checkpoint of ours at iteration 0, under any TP x PP layout.
+
+`GPT2LMHeadModel` maps through checkpoint/hf_gpt2.py, `LlamaForCausalLM` and `MistralForCausalLM` through
+checkpoint/hf_llama.py: the tables export uses, walked the other way. config.json becomes our model
+flags (a field we cannot represent is refused by name, before anything is written); the weights are
+read one tensor at a time (checkpoint/hf_folder.py), fused and padded to our vocabulary padding, cut
+into the target's TP slices and written per layer file and TP rank, so the importer holds one output
+file and the tensor being cut, not the model; a tensor split by rows is read only in the rows the rank
+holds. Tensors are stored in fp32 (our masters), as a resharded
+checkpoint is; the model-states files hold an empty optimizer. The metadata says where the checkpoint
+came from (`imported_from`), so `pretrain_gpt.py --load` starts it at iteration 0 with a fresh optimizer.
+
+The folder is written under a temporary name and renamed at the end; an existing --output is never
+written into.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, Optional
+
+import torch
+
+from megatron_lite.atomic import atomic_folder, torch_save
+from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mapping, slicing
+from megatron_lite.checkpoint.format import (
+    CheckpointError,
+    fused_weights,
+    layer_file,
+    layout_of,
+    tag_for,
+    write_latest,
+    write_metadata,
+)
+from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
+from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.layout_free import RunState
+from megatron_lite.checkpoint.reshard import refuse_existing, target_config, write_engine_states
+from megatron_lite.config import Config, ConfigError
+
+ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama) for name in module.ARCHITECTURES}
+
+
+def architecture(hf: dict, where: str):
+    names = hf.get("architectures") or []
+    known = [n for n in names if n in ARCHITECTURES]
+    if not known:
+        raise CheckpointError(f"{where}: architectures = {names!r} is not supported; import-hf reads "
+                              f"{', '.join(ARCHITECTURES)}")
+    return known[0], ARCHITECTURES[known[0]]
+
+
+def _sliding_window(hf: dict, fields: dict, seq_length: Optional[int], where: str) -> Optional[str]:
+    """Mistral's sliding window: attention here is full causal, which equals windowed attention only for
+    sequences no longer than the window; the window becomes the model's maximum positions."""
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False or window >= fields["max_position_embeddings"]:
+        return None
+    if seq_length is not None and seq_length > window:
+        raise CheckpointError(f"{where}: sliding_window = {window} is shorter than --seq-length {seq_length}; "
+                              f"attention here is full causal, which computes a sliding window's attention only "
+                              f"up to the window: use --seq-length {window} or less")
+    fields["max_position_embeddings"] = window
+    return (f"sliding_window {window} < max_position_embeddings: the imported model's maximum positions are "
+            f"{window} (full causal attention equals the window's up to there)")
+
+
+def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Optional[str],
+                    seq_length: Optional[int], where: str, validate: Callable[[Config], Config]):
+    """(our Config at the target layout, notes) for a Hugging Face config.json; refusals name the field.
+    `validate` is training's validation (megatron_lite.validation, a layer above this one: the caller's)."""
+    try:
+        fields = module.model_fields(hf, where)
+    except KeyError as e:
+        raise CheckpointError(f"{where}: lacks {e.args[0]}, which the model's shape needs") from None
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: a model field has a value of the wrong kind ({e})") from None
+    notes = [n for n in [_sliding_window(hf, fields, seq_length, where)] if n]
+    fields["seq_length"] = seq_length or fields["max_position_embeddings"]
+    config = Config().replace(**{f"model__{k}": v for k, v in fields.items()})
+    try:
+        config = validate(config)
+    except ConfigError as e:
+        raise CheckpointError(f"{where} describes a model megatron_lite cannot build: {e}") from None
+    return target_config(config, tp, pp, partition_method), notes
+
+
+def _check_weights(files: WeightFiles, table, module, hf: dict) -> None:
+    """Every tensor the table needs is there and nothing else is (derived buffers aside); a tied model's
+    head, when the file has one, must be the embedding."""
+    wanted = {n for e in table for n in e.theirs}
+    have = {module_name(module, n) for n in files.names() if not module.is_derived(module_name(module, n))}
+    head = "lm_head.weight"
+    if head in have and head not in wanted:
+        embedding = table[0].theirs[0]
+        if not torch.equal(files.read(_file_name(files, module, head)), files.read(_file_name(files, module, embedding))):
+            raise CheckpointError(f"{files.folder}: config.json ties the output head to the embedding "
+                                  f"(tie_word_embeddings), but {head} differs from {embedding}")
+        have.discard(head)
+    missing = sorted(wanted - have)
+    if missing:
+        raise CheckpointError(f"{files.folder} lacks the tensor {missing[0]}"
+                              f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which config.json "
+                              f"({'untied head' if head in missing else 'its shape'}) needs")
+    extra = sorted(have - wanted)
+    if extra:
+        raise CheckpointError(f"{files.folder} has the tensor {extra[0]}"
+                              f"{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}, which the model "
+                              f"config.json describes does not have ({hf.get('architectures')})")
+
+
+def module_name(module, name: str) -> str:
+    return module.hf_name(name)
+
+
+def _file_name(files: WeightFiles, module, name: str) -> str:
+    """The name a tensor has in the files (GPT-2 files may lack the `transformer.` prefix)."""
+    if name in files.where:
+        return name
+    return next(n for n in files.where if module_name(module, n) == name)
+
+
+def _rows_of_rank(entry, info, tp: int, rank: int, files: WeightFiles, module) -> torch.Tensor:
+    """A row-split tensor's slice for one TP rank, reading only its rows: the rank's piece of every section
+    (checkpoint/slicing.py), in fp32."""
+    pieces, offset = [], 0
+    for length in info.partition_sections:
+        n = length // tp
+        pieces.append(hf_mapping.ours_rows(entry, offset + rank * n, offset + (rank + 1) * n,
+                                           lambda name: files.shape(_file_name(files, module, name)),
+                                           lambda name, lo, hi: files.read_rows(_file_name(files, module, name), lo, hi),
+                                           module.FLAGS).to(torch.float32))
+        offset += length
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _owned_slice(full: torch.Tensor, info, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s slice in storage of its own: torch.save writes a view's whole storage, and a view
+    would keep the full tensor alive."""
+    piece = slicing.piece(full, tp, rank, info.partition_dim, info.partition_sections)
+    return piece.clone() if tp > 1 else piece
+
+
+def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callable[[Config], Config],
+              partition_method: Optional[str] = None, seq_length: Optional[int] = None,
+              log: Callable[[str], None] = print) -> dict:
+    """`validate(config) -> config`: the checks and derived fields training applies, on the imported model's
+    config at TP = PP = 1 (tools/convert_checkpoint.py passes megatron_lite.validation's)."""
+    refuse_existing(output)
+    hf = read_config(input_folder)
+    where = os.path.join(input_folder, "config.json")
+    name, module = architecture(hf, where)
+    config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate)
+    files = WeightFiles(input_folder)
+    table = module.mapping(config.model)
+    _check_weights(files, table, module, hf)
+    by_ours = {e.ours: e for e in table}
+    layout = ModelLayout(config)
+    bounds = layout.stage_bounds(pp, config.parallel.pipeline_partition_method)
+
+    def read(name: str) -> torch.Tensor:
+        return files.read(_file_name(files, module, name)).to(torch.float32)
+
+    tag = tag_for(0)
+    largest = 0
+    with atomic_folder(output) as tmp_root:
+        tmp = os.path.join(tmp_root, tag)
+        os.makedirs(tmp)
+        for spec in layout.layer_specs_with_files():
+            # One TP rank's file at a time, each tensor read again per rank: the importer holds one output
+            # file and one full tensor, whatever the model's size.
+            for r in range(tp):
+                shard = {}
+                for info in layout.params[spec]:
+                    entry = by_ours[f"layers.{spec}.{info.name}"]
+                    largest = max(largest, math.prod(entry.shape))
+                    if info.partition_dim == 0 and tp > 1 and not entry.transposed:
+                        shard[info.name] = _rows_of_rank(entry, info, tp, r, files, module)
+                    else:
+                        full = hf_mapping.ours_of(entry, read, module.FLAGS)
+                        shard[info.name] = _owned_slice(full, info, tp, r)
+                        del full  # the next tensor is read with this one freed
+                torch_save(shard, os.path.join(tmp, layer_file(spec, r)))
+                del shard
+            log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
+        run = RunState(iteration=0, consumed_samples=0)
+        write_engine_states(tmp, config, layout, bounds, run, lambda stage: [{} for _ in range(tp)])
+        p = config.parallel
+        write_metadata(tmp, {
+            "iteration": 0, "consumed_samples": 0,
+            "layout": layout_of(tp, pp, p.data_parallel_size),
+            "layers_per_stage": layout.layers_per_stage(bounds),
+            "fused_weights": fused_weights(dataclasses.asdict(config.model)),
+            "tokenizer_sha256": None, "storage": {"zero_stage": 0, "precision": "fp32"},
+            "optimizer_states": False, "config": config.to_dict(),
+            "imported_from": {"path": os.path.abspath(input_folder), "architecture": name,
+                              "weights": files.kind}})
+        write_latest(tmp_root, tag)
+    m = config.model
+    return {"tag": tag, "architecture": name, "target": (tp, pp), "notes": notes, "config": config,
+            "parameters": sum(sum(e.rows) * math.prod(e.shape[1:]) for e in table),  # theirs: no padding
+            "vocab": (m.vocab_size, m.padded_vocab_size), "largest_tensor_elements": largest}

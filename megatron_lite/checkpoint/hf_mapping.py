@@ -1,0 +1,112 @@
+"""One table per Hugging Face architecture maps our dense parameters to theirs; this module walks a table
+both ways (export: checkpoint/hf_export.py; import: checkpoint/hf_import.py).
+
+An entry names one of our dense (TP = PP = 1) parameters and the Hugging Face tensors it holds, stacked
+along dim 0 in order (q, k, v into the fused QKV; gate, up into SwiGLU's first linear). Rows of ours past
+the sum of theirs are vocabulary padding: dropped on the way out, zeros on the way in. GPT-2's Conv1D
+stores linear weights as [in, out], ours as [out, in]: such entries are `transposed`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Tuple
+
+import torch
+
+from megatron_lite.checkpoint.format import CheckpointError
+
+StateDict = Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One of our dense parameters and the Hugging Face tensors it holds, stacked along dim 0 in order."""
+
+    ours: str
+    shape: Tuple[int, ...]
+    """Our tensor's shape."""
+    theirs: Tuple[str, ...]
+    rows: Tuple[int, ...]
+    """dim 0 (ours) of each of theirs (the other dims are ours); rows of ours past their sum are padding."""
+    transposed: bool = False
+    """Theirs is stored [in, out] (GPT-2's Conv1D)."""
+
+    def their_shape(self, index: int) -> Tuple[int, ...]:
+        shape = (self.rows[index],) + self.shape[1:]
+        return shape[::-1] if self.transposed else shape
+
+
+def _some(names: List[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_names(have: Iterable[str], want: Iterable[str], what: str, flags: str) -> None:
+    have, want = set(have), set(want)
+    missing, extra = sorted(want - have), sorted(have - want)
+    if missing or extra:
+        problems = [f"lacks {_some(missing)}"] if missing else []
+        problems += [f"has unexpected {_some(extra)}"] if extra else []
+        raise CheckpointError(f"{what} {' and '.join(problems)}: it is not the model the config describes ({flags})")
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: Tuple[int, ...], flags: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise CheckpointError(f"{name} is {list(tensor.shape)}, the config needs {list(shape)}: the model flags "
+                              f"({flags}) must describe the same model")
+
+
+def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str, torch.Tensor]]:
+    """Our dense tensor -> its Hugging Face tensors (padding dropped). Pieces of a split tensor are copies
+    (safetensors refuses tensors that share memory); a whole tensor is a view."""
+    check_shape(entry.ours, tensor, entry.shape, flags)
+    pieces = tensor[:sum(entry.rows)].split(entry.rows)
+    out = []
+    for name, piece in zip(entry.theirs, pieces):
+        piece = piece.t() if entry.transposed else piece
+        out.append((name, piece.clone() if len(pieces) > 1 or entry.transposed else piece))
+    return out
+
+
+def ours_of(entry: Mapped, read: Callable[[str], torch.Tensor], flags: str) -> torch.Tensor:
+    """Our dense tensor from its Hugging Face tensors, read one at a time by name; padding rows are zeros."""
+    pieces = []
+    for index, name in enumerate(entry.theirs):
+        tensor = read(name)
+        check_shape(name, tensor, entry.their_shape(index), flags)
+        pieces.append(tensor.t() if entry.transposed else tensor)
+    padding = entry.shape[0] - sum(entry.rows)
+    if padding:
+        pieces.append(pieces[0].new_zeros((padding,) + entry.shape[1:]))
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
+    return torch.cat(pieces)
+
+
+def ours_rows(entry: Mapped, start: int, stop: int, shape_of: Callable[[str], Tuple[int, ...]],
+              read_rows: Callable[[str, int, int], torch.Tensor], flags: str) -> torch.Tensor:
+    """Rows start..stop of our dense tensor, reading only those rows of the Hugging Face tensors (entries
+    stored as ours are, not transposed); rows in the padding are zeros."""
+    assert not entry.transposed, "a transposed tensor's rows are its columns: read it whole"
+    pieces, offset = [], 0
+    for index, name in enumerate(entry.theirs):
+        check_shape(name, torch.empty(shape_of(name), device="meta"), entry.their_shape(index), flags)
+        lo, hi = max(start, offset), min(stop, offset + entry.rows[index])
+        if lo < hi:
+            pieces.append(read_rows(name, lo - offset, hi - offset))
+        offset += entry.rows[index]
+    if stop > offset:
+        pieces.append(torch.zeros((stop - max(start, offset),) + entry.shape[1:],
+                                  dtype=pieces[0].dtype if pieces else torch.float32))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def to_hf(dense: StateDict, table: List[Mapped], flags: str) -> StateDict:
+    """Our whole dense state dict -> the Hugging Face one."""
+    check_names(dense, [e.ours for e in table], "the dense state dict", flags)
+    return {name: t for e in table for name, t in theirs_of(e, dense[e.ours], flags)}
+
+
+def from_hf(hf: StateDict, table: List[Mapped], flags: str) -> StateDict:
+    """A whole Hugging Face state dict (derived tensors already dropped) -> our dense one."""
+    check_names(hf, [n for e in table for n in e.theirs], "the Hugging Face state dict", flags)
+    return {e.ours: ours_of(e, hf.__getitem__, flags) for e in table}

@@ -1,0 +1,75 @@
+"""Small random Hugging Face models, saved with save_pretrained, for the import tests.
+
+Every weight is perturbed (norm gains around 1, larger linear weights), so logits are of order 1 and a
+wrong mapping cannot hide inside a near-uniform softmax. The vocabulary is the test corpus's
+SentencePiece vocabulary (400), so the imported models train and evaluate on its data.
+"""
+import torch
+
+VOCAB = 400
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def _perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g) if "weight" in name or "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def llama_config(**overrides):
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16384, rms_norm_eps=1e-5,
+                  rope_scaling=dict(LLAMA3_SCALING), tie_word_embeddings=False)
+    fields.update(overrides)
+    return transformers.LlamaConfig(**fields)
+
+
+def save_llama(folder, seed=11, **overrides):
+    """A LlamaForCausalLM with grouped-query attention (4 heads, 2 groups), SwiGLU, RMSNorm, an untied head and
+    Llama 3.1 RoPE scaling."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = _perturb(transformers.LlamaForCausalLM(llama_config(**overrides)), seed).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+def save_gpt2(folder, seed=12, **overrides):
+    """A GPT2LMHeadModel with OpenAI's tanh GeLU (gelu_new), as GPT-2's own checkpoints have."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, activation_function="gelu_new",
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _perturb(transformers.GPT2LMHeadModel(transformers.GPT2Config(**fields)), seed).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+def hf_loss(model, samples):
+    """transformers' mean cross entropy over the samples' tokens where their loss mask is 1 (fp32)."""
+    tokens = torch.tensor(np_stack([s["tokens"] for s in samples]))
+    labels = torch.tensor(np_stack([s["labels"] for s in samples]))
+    mask = torch.tensor(np_stack([s["loss_mask"] for s in samples])).float()
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                            reduction="none").view(labels.shape)
+    return ((nll * mask).sum() / mask.sum()).item()
+
+
+def np_stack(arrays):
+    import numpy as np
+
+    return np.stack(arrays)

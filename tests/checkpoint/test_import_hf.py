@@ -1,0 +1,272 @@
+"""convert_checkpoint.py import-hf: a Hugging Face model becomes a checkpoint of ours at any TP x PP that
+computes transformers' loss, trains the same under every layout, and exports back bit for bit."""
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from tests.checkpoint.conftest import data_args, error_line, run_tool, scalars
+from tests.checkpoint.hf_models import VOCAB, hf_loss, save_gpt2, save_llama
+from tests.harness import run_launcher
+
+SPLIT = "90,10,0"
+TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
+         "--lr-warmup-iters", "1", "--train-iters", "2", "--log-interval", "1", "--eval-interval", "2",
+         "--eval-iters", "1", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5"]
+MODELS = {"llama": save_llama, "gpt2": save_gpt2}
+
+
+def import_hf(source, output, tp=1, pp=1, *extra, check=True):
+    return run_tool("tools/convert_checkpoint.py", "import-hf", "--input", str(source), "--output", str(output),
+                    "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
+                    "--seq-length", "32", *extra, check=check)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """name -> (folder, the transformers model)."""
+    root = tmp_path_factory.mktemp("hf")
+    return {name: (root / name, save(root / name)) for name, save in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def imported(hf, tmp_path_factory):
+    """(name, tp, pp) -> imported checkpoint folder, for both models at (1,1), (2,2) and (4,1)."""
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for name, (folder, _) in hf.items():
+        for tp, pp in ((1, 1), (2, 2), (4, 1)):
+            out[(name, tp, pp)] = str(root / f"{name}_tp{tp}pp{pp}")
+            import_hf(folder, out[(name, tp, pp)], tp, pp)
+    return out
+
+
+def evaluate(ckpt, corpus, nproc):
+    result = run_launcher(["tools/evaluate.py", "--load", ckpt, "--data-path", corpus[0], "--split", SPLIT,
+                           "--eval-iters", "1"], nproc=nproc, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return float(re.search(r"loss (\d+\.\d+)", result.stdout).group(1))
+
+
+def evaluation_samples(ckpt, corpus):
+    from megatron_lite.config import parse_data_path, parse_split
+    from megatron_lite.inference.evaluation import evaluation_samples
+
+    return evaluation_samples(ckpt, parse_data_path([corpus[0]]), parse_split(SPLIT), "valid", 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_evaluate_on_an_imported_model_gives_transformers_loss_at_every_layout(name, hf, imported, corpus):
+    _, model = hf[name]
+    expected = hf_loss(model, evaluation_samples(imported[(name, 1, 1)], corpus))
+    for tp, pp in ((1, 1), (2, 2), (4, 1)):
+        loss = evaluate(imported[(name, tp, pp)], corpus, tp * pp)
+        assert loss == pytest.approx(expected, rel=1e-5), (tp, pp)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_import_then_export_gives_back_every_tensor_bit_for_bit(name, hf, imported, tmp_path):
+    from safetensors.torch import load_file
+
+    folder, _ = hf[name]
+    run_tool("tools/convert_checkpoint.py", "export-hf", "--load", imported[(name, 2, 2)], "--output",
+             str(tmp_path / "out"))
+    original, exported = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["vocab_size"] == VOCAB
+
+
+def test_each_tp_rank_file_of_an_import_holds_only_its_slice(imported):
+    folder = os.path.join(imported[("llama", 2, 2)], "iter_0000000")
+    for name in os.listdir(folder):
+        if name.startswith("layer_"):
+            for key, tensor in torch.load(os.path.join(folder, name), weights_only=True).items():
+                assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), (name, key)
+
+
+def test_a_bfloat16_model_exports_back_bit_for_bit_with_dtype_bfloat16(tmp_path):
+    from safetensors.torch import load_file
+
+    model = save_llama(tmp_path / "fp32", seed=21)
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    import_hf(tmp_path / "bf16", tmp_path / "ckpt", 2, 1)
+    run_tool("tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "ckpt"), "--output",
+             str(tmp_path / "out"), "--dtype", "bfloat16")
+    original, exported = load_file(str(tmp_path / "bf16" / "model.safetensors")), \
+        load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], t) for k, t in original.items())
+
+
+def _train(corpus, ckpt, tp, pp, save, tb, *extra):
+    args = ["pretrain_gpt.py", *TRAIN, *data_args(corpus), "--tensor-model-parallel-size", str(tp),
+            "--pipeline-model-parallel-size", str(pp), "--load", ckpt, "--use-checkpoint-args", "--save", str(save),
+            "--tensorboard-dir", str(tb), *extra]
+    result = run_launcher(args, nproc=tp * pp, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, scalars(tb, "train/loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_from_an_import_gives_the_same_losses_at_tp2_pp2_and_tp1_and_exports_to_transformers(
+        name, hf, imported, corpus, tmp_path):
+    import transformers
+
+    from megatron_lite.checkpoint.dense import load_dense_model
+
+    result, losses22 = _train(corpus, imported[(name, 2, 2)], 2, 2, tmp_path / "c22", tmp_path / "tb22")
+    assert "iteration 0, a fresh optimizer" in result.stdout, result.stdout[-2000:]
+    _, losses11 = _train(corpus, imported[(name, 4, 1)], 1, 1, tmp_path / "c11", tmp_path / "tb11")
+    assert sorted(losses22) == sorted(losses11) == [1, 2]
+    for step in losses22:
+        assert losses22[step] == pytest.approx(losses11[step], rel=1e-5), step
+    # The first step's loss is the imported model's loss on the first batch: transformers' model's.
+    assert losses22[1] != losses22[2]
+
+    run_tool("tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "c22"), "--output",
+             str(tmp_path / "hf_out"))
+    cls = transformers.LlamaForCausalLM if name == "llama" else transformers.GPT2LMHeadModel
+    theirs = cls.from_pretrained(str(tmp_path / "hf_out")).eval()
+    _, ours = load_dense_model(str(tmp_path / "c22"))
+    samples = evaluation_samples(str(tmp_path / "c22"), corpus)
+    tokens = torch.tensor([s["tokens"].tolist() for s in samples])
+    with torch.no_grad():
+        expected = ours(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))[..., :VOCAB]
+        got = theirs(tokens).logits
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.slow
+def test_finetune_takes_only_the_weights_of_a_trained_checkpoint(hf, imported, corpus, tmp_path):
+    """--finetune of a trained checkpoint starts where an import of its Hugging Face export starts: the same
+    weights, iteration 0, a fresh optimizer and the data from its start."""
+    _train(corpus, imported[("llama", 1, 1)], 1, 1, tmp_path / "trained", tmp_path / "tb0")
+    run_tool("tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "trained"), "--output",
+             str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "reimported", 2, 1)
+    result, finetuned = _train(corpus, str(tmp_path / "trained"), 2, 1, tmp_path / "ft", tmp_path / "tb1",
+                               "--finetune")
+    assert "(--finetune): iteration 0, a fresh optimizer" in result.stdout, result.stdout[-2000:]
+    _, from_import = _train(corpus, str(tmp_path / "reimported"), 2, 1, tmp_path / "ri", tmp_path / "tb2")
+    assert sorted(finetuned) == [1, 2]
+    for step in finetuned:
+        assert finetuned[step] == pytest.approx(from_import[step], rel=1e-5), step
+
+
+def test_use_checkpoint_args_takes_the_model_flags_and_refuses_a_flag_that_disagrees(imported):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    ckpt = imported[("llama", 2, 2)]
+    base = ["--load", ckpt, "--use-checkpoint-args", "--seq-length", "16", "--micro-batch-size", "1",
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    config, _ = parse_args(base, world_size=4)
+    m = config.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size) == (4, 32, 4, 2, 64)
+    assert (m.swiglu, m.normalization, m.add_bias_linear, m.position_embedding_type, m.use_rope_scaling) == \
+        (True, "RMSNorm", False, "rope", True)
+    assert (m.vocab_size, m.max_position_embeddings, m.seq_length, m.untie_embeddings_and_output_weights) == \
+        (VOCAB, 16384, 16, True)
+    with pytest.raises(ConfigError, match=r"--hidden-size: checkpoint 32, this run 64"):
+        parse_args(base + ["--hidden-size", "64"], world_size=4)
+    with pytest.raises(ConfigError, match="add --use-checkpoint-args"):
+        parse_args([a for a in base if a != "--use-checkpoint-args"], world_size=4)
+    with pytest.raises(ConfigError, match="--use-checkpoint-args takes the model flags from --load's checkpoint"):
+        parse_args(["--use-checkpoint-args"], world_size=1)
+    with pytest.raises(ConfigError, match="--finetune loads the weights of --load's checkpoint; give --load"):
+        parse_args(["--finetune"], world_size=1)
+
+
+class Payload:
+    """Unpickling this runs os.system: what a malicious pytorch_model.bin does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_payload_in_pytorch_model_bin_does_not_run_and_nothing_is_written(tmp_path):
+    folder = tmp_path / "evil"
+    model = save_gpt2(folder)
+    (folder / "model.safetensors").unlink()
+    state = dict(model.state_dict())
+    state["transformer.wte.weight"] = Payload(tmp_path / "ran")
+    torch.save(state, str(folder / "pytorch_model.bin"))
+    line = error_line(import_hf(folder, tmp_path / "out", check=False))
+    assert "pytorch_model.bin: refused" in line and "could run code" in line, line
+    assert not (tmp_path / "ran").exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_clean_pytorch_model_bin_imports_like_its_safetensors(hf, tmp_path):
+    from megatron_lite.checkpoint.merge import dense_state_dict
+    from megatron_lite.checkpoint.reader import CheckpointReader
+
+    folder, model = hf["llama"]
+    (tmp_path / "bin").mkdir()
+    for name in ("config.json",):
+        (tmp_path / "bin" / name).write_text((folder / name).read_text())
+    torch.save(model.state_dict(), str(tmp_path / "bin" / "pytorch_model.bin"))
+    import_hf(folder, tmp_path / "a")
+    import_hf(tmp_path / "bin", tmp_path / "b")
+    a = dense_state_dict(CheckpointReader(str(tmp_path / "a")))[1]
+    b = dense_state_dict(CheckpointReader(str(tmp_path / "b")))[1]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _edit_config(src, dst, **changes):
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _drop_tensor(src, dst, name):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+REFUSALS = {
+    "architecture": (lambda f, d: _edit_config(f, d, architectures=["BertForMaskedLM"]),
+                     "architectures = ['BertForMaskedLM'] is not supported"),
+    "missing weight": (lambda f, d: _drop_tensor(f, d, "model.layers.1.mlp.up_proj.weight"),
+                       "lacks the tensor model.layers.1.mlp.up_proj.weight"),
+    "shape": (lambda f, d: _edit_config(f, d, intermediate_size=96),
+              "model.layers.0.mlp.gate_proj.weight is [64, 32], the config needs [96, 32]"),
+    "rope scaling": (lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "yarn", "factor": 4.0},
+                                               rope_parameters=None),
+                     "rope_scaling.rope_type = 'yarn' is not supported"),
+    "biases": (lambda f, d: _edit_config(f, d, attention_bias=True), "attention_bias = True is not supported"),
+    "tied head": (lambda f, d: _edit_config(f, d, tie_word_embeddings=True),
+                  "ties the output head to the embedding (tie_word_embeddings), but lm_head.weight differs"),
+    "sliding window": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",
+                                                 sliding_window=16),
+                       "sliding_window = 16 is shorter than --seq-length 32"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_an_hf_folder_we_cannot_represent_exits_2_naming_the_field_or_tensor_and_writes_nothing(case, hf, tmp_path):
+    make, expected = REFUSALS[case]
+    folder = make(hf["llama"][0], tmp_path / "in")
+    line = error_line(import_hf(folder, tmp_path / "out", check=False))
+    assert expected in line, line
+    assert not (tmp_path / "out").exists()
