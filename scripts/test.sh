@@ -5,6 +5,10 @@
 #
 # --fast: the quick tier for edit-and-test loops: no installs or builds (run the full script once
 # first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests).
+#
+# Tests run on TEST_WORKERS pytest-xdist workers (default 2, one per core of the development VM), a test
+# file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster).
+# Most tests wait on the processes they start; two workers keep both cores busy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fast" ]]; then
@@ -13,9 +17,9 @@ if [[ "${1:-}" == "--fast" ]]; then
         echo "test.sh --fast: megatron_lite._C is not built here; run 'bash scripts/test.sh' once (installs and builds)" >&2
         exit 2
     fi
-    exec python3 -m pytest -m "not slow" "$@"
+    exec python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "not slow" "$@"
 fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e ".[test]"
 bash tools/check_cuda_compile.sh
-python3 -m pytest "$@"
+python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -22,9 +22,22 @@ def _shutdown_worker_pools():
     shutdown_pools()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh runs two workers, --dist loadgroup) a test file runs whole on one
+    worker, so its module fixtures are built once; the Slurm tests all run on one worker, since they share
+    one two-node cluster (its namespaces and daemons have fixed names)."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A test that leaves a process behind fails the run, and the process is killed: a lingering
-    child (a data worker ignoring SIGTERM, once) otherwise keeps pytest, and CI, waiting forever."""
+    child (a data worker ignoring SIGTERM, once) otherwise keeps pytest, and CI, waiting forever.
+    Under pytest-xdist each worker checks its own children; the controller's are the workers."""
+    if getattr(session.config, "workerinput", None) is None and getattr(session.config.option, "numprocesses", None):
+        return
     import gc
 
     import psutil

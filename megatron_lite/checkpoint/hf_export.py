@@ -2,7 +2,7 @@
 for GPT-2's block (mapping: checkpoint/hf_gpt2.py), a `LlamaForCausalLM` for the Llama-family block
 (checkpoint/hf_llama.py). The TP and PP shards are merged first; the padded vocabulary rows are dropped
 (vocab_size = the tokenizer's). Tensors are written in --dtype (float32 by default: the trained masters).
-Only `safetensors` is needed to write the folder; `transformers` to read it.
+Writing needs `safetensors` (a dependency); reading it back, `transformers`.
 """
 from __future__ import annotations
 
@@ -75,10 +75,7 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, token
     reader = CheckpointReader(load_dir, iteration)
     config = reader.config
     architecture_of(config)  # refuse before reading any weights
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise CheckpointError("export-hf needs the safetensors package: pip install 'megatron_lite[hf]'") from None
+    from safetensors.torch import save_file
 
     tokenizer_files, bos_id, eos_id = _tokenizer(config, tokenizer_model, vocab_file, merge_file)
     _, dense = dense_state_dict(reader)
