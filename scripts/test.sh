@@ -7,9 +7,22 @@
 # first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests).
 #
 # Tests run on TEST_WORKERS pytest-xdist workers (default 2, one per core of the development VM), a test
-# file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster).
-# Most tests wait on the processes they start; two workers keep both cores busy.
+# file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster),
+# then the tests marked serial alone (tests/conftest.py says why). Exit status: the first phase's failure,
+# else the second's; one phase that selects no test (a -k or file argument) is fine, both is exit 5.
 set -euo pipefail
+
+# run_tests MARKS [pytest args]: the parallel phase (MARKS and not serial), then the serial one (MARKS and serial).
+run_tests() {
+    local marks=$1 first=0 second=0
+    shift
+    python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "($marks) and not serial" "$@" || first=$?
+    python3 -m pytest -m "($marks) and serial" "$@" || second=$?
+    if [[ $first == 5 && $second == 5 ]]; then return 5; fi  # nothing collected at all
+    if [[ $first != 0 && $first != 5 ]]; then return "$first"; fi
+    if [[ $second != 5 ]]; then return "$second"; fi
+    return 0
+}
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fast" ]]; then
     shift
@@ -17,9 +30,10 @@ if [[ "${1:-}" == "--fast" ]]; then
         echo "test.sh --fast: megatron_lite._C is not built here; run 'bash scripts/test.sh' once (installs and builds)" >&2
         exit 2
     fi
-    exec python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "not slow" "$@"
+    run_tests "not slow" "$@"
+    exit $?
 fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e ".[test]"
 bash tools/check_cuda_compile.sh
-python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+run_tests "slow or not slow" "$@"

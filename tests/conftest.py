@@ -22,14 +22,30 @@ def _shutdown_worker_pools():
     shutdown_pools()
 
 
+# Test files that run alone, after the parallel phase (scripts/test.sh): with another test process running
+# beside them, a DataLoader worker outlived its SIGKILLed trainer (2 of 16 paired runs; 0 of 16 alone);
+# the cause is open (issue 29's fork hazard is the suspect).
+SERIAL_FILES = ("tests/data/test_data_worker_signals.py",)
+
+
+def _group(path: str) -> str:
+    if path.startswith("tests/slurm/"):
+        return "slurm"  # one two-node cluster, whose namespaces and daemons have fixed names
+    if path.startswith("tests/checkpoint/") and path != "tests/checkpoint/test_import_hf.py":
+        return "checkpoint"  # the session's training runs (tests/checkpoint/conftest.py), made once
+    return path
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh runs two workers, --dist loadgroup) a test file runs whole on one
-    worker, so its module fixtures are built once; the Slurm tests all run on one worker, since they share
-    one two-node cluster (its namespaces and daemons have fixed names)."""
+    worker, so its module fixtures are built once; so do the files that share session fixtures. tryfirst:
+    xdist reads the groups in its own hook."""
     for item in items:
         path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
+        item.add_marker(pytest.mark.xdist_group(_group(path)))
+        if path in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
 
 
 def pytest_sessionfinish(session, exitstatus):
