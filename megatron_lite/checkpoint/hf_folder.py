@@ -16,7 +16,7 @@ import json
 import math
 import os
 import struct
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -60,37 +60,36 @@ def _index(folder: str, index_name: str) -> Dict[str, str]:
 
 
 class WeightFiles:
-    """The weights of a Hugging Face folder by name; `read(name)` loads that one tensor."""
+    """The weights of a Hugging Face folder by name; `read(name)` loads that one tensor. `rename` maps a name
+    as stored to the name it is asked by (GPT-2 files saved from a bare GPT2Model lack `transformer.`)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, rename: Callable[[str], str] = lambda name: name):
         self.folder = folder
+        self._headers: Dict[str, dict] = {}
+        self._loaded: Dict[str, Dict[str, torch.Tensor]] = {}
         files = set(os.listdir(folder))
         if SAFETENSORS_INDEX in files:
-            self.kind, self.where = "safetensors", _index(folder, SAFETENSORS_INDEX)
+            self.kind, stored = "safetensors", _index(folder, SAFETENSORS_INDEX)
         elif SAFETENSORS in files:
-            self.kind, self.where = "safetensors", {n: SAFETENSORS for n in self._safetensors_names(SAFETENSORS)}
+            self.kind, stored = "safetensors", {n: SAFETENSORS for n in self._safetensors_names(SAFETENSORS)}
         elif PICKLE_INDEX in files or PICKLE in files:
             self.kind = "pickle"
-            self.where = _index(folder, PICKLE_INDEX) if PICKLE_INDEX in files else None
-            self._loaded: Dict[str, Dict[str, torch.Tensor]] = {}
-            if self.where is None:
-                self.where = {n: PICKLE for n in self._pickle(PICKLE)}
+            stored = _index(folder, PICKLE_INDEX) if PICKLE_INDEX in files else {n: PICKLE for n in self._pickle(PICKLE)}
         else:
             raise CheckpointError(f"--input {folder} has no weights: none of {SAFETENSORS}, {SAFETENSORS_INDEX}, "
                                   f"{PICKLE}, {PICKLE_INDEX}")
+        # asked name -> (file, name in the file)
+        self.where: Dict[str, Tuple[str, str]] = {rename(n): (file, n) for n, file in stored.items()}
 
     def names(self) -> List[str]:
         return list(self.where)
-
-    def file_of(self, name: str) -> str:
-        return os.path.join(self.folder, self.where[name])
 
     def _safetensors_names(self, file: str) -> List[str]:
         return [name for name in self._header(file) if not name.startswith("__")]
 
     def _header(self, file: str) -> Dict[str, dict]:
         """A safetensors file's header (tensor name -> dtype, shape, data offsets), with the data's start."""
-        headers = self.__dict__.setdefault("_headers", {})
+        headers = self._headers
         if file not in headers:
             path = os.path.join(self.folder, file)
             try:
@@ -107,17 +106,17 @@ class WeightFiles:
 
     def shape(self, name: str) -> Tuple[int, ...]:
         """A tensor's shape, from the file's header (nothing read)."""
-        self._check_name(name)
+        file, stored = self._located(name)
         if self.kind == "pickle":
-            return tuple(self._pickle(self.where[name])[name].shape)
-        return tuple(self._header(self.where[name])[name].get("shape", ()))
+            return tuple(self._pickle(file)[stored].shape)
+        return tuple(self._header(file)[stored].get("shape", ()))
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop of a tensor (dim 0), reading only their bytes."""
-        self._check_name(name)
+        file, stored = self._located(name)
         if self.kind == "pickle":
-            return self._pickle(self.where[name])[name][start:stop].clone()
-        return self._read_safetensors(self.where[name], name, (start, stop))
+            return self._pickle(file)[stored][start:stop].clone()
+        return self._read_safetensors(file, stored, (start, stop))
 
     def _read_safetensors(self, file: str, name: str, rows=None) -> torch.Tensor:
         header, path = self._header(file), os.path.join(self.folder, file)
@@ -163,13 +162,14 @@ class WeightFiles:
             self._loaded = {file: state}  # one shard mapped at a time
         return self._loaded[file]
 
-    def _check_name(self, name: str) -> None:
+    def _located(self, name: str) -> Tuple[str, str]:
         if name not in self.where:
             raise CheckpointError(f"--input {self.folder} lacks the tensor {name}: the weights do not match "
                                   f"config.json")
+        return self.where[name]
 
     def read(self, name: str) -> torch.Tensor:
-        self._check_name(name)
+        file, stored = self._located(name)
         if self.kind == "pickle":
-            return self._pickle(self.where[name])[name].clone()
-        return self._read_safetensors(self.where[name], name)
+            return self._pickle(file)[stored].clone()
+        return self._read_safetensors(file, stored)

@@ -90,11 +90,11 @@ def _check_weights(files: WeightFiles, table, module, hf: dict) -> None:
     """Every tensor the table needs is there and nothing else is (derived buffers aside); a tied model's
     head, when the file has one, must be the embedding."""
     wanted = {n for e in table for n in e.theirs}
-    have = {module_name(module, n) for n in files.names() if not module.is_derived(module_name(module, n))}
+    have = {n for n in files.names() if not module.is_derived(n)}
     head = "lm_head.weight"
     if head in have and head not in wanted:
         embedding = table[0].theirs[0]
-        if not torch.equal(files.read(_file_name(files, module, head)), files.read(_file_name(files, module, embedding))):
+        if not torch.equal(files.read(head), files.read(embedding)):
             raise CheckpointError(f"{files.folder}: config.json ties the output head to the embedding "
                                   f"(tie_word_embeddings), but {head} differs from {embedding}")
         have.discard(head)
@@ -110,27 +110,14 @@ def _check_weights(files: WeightFiles, table, module, hf: dict) -> None:
                               f"config.json describes does not have ({hf.get('architectures')})")
 
 
-def module_name(module, name: str) -> str:
-    return module.hf_name(name)
-
-
-def _file_name(files: WeightFiles, module, name: str) -> str:
-    """The name a tensor has in the files (GPT-2 files may lack the `transformer.` prefix)."""
-    if name in files.where:
-        return name
-    return next(n for n in files.where if module_name(module, n) == name)
-
-
-def _rows_of_rank(entry, info, tp: int, rank: int, files: WeightFiles, module) -> torch.Tensor:
+def _rows_of_rank(entry, info, tp: int, rank: int, files: WeightFiles, flags: str) -> torch.Tensor:
     """A row-split tensor's slice for one TP rank, reading only its rows: the rank's piece of every section
     (checkpoint/slicing.py), in fp32."""
     pieces, offset = [], 0
     for length in info.partition_sections:
         n = length // tp
         pieces.append(hf_mapping.ours_rows(entry, offset + rank * n, offset + (rank + 1) * n,
-                                           lambda name: files.shape(_file_name(files, module, name)),
-                                           lambda name, lo, hi: files.read_rows(_file_name(files, module, name), lo, hi),
-                                           module.FLAGS).to(torch.float32))
+                                           files.shape, files.read_rows, flags).to(torch.float32))
         offset += length
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -152,7 +139,7 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
     config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate)
-    files = WeightFiles(input_folder)
+    files = WeightFiles(input_folder, module.hf_name)
     table = module.mapping(config.model)
     _check_weights(files, table, module, hf)
     by_ours = {e.ours: e for e in table}
@@ -160,7 +147,7 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
     bounds = layout.stage_bounds(pp, config.parallel.pipeline_partition_method)
 
     def read(name: str) -> torch.Tensor:
-        return files.read(_file_name(files, module, name)).to(torch.float32)
+        return files.read(name).to(torch.float32)
 
     tag = tag_for(0)
     largest = 0
@@ -176,7 +163,7 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
                     entry = by_ours[f"layers.{spec}.{info.name}"]
                     largest = max(largest, math.prod(entry.shape))
                     if info.partition_dim == 0 and tp > 1 and not entry.transposed:
-                        shard[info.name] = _rows_of_rank(entry, info, tp, r, files, module)
+                        shard[info.name] = _rows_of_rank(entry, info, tp, r, files, module.FLAGS)
                     else:
                         full = hf_mapping.ours_of(entry, read, module.FLAGS)
                         shard[info.name] = _owned_slice(full, info, tp, r)

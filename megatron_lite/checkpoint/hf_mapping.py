@@ -49,16 +49,16 @@ def check_names(have: Iterable[str], want: Iterable[str], what: str, flags: str)
         raise CheckpointError(f"{what} {' and '.join(problems)}: it is not the model the config describes ({flags})")
 
 
-def check_shape(name: str, tensor: torch.Tensor, shape: Tuple[int, ...], flags: str) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise CheckpointError(f"{name} is {list(tensor.shape)}, the config needs {list(shape)}: the model flags "
+def check_shape(name: str, actual: Tuple[int, ...], shape: Tuple[int, ...], flags: str) -> None:
+    if tuple(actual) != tuple(shape):
+        raise CheckpointError(f"{name} is {list(actual)}, the config needs {list(shape)}: the model flags "
                               f"({flags}) must describe the same model")
 
 
 def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str, torch.Tensor]]:
     """Our dense tensor -> its Hugging Face tensors (padding dropped). Pieces of a split tensor are copies
     (safetensors refuses tensors that share memory); a whole tensor is a view."""
-    check_shape(entry.ours, tensor, entry.shape, flags)
+    check_shape(entry.ours, tensor.shape, entry.shape, flags)
     pieces = tensor[:sum(entry.rows)].split(entry.rows)
     out = []
     for name, piece in zip(entry.theirs, pieces):
@@ -72,7 +72,7 @@ def ours_of(entry: Mapped, read: Callable[[str], torch.Tensor], flags: str) -> t
     pieces = []
     for index, name in enumerate(entry.theirs):
         tensor = read(name)
-        check_shape(name, tensor, entry.their_shape(index), flags)
+        check_shape(name, tensor.shape, entry.their_shape(index), flags)
         pieces.append(tensor.t() if entry.transposed else tensor)
     padding = entry.shape[0] - sum(entry.rows)
     if padding:
@@ -89,7 +89,7 @@ def ours_rows(entry: Mapped, start: int, stop: int, shape_of: Callable[[str], Tu
     assert not entry.transposed, "a transposed tensor's rows are its columns: read it whole"
     pieces, offset = [], 0
     for index, name in enumerate(entry.theirs):
-        check_shape(name, torch.empty(shape_of(name), device="meta"), entry.their_shape(index), flags)
+        check_shape(name, shape_of(name), entry.their_shape(index), flags)
         lo, hi = max(start, offset), min(stop, offset + entry.rows[index])
         if lo < hi:
             pieces.append(read_rows(name, lo - offset, hi - offset))

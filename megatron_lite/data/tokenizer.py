@@ -114,7 +114,24 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-class GPT2BPETokenizer:
+class _TokenizersBacked:
+    """What both `tokenizers`-library tokenizers share: encode, decode, per-text batches. `_tokenizer` is the
+    library's Tokenizer; `add_special_tokens`: whether its post-processor runs (a BOS it adds)."""
+
+    _tokenizer = None
+    add_special_tokens = False
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+        return [np.array(self.tokenize(text), dtype=np.int32) for text in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(_TokenizersBacked):
     """GPT-2's byte-level BPE from vocab.json + merges.txt, read as Megatron-LM's GPT2BPETokenizer reads them.
 
     Megatron-LM runs OpenAI's Python BPE: GPT-2's pre-tokenizer regex, bytes mapped to printable
@@ -161,14 +178,6 @@ class GPT2BPETokenizer:
         self.bos = -1
         self.pad = -1
 
-    def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
-        return [np.array(self.tokenize(text), dtype=np.int32) for text in texts]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def hf_tokenizer_json(path: Optional[str]) -> str:
@@ -195,7 +204,7 @@ def hf_side_files(tokenizer_json: str) -> List[str]:
     return [os.path.join(folder, name) for name in HF_SIDE_FILES if os.path.isfile(os.path.join(folder, name))]
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_TokenizersBacked):
     """A Hugging Face tokenizer.json, run by the `tokenizers` library as transformers runs it.
 
     Megatron-LM's HuggingFaceTokenizer loads the folder with transformers' AutoTokenizer and tokenizes with
@@ -204,6 +213,8 @@ class HuggingFaceTokenizer:
     and pad are the eos, bos and pad tokens named by special_tokens_map.json, else tokenizer_config.json
     (transformers' precedence), beside tokenizer.json; -1 where none is named.
     """
+
+    add_special_tokens = True
 
     def __init__(self, path: Optional[str]) -> None:
         from tokenizers import Tokenizer
@@ -231,14 +242,6 @@ class HuggingFaceTokenizer:
             raise ValueError(f"--tokenizer-model {file}: its {key} {token!r} is not in the vocabulary")
         return token_id
 
-    def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
-
-    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
-        return [np.array(self.tokenize(text), dtype=np.int32) for text in texts]
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def _named_special_tokens(path: str) -> dict:
