@@ -20,7 +20,26 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
-from megatron_lite.training.distributed import free_port
+import random
+import socket
+
+
+def free_port() -> int:
+    """A free TCP port for a test's rendezvous, below the kernel's ephemeral range and in a band of its own
+    per pytest-xdist worker: a port the kernel hands out for port 0 was taken, between the probe and the
+    rendezvous, by another worker's connection once (EADDRINUSE), as ephemeral ports are."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    low = 20000 + 2000 * (index % 6)
+    for _ in range(200):
+        port = random.randrange(low, low + 2000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}..{low + 2000}")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_LITE_TEST_TIMEOUT", "240"))

@@ -71,7 +71,7 @@ def test_deepspeed_contradiction_and_empty_split_exit_2_on_both_ranks_before_any
     import numpy as np
 
     from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
-    from megatron_lite.training.distributed import free_port
+    from tests.harness import free_port
 
     prefix = str(tmp_path / "tiny_text_document")
     with IndexedDatasetWriter(prefix, np.uint16) as writer:

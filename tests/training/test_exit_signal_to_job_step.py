@@ -13,7 +13,7 @@ import sys
 import psutil
 import pytest
 
-from megatron_lite.training.distributed import free_port
+from tests.harness import free_port
 from tests.data.test_data_worker_signals import still_running
 from tests.harness import REPO_ROOT
 from tests.training.test_pretrain_e2e import MODEL, corpus, data_args, layout, losses_by_iteration, pretrain  # noqa: F401
