@@ -207,6 +207,9 @@ class ParallelConfig:
     """Offload optimizer state to CPU through ZeRO (--pipeline-model-parallel-size 1, --zero-stage >= 1)."""
     distributed_backend: Optional[str] = option(None, "--distributed-backend", choices=("nccl", "gloo"))
     """Collective backend; when not given, nccl with CUDA, gloo otherwise."""
+    distributed_timeout_minutes: float = option(10.0, "--distributed-timeout-minutes")
+    """How long a rank waits in a collective (and at start-up for the others) before the run ends with an
+    error naming it: another rank is stuck or died. Fractions allowed (0.5 = 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,10 @@ class TrainingConfig:
     """Save every this many steps; needs --save."""
     keep_last: Optional[int] = option(None, "--keep-last")
     """Keep only this many newest checkpoints."""
+    async_save: bool = option(False, "--async-save")
+    """Write checkpoints in the background: a save copies this rank's checkpoint to host memory (its size
+    once more, until written) and training goes on; the checkpoint becomes `latest` once every rank's files
+    are on disk. One save at a time (the next waits); the run's end waits for the last one."""
     exit_interval: Optional[int] = option(None, "--exit-interval")
     """Save and exit when the iteration is a multiple of this."""
     exit_signal_handler: bool = option(False, "--exit-signal-handler")

@@ -8,6 +8,7 @@ setup.py pins DeepSpeed to the range these were checked against.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import time
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.engine.PipelineEngine.using_bf16_optimizer", "attribute"),
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer._hp_grad", "attribute"),
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.use_grad_accum_attribute", "attribute"),
+    # --distributed-timeout-minutes for DeepSpeed's own process groups (new_groups_time_out_after).
+    ("deepspeed.comm.comm.cdb", "attribute"),
+    ("deepspeed.comm.torch.TorchBackend.new_group", "self, ranks"),
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -419,6 +423,23 @@ def set_log_level(log_level: str) -> None:
     from deepspeed.utils.logging import logger, set_log_level_from_string
 
     set_log_level_from_string(log_level, custom_logger=logger)
+
+
+def new_groups_time_out_after(timeout: datetime.timedelta) -> None:
+    """Every process group DeepSpeed creates from here on (the pipeline grid's, ZeRO's) gives up on a
+    collective after `timeout`, as the world group does.
+
+    Why: DeepSpeed's comm backend calls torch.distributed.new_group(ranks) with no timeout, and torch 2.13
+    then gives the group its backend's default (30 minutes for gloo; `_new_group_with_tag`), not the world
+    group's: a pipeline send to a dead rank would wait 30 minutes whatever --distributed-timeout-minutes
+    says. DeepSpeed's own groups are made through its backend object (`deepspeed.comm.new_group` ->
+    `cdb.new_group`); this sets that object's new_group."""
+    from deepspeed.comm import comm
+
+    def new_group(ranks):
+        return torch.distributed.new_group(ranks, timeout=timeout)
+
+    comm.cdb.new_group = new_group
 
 
 def resolve(path: str):

@@ -7,21 +7,14 @@
 # first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests).
 #
 # Tests run on TEST_WORKERS pytest-xdist workers (default 2, one per core of the development VM), a test
-# file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster),
-# then the tests marked serial alone (tests/conftest.py says why). Exit status: the first phase's failure,
-# else the second's; one phase that selects no test (a -k or file argument) is fine, both is exit 5.
+# file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster).
 set -euo pipefail
 
-# run_tests MARKS [pytest args]: the parallel phase (MARKS and not serial), then the serial one (MARKS and serial).
+# run_tests MARKS [pytest args]
 run_tests() {
-    local marks=$1 first=0 second=0
+    local marks=$1
     shift
-    python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "($marks) and not serial" "$@" || first=$?
-    python3 -m pytest -m "($marks) and serial" "$@" || second=$?
-    if [[ $first == 5 && $second == 5 ]]; then return 5; fi  # nothing collected at all
-    if [[ $first != 0 && $first != 5 ]]; then return "$first"; fi
-    if [[ $second != 5 ]]; then return "$second"; fi
-    return 0
+    python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "$marks" "$@"
 }
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" == "--fast" ]]; then

@@ -22,12 +22,6 @@ def _shutdown_worker_pools():
     shutdown_pools()
 
 
-# Test files that run alone, after the parallel phase (scripts/test.sh): with another test process running
-# beside them, a DataLoader worker outlived its SIGKILLed trainer (2 of 16 paired runs; 0 of 16 alone);
-# the cause is open (issue 29's fork hazard is the suspect).
-SERIAL_FILES = ("tests/data/test_data_worker_signals.py",)
-
-
 def _group(path: str) -> str:
     if path.startswith("tests/slurm/"):
         return "slurm"  # one two-node cluster, whose namespaces and daemons have fixed names
@@ -44,8 +38,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(_group(path)))
-        if path in SERIAL_FILES:
-            item.add_marker(pytest.mark.serial)
 
 
 def pytest_sessionfinish(session, exitstatus):

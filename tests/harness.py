@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -185,6 +186,16 @@ def shutdown_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def read_until(stream, pattern: str) -> List[str]:
+    """The lines of a process's output up to the first that matches `pattern` (all of them if none does)."""
+    lines = []
+    for line in stream:
+        lines.append(line)
+        if re.search(pattern, line):
+            break
+    return lines
 
 
 def signal_process_tree(pid: int, sig: int) -> None:

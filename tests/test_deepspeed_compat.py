@@ -231,3 +231,37 @@ def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(e
     for r in run_distributed(_zeroed_gradients_leave_weights_unchanged, 2, list(extra)):
         assert r["calls"] == 1 and r["next"] == "ReduceTiedGrads"
         assert r["unchanged"], "the optimizer stepped with gradients other than accumulated_gradient's"
+
+
+def _collective_on_a_deepspeed_group(timeout_seconds: float):
+    """Rank 0 all-reduces over a group made as DeepSpeed makes its own (the pipeline grid's, ZeRO's); rank 1
+    never joins but keeps the group open. Rank 0's (seconds waited, error)."""
+    import datetime
+    import time
+
+    import deepspeed
+    from deepspeed.comm import comm
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    deepspeed_compat.new_groups_time_out_after(datetime.timedelta(seconds=timeout_seconds))
+    try:
+        group = comm.new_group([0, 1])
+        if torch.distributed.get_rank() == 1:
+            time.sleep(timeout_seconds + 5)  # a stuck rank: there, silent
+            return None
+        start = time.monotonic()
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=group)
+        except RuntimeError as e:
+            return time.monotonic() - start, str(e)
+        return time.monotonic() - start, "completed"
+    finally:
+        vars(comm.cdb).pop("new_group", None)  # the pool's later tasks get DeepSpeed's own
+
+
+def test_deepspeeds_own_groups_give_up_on_a_collective_after_the_distributed_timeout():
+    from tests.harness import run_distributed
+
+    waited, error = run_distributed(_collective_on_a_deepspeed_group, 2, 2.0)[0]
+    # without the hook the group has torch's 30 minutes and waits until rank 1 lets go of it (7 s)
+    assert "Timed out" in error and 1.5 <= waited < 5, (waited, error)

@@ -36,6 +36,9 @@ def dp(config):
 RULES = [
     pytest.param(parallel_rules, layout(6, 2, 2), r"^world size 6 is not divisible by --tensor-model-parallel-size 2 x "
                  r"--pipeline-model-parallel-size 2 = 4;.*Launch a multiple of 4 processes", id="world-size-divisible-by-tp-pp"),
+    pytest.param(parallel_rules, cfg(parallel__distributed_timeout_minutes=0.0),
+                 r"^--distributed-timeout-minutes must be a positive number of minutes, got 0; e\.g\. 10 \(Megatron-LM's "
+                 r"default\) or 0\.5 for 30 s$", id="distributed-timeout-positive"),
     pytest.param(parallel_rules, layout(2, 1, 2, model__num_layers=4, parallel__zero_stage=2),
                  r"^--zero-stage 2 with --pipeline-model-parallel-size 2: pipeline parallelism needs each stage's full "
                  r"gradients for gradient accumulation; use --zero-stage 1, or --pipeline-model-parallel-size 1 for ZeRO 2/3$",

@@ -32,7 +32,7 @@ def _activations(tp, pp, micro):
 
 def main() -> int:
     from megatron_lite.model import memory
-    from megatron_lite.training.deepspeed_config import deepspeed_config
+    from megatron_lite.deepspeed_config import deepspeed_config
     from tests.harness import run_distributed, shutdown_pools
     from tests.model.gpt_layouts import tiny_config
     from tests.model.engine_census import engine_census

@@ -51,7 +51,7 @@ def _worker(rank, port, args, results):
     from megatron_lite.arguments import parse_args
     from megatron_lite.model import memory
     from megatron_lite.parallel import state
-    from megatron_lite.training.deepspeed_config import deepspeed_config
+    from megatron_lite.deepspeed_config import deepspeed_config
     from megatron_lite.training.engine import Engine
 
     join_gloo_world(rank, 2, port)

@@ -260,7 +260,7 @@ def our_model_plain_engine(data_prefix: str, config):
 
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel import state
-    from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+    from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
     from megatron_lite.training.optimizer import build_optimizer
 
     torch.manual_seed(0)

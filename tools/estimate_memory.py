@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.arguments import parse_args  # noqa: E402
 from megatron_lite.config import ConfigError  # noqa: E402
 from megatron_lite.model import memory  # noqa: E402
-from megatron_lite.training.deepspeed_config import deepspeed_config  # noqa: E402
+from megatron_lite.deepspeed_config import deepspeed_config  # noqa: E402
 
 
 def main(argv=None) -> int:

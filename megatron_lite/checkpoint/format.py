@@ -206,16 +206,17 @@ def _load_error(path: str, error: Exception) -> CheckpointError:
     return CheckpointError(f"{path}: cannot be read, the file is truncated or not a checkpoint file ({reason})")
 
 
-def load_file(path: str) -> Any:
+def load_file(path: str, mmap: bool = False) -> Any:
     """torch.load without executing anything; CheckpointError naming the file when it cannot be read
-    or needs a class outside the allow-list."""
+    or needs a class outside the allow-list. `mmap`: tensors map the file (privately) instead of being read,
+    so only the bytes used are read (checkpoint/sliced.py)."""
     import torch
 
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any failure to read means the same thing to the user
         raise _load_error(path, e) from None
 

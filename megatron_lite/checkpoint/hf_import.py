@@ -172,7 +172,7 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
                 del shard
             log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
         run = RunState(iteration=0, consumed_samples=0)
-        write_engine_states(tmp, config, layout, bounds, run, lambda stage: [{} for _ in range(tp)])
+        write_engine_states(tmp, config, layout, bounds, run)
         p = config.parallel
         write_metadata(tmp, {
             "iteration": 0, "consumed_samples": 0,

@@ -16,6 +16,7 @@ holds the states of its own layers and one file besides. Every file goes through
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -24,7 +25,7 @@ import torch
 
 from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import torch_save
-from megatron_lite.checkpoint import slicing
+from megatron_lite.checkpoint import sliced
 from megatron_lite.checkpoint.format import (
     UNIVERSAL_FORMAT,
     CheckpointError,
@@ -36,6 +37,7 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state, slice_shape
+from megatron_lite.checkpoint.vocab import is_vocab_parameter
 from megatron_lite.config import Config
 
 Key = Tuple[int, str]  # (layer spec index, name inside the layer)
@@ -119,60 +121,74 @@ class LayoutFreeReader:
 
     # Parameters.
 
-    def read(self, specs: Optional[Iterable[int]] = None, optimizer: bool = True) -> Dict[Key, ParamState]:
-        """Every parameter of the given layer specs (default: all); without `optimizer`, weights only."""
+    def read(self, specs: Optional[Iterable[int]] = None, optimizer: bool = True, tp: int = 1, rank: int = 0,
+             rows: Optional[int] = None) -> Dict[Key, ParamState]:
+        """Every parameter of the given layer specs (default: all), as TP rank `rank` of `tp` holds it (default:
+        the full tensors), with the vocabulary padded to `rows` rows (default: as saved); without `optimizer`,
+        weights only. Reads only those slices' bytes, one stage's files at a time (sliced.py)."""
         wanted: Set[int] = set(self.layout.params) if specs is None else set(specs) & set(self.layout.params)
+        rows = None if rows in (None, self.config.model.padded_vocab_size) else rows
+        states: Dict[Key, ParamState] = {}
         if self.universal:
-            return self._read_universal(wanted, optimizer)
-        slices: Dict[Key, List[Optional[ParamState]]] = {}
-        for stage in range(self.pp):
-            owned = set(range(self.bounds[stage], self.bounds[stage + 1]))
-            stage_specs = {self.layout.tied_spec.get(self.layout.tied_users.get(s), s) for s in owned}
-            needed = stage_specs & wanted - {k[0] for k in slices if slices[k][0] is not None}
-            if not needed:
-                continue
-            for tp_rank in range(self.tp):
-                for key, value in self._read_stage(stage, tp_rank, needed, optimizer).items():
-                    slices.setdefault(key, [None] * self.tp)[tp_rank] = value
-        states = {}
-        for key, per_rank in slices.items():
-            info = self.info(key)
-            if any(v is None for v in per_rank):
-                raise CheckpointError(f"{self.folder}: {key[1]} of layer {key[0]:02d} is missing from some TP "
-                                      f"ranks' files: the checkpoint is incomplete")
-
-            def merged(name):
-                parts = [getattr(v, name) for v in per_rank]
-                return None if any(p is None for p in parts) else \
-                    slicing.merge(parts, info.partition_dim, info.partition_sections).contiguous()
-            states[key] = ParamState(merged("fp32"), merged("exp_avg"), merged("exp_avg_sq"), per_rank[0].step)
+            for spec in sorted(wanted):
+                self._assemble(self._universal_sources(spec, optimizer), tp, rank, rows, states)
+        else:
+            for stage in range(self.pp):
+                owned = set(range(self.bounds[stage], self.bounds[stage + 1]))
+                stage_specs = {self.layout.tied_spec.get(self.layout.tied_users.get(s), s) for s in owned}
+                needed = stage_specs & wanted - {k[0] for k in states}
+                if needed:
+                    sources = [self._stage_sources(stage, r, needed, optimizer) for r in range(self.tp)]
+                    self._assemble(self._by_key(sources), tp, rank, rows, states)
         missing = [k for s in wanted for k in ((s, p.name) for p in self.layout.params[s]) if k not in states]
         if missing:
             raise CheckpointError(f"{self.folder}: no state for {missing[0][1]} of layer {missing[0][0]:02d}: the "
                                   f"checkpoint is incomplete")
         return states
 
-    def _read_universal(self, wanted: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
-        states = {}
-        for spec in sorted(wanted):
-            path = os.path.join(self.folder, universal_file(spec))
-            saved = load_file(path)
-            names = [p.name for p in self.layout.params[spec]]
-            if not isinstance(saved, dict) or sorted(saved) != sorted(names):
-                raise CheckpointError(f"{path}: holds {sorted(saved) if isinstance(saved, dict) else saved!r}, "
-                                      f"the config expects {names}: the file belongs to another model")
-            for name, entry in saved.items():
-                info = self.info((spec, name))
-                if tuple(entry["fp32"].shape) != info.shape:
-                    raise CheckpointError(f"{path}: {name} has shape {tuple(entry['fp32'].shape)}, the config "
-                                          f"gives {info.shape}: the file belongs to another model")
-                states[(spec, name)] = ParamState(entry["fp32"],
-                                                  *(entry.get(k) if optimizer else None for k in MOMENTS),
-                                                  entry.get("step") if optimizer else None)
-        return states
+    def _by_key(self, per_rank: List[Dict[Key, "Source"]]) -> Dict[Key, List["Source"]]:
+        """{key: its source on every source TP rank}, for the keys every rank's files hold."""
+        out = {}
+        for key in per_rank[0]:
+            if any(key not in r for r in per_rank):
+                raise CheckpointError(f"{self.folder}: {key[1]} of layer {key[0]:02d} is missing from some TP ranks' "
+                                      f"files: the checkpoint is incomplete")
+            out[key] = [r[key] for r in per_rank]
+        return out
+
+    def _assemble(self, sources: Dict[Key, List["Source"]], tp: int, rank: int, rows: Optional[int],
+                  states: Dict[Key, ParamState]) -> None:
+        for key, per_rank in sources.items():
+            info = self.info(key)
+            target_rows = rows if is_vocab_parameter(info.name) else None
+
+            def cut(name):
+                flats = [source.flats.get(name) for source in per_rank]
+                if any(f is None for f in flats):
+                    return None
+                return sliced.rank_slice(info.shape, info.partition_dim, info.partition_sections, flats, tp, rank,
+                                         target_rows).float()
+            states[key] = ParamState(cut("fp32"), cut("exp_avg"), cut("exp_avg_sq"), per_rank[0].step)
+
+    def _universal_sources(self, spec: int, optimizer: bool) -> Dict[Key, List["Source"]]:
+        path = os.path.join(self.folder, universal_file(spec))
+        saved = load_file(path, mmap=True)
+        names = [p.name for p in self.layout.params[spec]]
+        if not isinstance(saved, dict) or sorted(saved) != sorted(names):
+            raise CheckpointError(f"{path}: holds {sorted(saved) if isinstance(saved, dict) else saved!r}, "
+                                  f"the config expects {names}: the file belongs to another model")
+        out = {}
+        for name, entry in saved.items():
+            info = self.info((spec, name))
+            if tuple(entry["fp32"].shape) != info.shape:
+                raise CheckpointError(f"{path}: {name} has shape {tuple(entry['fp32'].shape)}, the config "
+                                      f"gives {info.shape}: the file belongs to another model")
+            tensors = {k: entry.get(k) for k in (("fp32",) + MOMENTS if optimizer else ("fp32",))}
+            out[(spec, name)] = [Source.of(tensors, entry.get("step") if optimizer else None)]
+        return out
 
     def _partition(self, path: str) -> deepspeed_compat.PartitionFragments:
-        state = load_file(path)
+        state = load_file(path, mmap=True)
         check_zero_state(path, state)
         try:
             return deepspeed_compat.partition_fragments(state)
@@ -184,79 +200,85 @@ class LayoutFreeReader:
         owner, name = deepspeed_compat.pipeline_parameter_owner(pipeline_name)
         return (self.layout.tied_spec[owner] if isinstance(owner, str) else owner), name
 
-    def _read_stage(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
-        """One (stage, TP rank)'s slices of the parameters of `specs`."""
+    def _stage_sources(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, "Source"]:
+        """One (stage, TP rank)'s pieces of the parameters of `specs`, memory-mapped."""
         partitions = zero_optimizer_files(self.folder, stage, tp_rank, self.tp, self.dp, self.precision == "bf16")
         if partitions:
-            return self._read_partitions(partitions, tp_rank, specs, optimizer)
-        return self._read_plain(stage, tp_rank, specs, optimizer)
+            return self._partition_sources(partitions, specs, optimizer)
+        return self._plain_sources(stage, tp_rank, specs, optimizer)
 
-    def _read_partitions(self, paths: List[str], tp_rank: int, specs: Set[int],
-                         optimizer: bool) -> Dict[Key, ParamState]:
+    def _partition_sources(self, paths: List[str], specs: Set[int], optimizer: bool) -> Dict[Key, "Source"]:
         """ZeRO 1 / bf16 / fp16: each DP rank's file holds a contiguous fragment of each parameter's flat
         fp32 master and moments; the fragments in DP-rank order are the whole (TP-sliced) parameter."""
         pieces: Dict[Key, Dict[str, list]] = {}
         steps: Dict[Key, Optional[float]] = {}
+        names = ("fp32",) + MOMENTS if optimizer else ("fp32",)
         for path in paths:
             partition = self._partition(path)
             for pipeline_name, fragment in partition.fragments.items():
                 key = self._owner(pipeline_name)
                 if key[0] not in specs:
                     continue
-                entry = pieces.setdefault(key, {"fp32": [], "exp_avg": [], "exp_avg_sq": []})
-                for name in ("fp32",) + MOMENTS:
-                    entry[name].append(None if fragment[name] is None else fragment[name].clone())
-                steps[key] = partition.steps[pipeline_name]
+                entry = pieces.setdefault(key, {name: [] for name in names})
+                for name in names:
+                    entry[name].append(fragment[name])
+                steps[key] = partition.steps[pipeline_name] if optimizer else None
         out = {}
         for key, entry in pieces.items():
-            shape = slice_shape(self.info(key), self.tp)
-            numel = sum(p.numel() for p in entry["fp32"])
-            if numel != torch.Size(shape).numel():
-                raise CheckpointError(f"{paths[0]}: the fragments of {key[1]} (layer {key[0]:02d}) add up to {numel} "
-                                      f"values, not {torch.Size(shape).numel()}: a DP rank's file is missing or "
-                                      f"belongs to another run")
-
-            def joined(name):
-                parts = entry[name]
-                return None if any(p is None for p in parts) else torch.cat(parts).view(shape)
-            fp32 = joined("fp32")
-            out[key] = ParamState(fp32, *(joined(k) if optimizer else None for k in MOMENTS),
-                                  steps[key] if optimizer else None)
+            numel = math.prod(slice_shape(self.info(key), self.tp))
+            got = sum(p.numel() for p in entry["fp32"])
+            if got != numel:
+                raise CheckpointError(f"{paths[0]}: the fragments of {key[1]} (layer {key[0]:02d}) add up to {got} "
+                                      f"values, not {numel}: a DP rank's file is missing or belongs to another run")
+            out[key] = Source({name: sliced.Flat(parts, mapped=True) for name, parts in entry.items()
+                               if parts and all(p is not None for p in parts)}, steps[key])
         return out
 
-    def _read_plain(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, ParamState]:
+    def _plain_sources(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, "Source"]:
         """fp32 ZeRO 0: the layer files are the masters; the engine's file holds torch AdamW's state, numbered
         in the stage's optimizer order (layout.stage_parameters)."""
-        out = {}
+        tensors: Dict[Key, Dict[str, torch.Tensor]] = {}
+        steps: Dict[Key, Optional[float]] = {}
         for spec in sorted(specs):
             path = os.path.join(self.folder, layer_file(spec, tp_rank))
-            state = load_file(path)
+            state = load_file(path, mmap=True)
             check_layer_state(path, state, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]},
                               self.tp)
             for name, tensor in state.items():
-                out[(spec, name)] = ParamState(tensor.float())
-        if not optimizer or not self.metadata.get("optimizer_states", True):
-            return out
-        path = os.path.join(self.folder, model_states_file(stage, tp_rank, self.tp))
-        engine_state = load_file(path)
-        check_model_states(path, engine_state)
-        saved = engine_state.get("optimizer")
-        if not (isinstance(saved, dict) and "state" in saved and "param_groups" in saved):
-            raise CheckpointError(f"{path}: no optimizer state of a plain AdamW (fp32, ZeRO 0) and no optimizer "
-                                  f"partition files beside it: the checkpoint is incomplete")
-        params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
-        count = sum(len(g["params"]) for g in saved["param_groups"])
-        if count != len(params):
-            raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "
-                                  f"config has {len(params)}: the file belongs to another model or stage split")
-        for index, (info, copy) in enumerate(params):
-            entry = saved["state"].get(index)
-            key = (info.spec, info.name)
-            if key not in out or entry is None or copy:
-                continue
-            out[key].exp_avg, out[key].exp_avg_sq = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
-            out[key].step = float(entry["step"])
-        return out
+                tensors[(spec, name)] = {"fp32": tensor}
+        if optimizer and self.metadata.get("optimizer_states", True):
+            path = os.path.join(self.folder, model_states_file(stage, tp_rank, self.tp))
+            engine_state = load_file(path, mmap=True)
+            check_model_states(path, engine_state)
+            saved = engine_state.get("optimizer")
+            if not (isinstance(saved, dict) and "state" in saved and "param_groups" in saved):
+                raise CheckpointError(f"{path}: no optimizer state of a plain AdamW (fp32, ZeRO 0) and no optimizer "
+                                      f"partition files beside it: the checkpoint is incomplete")
+            params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
+            count = sum(len(g["params"]) for g in saved["param_groups"])
+            if count != len(params):
+                raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "
+                                      f"config has {len(params)}: the file belongs to another model or stage split")
+            for index, (info, copy) in enumerate(params):
+                entry = saved["state"].get(index)
+                key = (info.spec, info.name)
+                if key not in tensors or entry is None or copy:
+                    continue
+                tensors[key].update(exp_avg=entry["exp_avg"], exp_avg_sq=entry["exp_avg_sq"])
+                steps[key] = float(entry["step"])
+        return {key: Source.of(t, steps.get(key)) for key, t in tensors.items()}
+
+
+@dataclass
+class Source:
+    """One source TP rank's pieces of a parameter: its fp32 master and moments (sliced.Flat), and its step."""
+    flats: Dict[str, sliced.Flat]
+    step: Optional[float]
+
+    @staticmethod
+    def of(tensors: Dict[str, Optional[torch.Tensor]], step: Optional[float]) -> "Source":
+        """From whole, memory-mapped tensors."""
+        return Source({k: sliced.Flat([t], mapped=True) for k, t in tensors.items() if t is not None}, step)
 
 
 def write_universal(reader: LayoutFreeReader, folder: str) -> dict:

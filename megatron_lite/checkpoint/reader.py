@@ -129,7 +129,7 @@ class CheckpointReader:
         shards = []
         for t in range(self.tp):
             path = os.path.join(self.path, layer_file(spec, t))
-            sd = load_file(path)
+            sd = load_file(path, mmap=True)  # mapped: merging reads each slice once, into the full tensor
             check_layer_state(path, sd, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]}, self.tp)
             shards.append(sd)
         return shards
@@ -145,52 +145,3 @@ class CheckpointReader:
                 weights[(spec, info.name)] = full.float()
                 self.dtypes[(spec, info.name)] = full.dtype
         return weights
-
-    def rank_state(self, stage: int, tp_rank: int) -> dict:
-        """DeepSpeed's per-rank state (optimizer at ZeRO 0, LR schedule, step counters)."""
-        path = os.path.join(self.path, model_states_file(stage, tp_rank, self.tp))
-        state = load_file(path)
-        check_model_states(path, state)
-        return state
-
-    def optimizer_states(self) -> Tuple[Dict[Tuple[int, str, bool], Dict[str, torch.Tensor]], List[dict]]:
-        """Full AdamW moments per (spec, name, is tied copy), and rank 0's parameter-group settings.
-
-        Only ZeRO 0's plain torch optimizer state can be read: ZeRO 1 and the bf16/fp16 wrappers keep
-        flat, DP-partitioned buffers that this tool does not take apart (use --no-optimizer)."""
-        states: Dict[Tuple[int, str, bool], Dict[str, torch.Tensor]] = {}
-        groups: List[dict] = []
-        for stage in range(self.pp):
-            per_rank = []
-            params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
-            for t in range(self.tp):
-                path = os.path.join(self.path, model_states_file(stage, t, self.tp))
-                opt = self.rank_state(stage, t).get("optimizer")
-                if not (isinstance(opt, dict) and "state" in opt and "param_groups" in opt):
-                    zero = sorted(f for f in os.listdir(self.path) if "optim_states" in f)
-                    kind = f"ZeRO optimizer shards ({_list_some(zero)})" if zero else \
-                        f"a DeepSpeed optimizer wrapper state ({_list_some(sorted(opt)) if isinstance(opt, dict) else opt})"
-                    raise CheckpointError(f"{path}: the optimizer state is {kind}, not a plain AdamW state (ZeRO 0, "
-                                          f"fp32); only that can be resharded. Use --no-optimizer to reshard the "
-                                          f"weights, LR schedule and position without the Adam moments")
-                count = sum(len(g["params"]) for g in opt["param_groups"])
-                if count != len(params):
-                    raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the "
-                                          f"config in {METADATA} has {len(params)}: the file belongs to another model "
-                                          f"or another --pipeline-partition-method")
-                per_rank.append(opt)
-                if stage == 0 and t == 0:
-                    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
-            for index, (info, copy) in enumerate(params):
-                entries = [opt["state"].get(index) for opt in per_rank]
-                if any(e is None for e in entries):
-                    continue  # no step taken yet for this parameter
-                merged = {}
-                for name, value in entries[0].items():
-                    if torch.is_tensor(value) and value.dim() > 0:
-                        merged[name] = slicing.merge([e[name] for e in entries], info.partition_dim,
-                                                     info.partition_sections)
-                    else:
-                        merged[name] = value
-                states[(info.spec, info.name, copy)] = merged
-        return states, groups

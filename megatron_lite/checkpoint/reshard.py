@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -38,7 +38,6 @@ from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
 from megatron_lite.checkpoint.reader import resolve_tag
-from megatron_lite.checkpoint.vocab import target_slices
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
 
 
@@ -99,24 +98,28 @@ def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
             "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp}, "ds_version": deepspeed.__version__}
 
 
-def write_engine_states(folder: str, config: Config, layout: ModelLayout, bounds: List[int], run,
-                        moments: Callable[[int], List[dict]]) -> None:
-    """Every stage's and TP rank's model-states file: a plain AdamW state (`moments(stage)`: per TP rank,
-    optimizer index -> step and moments; empty dicts for none) with the run's schedule and counters."""
+def engine_state(config: Config, layout: ModelLayout, bounds: List[int], run, stage: int, moments: dict) -> dict:
+    """One stage's and TP rank's model-states file: a plain AdamW state (`moments`: optimizer index -> step and
+    moments; empty for none) with the run's schedule and counters."""
     p = config.parallel
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     groups = _groups(config, run.lr_scheduler)
-    for stage in range(pp):
-        params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
-        decay = sum(1 for info, _ in params if info.decays)
-        param_groups = []
-        if decay:
-            param_groups.append(dict(groups[0], params=list(range(decay))))
-        if len(params) > decay:
-            param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
-        opt_state = moments(stage)
+    params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
+    decay = sum(1 for info, _ in params if info.decays)
+    param_groups = []
+    if decay:
+        param_groups.append(dict(groups[0], params=list(range(decay))))
+    if len(params) > decay:
+        param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
+    return _engine_state(run, {"state": moments, "param_groups": param_groups}, tp, pp, dp)
+
+
+def write_engine_states(folder: str, config: Config, layout: ModelLayout, bounds: List[int], run) -> None:
+    """Every stage's and TP rank's model-states file, with no optimizer moments (a run starts them fresh)."""
+    tp = config.parallel.tensor_model_parallel_size
+    for stage in range(config.parallel.pipeline_model_parallel_size):
         for r in range(tp):
-            torch_save(_engine_state(run, {"state": opt_state[r], "param_groups": param_groups}, tp, pp, dp),
+            torch_save(engine_state(config, layout, bounds, run, stage, {}),
                        os.path.join(folder, mp_rank_file(stage, r, tp)))
 
 
@@ -148,33 +151,31 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
     rows = config.model.padded_vocab_size
     dp = config.parallel.data_parallel_size
     run = source.run_state()
-    states = source.read(optimizer=not no_optimizer)
-    step = max((s.step for s in states.values() if s.step is not None), default=None)
+    optimizer = not no_optimizer
 
     with atomic_folder(save_dir) as tmp_root:
         tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
-        for spec in layout.layer_specs_with_files():
-            per_rank = [{} for _ in range(tp)]
-            for info in layout.params[spec]:
-                for r, piece in enumerate(target_slices(info, states[(spec, info.name)].fp32, tp, rows)):
-                    per_rank[r][info.name] = piece
+        # One stage and target TP rank at a time, reading only that rank's slices (layout_free.py / sliced.py).
+        for stage in range(pp):
+            params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
+            files = [spec for spec in layout.layer_specs_with_files() if bounds[stage] <= spec < bounds[stage + 1]]
             for r in range(tp):
-                torch_save(per_rank[r], os.path.join(tmp, layer_file(spec, r)))
-            log(f"  layer {spec:02d}: {len(per_rank[0])} tensors x {tp} TP ranks")
-
-        def moments(stage: int) -> List[dict]:
-            opt_state = [{} for _ in range(tp)]
-            for index, (info, _) in enumerate(layout.stage_parameters(bounds[stage], bounds[stage + 1])):
-                state = states[(info.spec, info.name)]
-                if state.exp_avg is None:
-                    continue
-                pieces = {k: target_slices(info, getattr(state, k), tp, rows) for k in ("exp_avg", "exp_avg_sq")}
-                for r in range(tp):
-                    opt_state[r][index] = {"step": torch.tensor(float(state.step or step or 0)),
-                                           "exp_avg": pieces["exp_avg"][r], "exp_avg_sq": pieces["exp_avg_sq"][r]}
-            return opt_state
-        write_engine_states(tmp, config, layout, bounds, run, moments)
+                states = source.read({info.spec for info, _ in params}, optimizer=optimizer, tp=tp, rank=r, rows=rows)
+                for spec in files:
+                    torch_save({info.name: states[(spec, info.name)].fp32 for info in layout.params[spec]},
+                               os.path.join(tmp, layer_file(spec, r)))
+                step = max((s.step for s in states.values() if s.step is not None), default=None)
+                moments = {}
+                for index, (info, _) in enumerate(params):
+                    state = states[(info.spec, info.name)]
+                    if state.exp_avg is not None:
+                        moments[index] = {"step": torch.tensor(float(state.step or step or 0)),
+                                          "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+                torch_save(engine_state(config, layout, bounds, run, stage, moments),
+                           os.path.join(tmp, mp_rank_file(stage, r, tp)))
+            for spec in files:
+                log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
 
         copied_rng = source.tp == tp and source.pp == pp and not source.universal
         if copied_rng:  # read and written again, never copied unread: a file is validated before it travels

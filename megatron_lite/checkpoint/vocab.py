@@ -8,11 +8,8 @@ run whose padding changes continues with slightly different losses.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 
-from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.layout import VOCAB_PARAMETERS
 
 
@@ -26,11 +23,3 @@ def resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
         return tensor[:rows].clone()
     pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     return torch.cat([tensor, pad], dim=0)
-
-
-def target_slices(info, full: torch.Tensor, tp: int, rows: int) -> List[torch.Tensor]:
-    """Every TP rank's slice of a full (TP 1) parameter for a layout that pads the vocabulary to `rows`
-    (another TP may pad it to another size), contiguous."""
-    if is_vocab_parameter(info.name):
-        full = resize_rows(full, rows)
-    return [t.contiguous() for t in slicing.split(full, tp, info.partition_dim, info.partition_sections)]

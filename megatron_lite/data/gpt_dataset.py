@@ -19,7 +19,7 @@ import numpy as np
 from megatron_lite.config import format_split
 from megatron_lite.data import indices
 from megatron_lite.data.blended import BlendedDataset
-from megatron_lite.data.index_cache import load_or_build
+from megatron_lite.data.index_cache import load_or_build, mapped_file
 from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
 # Each blended component is built a little larger than its share so that rounding never runs it dry.
 BLEND_MARGIN = 1.005
+# A sample's arrays, cached by index_cache.py and memory-mapped from there.
+INDEX_ARRAYS = ("document_index", "sample_index", "shuffle_index")
 
 
 class TokenOutOfVocabularyError(ValueError):
@@ -60,7 +62,6 @@ class GPTDataset:
         self.eod_token = eod_token
         self.eod_mask_loss = eod_mask_loss
         first, last = (int(indexed.document_indices[d]) for d in documents)
-        self.sequences = np.arange(first, last, dtype=np.int32)
         self.tokens_per_epoch = int(indexed.sequence_lengths[first:last].sum(dtype=np.int64))
         if self.tokens_per_epoch <= 1:
             raise ValueError(f"{indexed.prefix}: the {split} split (documents {documents[0]}-{documents[1]}) holds "
@@ -77,25 +78,37 @@ class GPTDataset:
                                                "GPTDataset_indices")
         start = time.perf_counter()
         arrays, self.built_indices = load_or_build(
-            cache_dir, f"GPTDataset-{split}", description, ("document_index", "sample_index", "shuffle_index"),
-            lambda: self._build_indices(seed))
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+            cache_dir, f"GPTDataset-{split}", description, INDEX_ARRAYS,
+            lambda: self._build_indices(np.arange(first, last, dtype=np.int32), seed))
+        self.document_index, self.sample_index, self.shuffle_index = (arrays[name] for name in INDEX_ARRAYS)
         logger.info("%s %s: %s indices for %d samples in %.2fs", indexed.prefix, split,
                     "built" if self.built_indices else "loaded cached", len(self), time.perf_counter() - start)
 
-    def _build_indices(self, seed: int) -> Dict[str, np.ndarray]:
+    def _build_indices(self, sequences: np.ndarray, seed: int) -> Dict[str, np.ndarray]:
         rng = np.random.RandomState(seed)
         epochs = indices.num_epochs_needed(self.tokens_per_epoch, self.seq_length, self.num_samples)
         separate = indices.separate_final_epoch(self.tokens_per_epoch, self.seq_length, self.num_samples, epochs)
-        document_index = indices.build_document_index(self.sequences, epochs, rng, separate)
+        document_index = indices.build_document_index(sequences, epochs, rng, separate)
         # Every whole sample the built epochs hold; the partial one at the end is dropped.
         total = (epochs * self.tokens_per_epoch - 1) // self.seq_length
         sample_index = indices.build_sample_index(self.indexed.sequence_lengths, document_index, self.seq_length, total)
         shuffled = ((epochs - 1) * self.tokens_per_epoch - 1) // self.seq_length if separate else total
         shuffle_index = indices.build_shuffle_index(shuffled, total, rng)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+    def __getstate__(self) -> dict:
+        """What a DataLoader worker receives (workers are spawned, not forked: data/workers.py): the
+        index arrays by the cached files they are mapped from, the tokens by IndexedDataset's own state;
+        never the arrays' contents."""
+        state = dict(self.__dict__)
+        for name in INDEX_ARRAYS:
+            state[name] = mapped_file(state[name])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name in INDEX_ARRAYS:
+            state[name] = np.load(state[name], mmap_mode="r", allow_pickle=False)
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return len(self.shuffle_index)

@@ -68,3 +68,10 @@ def load_or_build(cache_dir: str, stem: str, description: dict, names: Sequence[
         raise FileNotFoundError(f"{description_path}: rank 0 built the indices but this rank cannot see them; "
                                 f"--data-cache-path must be on a filesystem every node shares")
     return {name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()}, built
+
+
+def mapped_file(array: np.ndarray) -> str:
+    """The .npy file an array of load_or_build is mapped from, for another process to map it again."""
+    if not isinstance(array, np.memmap) or array.filename is None:
+        raise ValueError("not an array mapped by load_or_build: it would travel by value")
+    return array.filename

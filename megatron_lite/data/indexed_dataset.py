@@ -237,6 +237,15 @@ class IndexedDataset:
         self._check_against_data(bin_path, index_path, n, d1)
         self._bin = np.memmap(bin_path, dtype=np.uint8, mode="r") if os.path.getsize(bin_path) else np.zeros(0, np.uint8)
 
+    def __getstate__(self) -> dict:
+        """The prefix only: a DataLoader worker maps the files again (data/workers.py spawns workers;
+        pickling the maps would copy the whole .bin and .idx through a pipe)."""
+        return {"prefix": self.prefix, "path": os.path.abspath(self.prefix)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+        self.prefix = state["prefix"]
+
     def _check_against_data(self, bin_path: str, index_path: str, n: int, d1: int) -> None:
         if d1 < 1 or self.document_indices[0] != 0 or self.document_indices[-1] != n:
             raise IndexedDatasetError(f"{index_path}: document indices must run from 0 to the sequence count {n}")

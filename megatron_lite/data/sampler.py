@@ -8,13 +8,12 @@ exactly the micro-batches it would have seen next.
 """
 from __future__ import annotations
 
-import atexit
-import signal
-import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+
+from megatron_lite.data import workers
 
 
 class PretrainingSampler:
@@ -67,7 +66,7 @@ def collate(samples: Sequence[Dict[str, np.ndarray]]):
 class _ArrayBatches:
     """A worker-fed DataLoader iterator whose micro-batches arrive as arrays (collate_arrays) and
     leave as tensors. Every other attribute, read or set, is the DataLoader iterator's (its
-    worker shutdown, which tests and the exit hook below rely on)."""
+    worker shutdown, which tests and the exit hook of data/workers.py rely on)."""
 
     def __init__(self, iterator) -> None:
         object.__setattr__(self, "_iterator", iterator)
@@ -83,39 +82,6 @@ class _ArrayBatches:
 
     def __setattr__(self, name: str, value) -> None:
         setattr(self._iterator, name, value)
-
-
-# The signals the trainer turns into "save and stop" (training/loop.py, --exit-signal-handler).
-TRAINER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def ignore_trainer_signals(worker_id: int) -> None:
-    """DataLoader worker_init_fn: Slurm signals every process of a job step (`scancel -s USR1`,
-    `--signal=USR1@T`), data workers included. A worker killed by it takes the trainer down before
-    it can save, so workers ignore these signals; they still stop with the trainer (PyTorch's
-    workers watch their parent)."""
-    for sig in TRAINER_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, TRAINER_SIGNALS)
-
-
-def _stop_workers(iterator_ref, workers) -> None:
-    """At exit: the orderly shutdown while the iterator lives, then SIGKILL for any worker left.
-
-    Workers ignore SIGTERM, which is all PyTorch's own shutdown and multiprocessing's exit hook
-    send when a worker does not stop in time; such a worker would live on, and multiprocessing
-    would then wait for it forever at interpreter exit. The workers only read data: killing them
-    loses nothing."""
-    iterator = iterator_ref()
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-    if any(worker.is_alive() for worker in workers):
-        # PyTorch's SIGCHLD handler would raise for each worker killed here; nothing needs it at exit.
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for worker in workers:
-        if worker.is_alive():
-            worker.kill()
-            worker.join(timeout=10)
 
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
@@ -136,20 +102,8 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate_arrays if num_workers else collate,
                                          persistent_workers=num_workers > 0,
-                                         worker_init_fn=ignore_trainer_signals,
-                                         generator=torch.Generator().manual_seed(data_parallel_rank))
+                                         generator=torch.Generator().manual_seed(data_parallel_rank),
+                                         **(workers.loader_options() if num_workers else {}))
     if not num_workers:
         return iter(loader)
-    # Workers start blocking these signals (the mask is inherited), so none can die of one
-    # between its start and ignore_trainer_signals; the trainer gets any that arrived meanwhile.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, TRAINER_SIGNALS)
-    try:
-        iterator = iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    # At interpreter exit PyTorch leaves live workers to multiprocessing, which stops them with
-    # SIGTERM, now ignored, and would wait for them forever. Stop them first (atexit runs this
-    # before the hooks torch and multiprocessing registered earlier). The worker list is held
-    # strongly: an iterator that is gone may have left a worker behind.
-    atexit.register(_stop_workers, weakref.ref(iterator), list(getattr(iterator, "_workers", ())))
-    return _ArrayBatches(iterator)
+    return _ArrayBatches(workers.start_workers(loader))

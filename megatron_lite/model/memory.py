@@ -110,6 +110,11 @@ class StageMemory:
     """The optimizer step's temporaries."""
     cpu_bytes: int
     """What optimizer offload keeps in CPU memory for this rank."""
+    snapshot: int = 0
+    """--async-save: the host copy of what this rank's save writes (weights and optimizer states), held from
+    the save step until its files are written, over the steps that run meanwhile."""
+    snapshot_in_peak: bool = False
+    """Whether the snapshot shares memory with training (a CPU run), so it counts in the peak."""
 
     @property
     def model_states(self) -> int:
@@ -118,7 +123,8 @@ class StageMemory:
     @property
     def peak(self) -> int:
         phases = (self.activations + self.transient, self.reduction_transient, self.step_transient)
-        return self.model_states + self.communication_buffers + max(phases)
+        return (self.model_states + self.communication_buffers + max(phases)
+                + (self.snapshot if self.snapshot_in_peak else 0))
 
     def to_dict(self) -> Dict[str, Any]:
         return dict(asdict(self), model_states=self.model_states, peak=self.peak)
@@ -157,13 +163,18 @@ def model_state_bytes(parameters: int, zero_stage: int, data_parallel_size: int,
         weights, grads, optim = 4 * p, shard(4), shard(8)
     else:
         weights, grads, optim = 2 * p, shard(6), shard(12)
+    # What a save writes, so what an --async-save snapshot copies: the weights (this rank's ZeRO 3 shard)
+    # and the optimizer's fp32 masters and moments; gradients are not saved.
+    # DeepSpeed 0.19 writes a bf16 ZeRO 0 optimizer's state twice: in the engine's model-states file and in
+    # its bf16_zero_* file (measured: tests/checkpoint/test_async_save.py).
+    saved = (shard(w) if zero_stage == 3 else weights) + optim * (2 if zero_stage == 0 and precision == "bf16" else 1)
     cpu = 0
     if cpu_offload and zero_stage >= 1:
         cpu = shard(4) + (shard(12) if precision != "fp32" else shard(8))
         if offload_param and zero_stage == 3:
             cpu += shard(w)
         grads, optim = 0, 0
-    return {"weights": weights, "gradients": grads, "optimizer_states": optim, "cpu_bytes": cpu}
+    return {"weights": weights, "gradients": grads, "optimizer_states": optim, "cpu_bytes": cpu, "saved": saved}
 
 
 def _uses_zero_optimizer(zero_stage: int, precision: str, cpu_offload: bool) -> bool:
@@ -234,7 +245,7 @@ def micro_batches_in_flight(config: Config, stage: int) -> int:
 def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = "cuda") -> List[StageMemory]:
     """One StageMemory per pipeline stage for a validated config (vocabulary padded).
 
-    ds_config: the DeepSpeed dict the engine gets (training/deepspeed_config.py `deepspeed_config(config)`;
+    ds_config: the DeepSpeed dict the engine gets (deepspeed_config.py `deepspeed_config(config)`;
     its zero_optimization settings size the buffers). device: "cuda" or "cpu" (only the dropout masks differ).
     `profile` stage splits are estimated with the FLOP cost split (the timings exist only once running).
     """
@@ -274,6 +285,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload),
             step_transient=step_transient_bytes(config, params[i], largest_tensor(config, first, last, layers), device),
             cpu_bytes=states["cpu_bytes"],
+            snapshot=states["saved"] if config.training.async_save else 0, snapshot_in_peak=device == "cpu",
         ))
     return stages
 
@@ -304,4 +316,8 @@ def format_table(stages: List[StageMemory], gpu_memory_bytes: Optional[int] = No
     summary = f"peak {worst.peak / GIB:.3f} GiB per rank on stage {worst.stage} (GiB = 2^30 bytes)"
     if gpu_memory_bytes:
         summary += f"; {'fits' if worst.peak <= gpu_memory_bytes else 'does NOT fit'} in {gpu_memory_bytes / GIB:.1f} GiB"
+    largest = max(stages, key=lambda st: st.snapshot)
+    if largest.snapshot:
+        summary += (f"\n--async-save: a snapshot of up to {largest.snapshot / GIB:.3f} GiB per rank in host memory while a "
+                    f"checkpoint is written" + (" (in the peak above)" if largest.snapshot_in_peak else ""))
     return "\n".join(lines + [summary])

@@ -9,10 +9,13 @@ never calls process-group functions itself but goes through the getters here.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
+
+from megatron_lite.config import ParallelConfig
 
 
 @dataclass
@@ -32,18 +35,21 @@ class _State:
 _STATE: Optional[_State] = None
 
 
-def _build_groups(comm_lists: List[List[int]], rank: int):
-    """new_group is collective over the world: every rank creates every group, keeps its own."""
+def _build_groups(comm_lists: List[List[int]], rank: int, timeout: datetime.timedelta):
+    """new_group is collective over the world: every rank creates every group, keeps its own. A group made
+    without a timeout gets torch's default (30 minutes for gloo), not the world group's."""
     mine, ranks = None, None
     for members in comm_lists:
-        group = dist.new_group(ranks=members)
+        group = dist.new_group(ranks=members, timeout=timeout)
         if rank in members:
             mine, ranks = group, list(members)
     return mine, ranks
 
 
-def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
-    """Build the topology and the groups. torch.distributed must already be initialised."""
+def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+               timeout_minutes: float = ParallelConfig.distributed_timeout_minutes) -> None:
+    """Build the topology and the groups, whose collectives fail after timeout_minutes (as the world's,
+    --distributed-timeout-minutes). torch.distributed must already be initialised."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("parallel.state.initialize() needs torch.distributed.init_process_group() first")
@@ -57,11 +63,12 @@ def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size
         raise ValueError(f"world size {world} is not divisible by TP {tp} x PP {pp}")
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
 
-    tensor_group, tensor_ranks = _build_groups(topology.get_axis_comm_lists("model"), rank)
-    data_group, data_ranks = _build_groups(topology.get_axis_comm_lists("data"), rank)
-    pipeline_group, pipeline_ranks = _build_groups(topology.get_axis_comm_lists("pipe"), rank)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    tensor_group, tensor_ranks = _build_groups(topology.get_axis_comm_lists("model"), rank, timeout)
+    data_group, data_ranks = _build_groups(topology.get_axis_comm_lists("data"), rank, timeout)
+    pipeline_group, pipeline_ranks = _build_groups(topology.get_axis_comm_lists("pipe"), rank, timeout)
     replicas = [topology.filter_match(data=d) for d in range(topology.get_dim("data"))]
-    model_group, model_ranks = _build_groups(replicas, rank)
+    model_group, model_ranks = _build_groups(replicas, rank, timeout)
     _STATE = _State(topology, tensor_group, data_group, pipeline_group, model_group,
                     tensor_ranks, data_ranks, pipeline_ranks, model_ranks)
 

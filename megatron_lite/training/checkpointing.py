@@ -20,13 +20,15 @@ import secrets
 import shutil
 import time
 import dataclasses
+import datetime
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.atomic import WriteError, describe, torch_save
+from megatron_lite.atomic import WriteError, describe, fsync_folder, torch_save
 from megatron_lite.checkpoint.format import (
     fused_weights,
     LATEST,
@@ -51,10 +53,12 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.checkpoint.layout_free import storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
+from megatron_lite.checkpoint.snapshot import snapshot
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
 from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.parallel import state
+from megatron_lite.training.async_save import AsyncWriter
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
 from megatron_lite.training.layout_free_resume import (
     Resumed,
@@ -73,10 +77,17 @@ latest_tag = read_latest
 
 @dataclass
 class SaveFolder:
-    """What one run holds on its --save folder: the lock (rank 0) and the run id that names its temporary
-    folders."""
+    """What one run holds on its --save folder: the lock (rank 0), the run id that names its temporary
+    folders, and with --async-save the background writer."""
     lock: Optional[SaveFolderLock]
     run_id: str
+    writer: Optional[AsyncWriter] = None
+    waited: Optional[float] = None
+    """Seconds the last save waited for the one before it to be written (--async-save); None: none was."""
+
+    def wait(self) -> Optional[float]:
+        """The save in flight, committed (its failure raised): seconds waited, None when none was in flight."""
+        return self.writer.wait() if self.writer is not None else None
 
     def release(self) -> None:
         if self.lock is not None:
@@ -106,7 +117,10 @@ def open_save_folder(config: Config, lock: Optional[SaveFolderLock], problem: Op
     if lock is not None:
         for stale in glob.glob(os.path.join(config.training.save, TMP_PREFIX + "*")):
             shutil.rmtree(stale, ignore_errors=True)
-    return SaveFolder(lock=lock, run_id=run_id[0])
+    writer = None
+    if config.training.async_save:  # its agreement times out like every other collective
+        writer = AsyncWriter(datetime.timedelta(minutes=config.parallel.distributed_timeout_minutes))
+    return SaveFolder(lock=lock, run_id=run_id[0], writer=writer)
 
 
 def _tokenizer_sha256(config: Config) -> Optional[str]:
@@ -131,35 +145,61 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
 
 def save(engine, config: Config, iteration: int, consumed_samples: int, folder: SaveFolder) -> str:
     """Save on every rank (collective); `engine` is a training.engine.Engine. Returns the tag.
-    Raises WriteError on every rank when any rank could not write, leaving no temporary folder."""
+    Raises WriteError on every rank when any rank could not write, leaving no temporary folder. With
+    --async-save (`folder.writer`) the files are snapshotted here and written in the background; the save
+    before it is waited for first, and its failure, if any, is raised here."""
     directory = config.training.save
     tag = tag_for(iteration)
-    tmp_tag = f"{TMP_PREFIX}{tag}-{folder.run_id}"
-    tmp_dir = os.path.join(directory, tmp_tag)
+    tmp_dir = os.path.join(directory, f"{TMP_PREFIX}{tag}-{folder.run_id}")
     rank = dist.get_rank()
+    writer = folder.writer
+    if writer is not None:
+        folder.waited = writer.wait()
+    start = time.perf_counter()
     io = engine.io
-    io.start_save()
-    engine.save(directory, tmp_tag)  # every rank returns from it, even after a failed write (engine_io.py)
+    io.start_save(deferred=writer is not None)
+    engine.save(directory, os.path.basename(tmp_dir))  # every rank returns from it, even after a failed write
+    writes = [functools.partial(torch_save, obj, path) for obj, path in io.deferred or ()]
+    io.deferred = None
+    writes.append(functools.partial(torch_save, snapshot(rng_state()), os.path.join(tmp_dir, rng_file(rank))))
+    if rank == 0:
+        writes.append(functools.partial(write_metadata, tmp_dir, _metadata(engine, config, iteration,
+                                                                            consumed_samples)))
+
+    def commit(failure, group=None):
+        _commit(directory, tmp_dir, tag, config.training.keep_last, failure, group)
+        if writer is not None and rank == 0:
+            print(f"saved checkpoint {tag} in {directory} (written in the background in "
+                  f"{time.perf_counter() - start:.1f}s)", flush=True)
+    if writer is not None:
+        writer.submit(tag, writes, commit, io.failure)
+        return tag
     failure = io.failure
-    if failure is None:
+    for write in writes if failure is None else ():
         try:
-            torch_save(rng_state(), os.path.join(tmp_dir, rng_file(rank)))
-            if rank == 0:
-                write_metadata(tmp_dir, _metadata(engine, config, iteration, consumed_samples))
+            write()
         except WriteError as e:
             failure = e
-    failures = gather_problems((failure.path, failure.reason) if failure else None)
+            break
+    commit(failure)
+    return tag
+
+
+def _commit(directory: str, tmp_dir: str, tag: str, keep_last: Optional[int], failure: Optional[WriteError],
+            group=None) -> None:
+    """Collective over `group`: when every rank wrote its files, rank 0 publishes the save; else the
+    temporary folder goes and every rank raises the first rank's WriteError."""
+    failures = gather_problems((failure.path, failure.reason) if failure else None, group)
     if failures:
-        if rank == 0:
+        if dist.get_rank() == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise WriteError(*failures[0])
-    failure = _publish(directory, tmp_dir, tag) if rank == 0 else None
-    if failure is None and rank == 0 and config.training.keep_last:
-        _prune(directory, config.training.keep_last)
-    failures = gather_problems(failure)
+    problem = _publish(directory, tmp_dir, tag) if dist.get_rank() == 0 else None
+    if problem is None and dist.get_rank() == 0 and keep_last:
+        _prune(directory, keep_last)
+    failures = gather_problems(problem, group)
     if failures:
         raise WriteError(*failures[0])
-    return tag
 
 
 def _publish(directory: str, tmp_dir: str, tag: str) -> Optional[Tuple[str, str]]:
@@ -167,6 +207,7 @@ def _publish(directory: str, tmp_dir: str, tag: str) -> Optional[Tuple[str, str]
     place: (path, reason)."""
     final = os.path.join(directory, tag)
     try:
+        fsync_folder(tmp_dir)  # the files' names are durable before the folder is published
         if os.path.exists(final):  # saving the same iteration again (e.g. right after a resume)
             shutil.rmtree(final)
         os.rename(tmp_dir, final)

@@ -1,10 +1,15 @@
 """torch.distributed from whichever launcher started us: torchrun, the deepspeed launcher, or plain srun."""
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import socket
 import subprocess
+import traceback
 from typing import Optional
+
+from megatron_lite.config import ParallelConfig
 
 
 def free_port() -> int:
@@ -68,8 +73,10 @@ def is_rank_zero_from_environment() -> bool:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
 
 
-def init_distributed(backend: Optional[str] = None, log_level: str = "warning") -> None:
-    """torch.distributed through DeepSpeed's comm layer; its start-up prints hidden below --log-level info."""
+def init_distributed(backend: Optional[str] = None, log_level: str = "warning",
+                     timeout_minutes: float = ParallelConfig.distributed_timeout_minutes) -> None:
+    """torch.distributed through DeepSpeed's comm layer; its start-up prints hidden below --log-level info.
+    A collective of any group, DeepSpeed's included, fails after timeout_minutes (collective_timeout)."""
     import deepspeed  # here: the CLI imports this module to find rank 0 before torch is needed
     import torch
 
@@ -80,16 +87,38 @@ def init_distributed(backend: Optional[str] = None, log_level: str = "warning") 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     with deepspeed_compat.quiet_prints(log_level):
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
+    deepspeed_compat.new_groups_time_out_after(timeout)
 
 
-def gather_problems(problem):
-    """Collective: every rank's problem (any picklable value, or None for none), in rank order, with the
-    Nones left out. Ranks that must stop together call this where the others would otherwise go on into
-    a collective that a failed rank never reaches."""
+def collective_timeout(error: BaseException, timeout_minutes: float) -> Optional[str]:
+    """The error line for a collective that timed out (gloo raises RuntimeError "Timed out waiting Nms for
+    recv operation to complete"; NCCL's DistBackendError says "timeout"), naming the operation, where it
+    was called, and this rank; None for any other error."""
+    if not isinstance(error, RuntimeError) or not re.search(r"timed out|timeout", str(error), re.IGNORECASE):
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    operations = [f.name for f in frames if f.filename.endswith(os.path.join("distributed", "distributed_c10d.py"))]
+    callers = [f for f in frames if re.search(r"megatron_lite|deepspeed[/\\](?!comm)", f.filename)]
+    what = operations[0] if operations else "a collective"
+    if callers:
+        caller = callers[-1]
+        what += f" in {re.split(r'(?=megatron_lite|deepspeed)', caller.filename, 1)[-1]}:{caller.lineno} {caller.name}"
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip().splitlines()[0])  # gloo's "[file.cc:78] " prefix
+    return (f"a collective did not complete within --distributed-timeout-minutes {timeout_minutes:g} ({what}, "
+            f"rank {os.environ.get('RANK', '0')} of {os.environ.get('WORLD_SIZE', '1')}: {reason}): another rank "
+            f"is stuck or died; a dead rank's own output says why, `py-spy dump --pid PID` shows where a live one "
+            f"waits. If a step legitimately takes longer (a slow save), raise --distributed-timeout-minutes")
+
+
+def gather_problems(problem, group=None):
+    """Collective (over `group`, default the world): every rank's problem (any picklable value, or None
+    for none), in rank order, with the Nones left out. Ranks that must stop together call this where the
+    others would otherwise go on into a collective that a failed rank never reaches."""
     import torch.distributed as dist
 
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
     return [p for p in problems if p is not None]

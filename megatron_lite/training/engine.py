@@ -27,7 +27,7 @@ from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, sequence_parallel_parameters
-from megatron_lite.training.deepspeed_config import clips_in_optimizer, deepspeed_config
+from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
 

@@ -1,8 +1,8 @@
 """--load of a checkpoint saved under another layout, ZeRO stage or precision: through its layout-free form.
 
-Each rank reads, for its own layers only, every parameter's fp32 master weight, Adam moments and step
-(checkpoint/layout_free.py), drops or adds padded vocabulary rows, takes its TP slice, and hands it to the
-engine, whose own fragment mapping cuts the ZeRO partition (deepspeed_compat.set_optimizer_state). The LR
+Each rank reads, for its own layers only, its TP slice of every parameter's fp32 master weight and Adam
+moments, and the step (checkpoint/layout_free.py: only the bytes of that slice, from memory-mapped files),
+with padded vocabulary rows dropped or added, and hands them to the engine, whose own fragment mapping cuts the ZeRO partition (deepspeed_compat.set_optimizer_state). The LR
 schedule, DeepSpeed's step counters and the fp16 loss scale follow. Random generators are kept when every
 rank keeps its stage and TP rank (any DP rank's streams are every DP rank's), else reseeded from --seed.
 Ranks agree on any problem before any of them touches the engine, so a bad file stops all of them.
@@ -18,7 +18,6 @@ from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.format import CheckpointError, layout_of
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
-from megatron_lite.checkpoint.vocab import target_slices
 from megatron_lite.config import Config
 from megatron_lite.parallel import state
 from megatron_lite.training.distributed import gather_problems
@@ -61,17 +60,13 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
     for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
         params[(layout.tied_spec[owner] if isinstance(owner, str) else owner, name)] = param
     reader = LayoutFreeReader(folder, metadata)
-    saved = reader.read({spec for spec, _ in params}, optimizer=optimizer)
-    rows = config.model.padded_vocab_size
+    # Only this rank's slices are read (checkpoint/sliced.py), the vocabulary padded as this run pads it.
+    saved = reader.read({spec for spec, _ in params}, optimizer=optimizer, tp=tp, rank=tp_rank,
+                        rows=config.model.padded_vocab_size)
     values, steps = {}, []
     for key, param in params.items():
-        info = next(i for i in layout.params[key[0]] if i.name == key[1])
         entry = saved[key]
-
-        def local(tensor):
-            return None if tensor is None else target_slices(info, tensor, tp, rows)[tp_rank]
-        values[param] = {"fp32": local(entry.fp32), "exp_avg": local(entry.exp_avg),
-                         "exp_avg_sq": local(entry.exp_avg_sq)}
+        values[param] = {"fp32": entry.fp32, "exp_avg": entry.exp_avg, "exp_avg_sq": entry.exp_avg_sq}
         if entry.step is not None:
             steps.append(entry.step)
     return values, max(steps, default=0.0), reader.run_state() if optimizer else None

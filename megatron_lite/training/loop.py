@@ -26,9 +26,9 @@ from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
 from megatron_lite.training.console import configure_logging, layout_summary
-from megatron_lite.training.distributed import init_distributed, is_rank_zero_from_environment
+from megatron_lite.training.distributed import collective_timeout, init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
-from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.training.metrics import (
     IntervalStats,
     TensorBoardWriter,
@@ -38,6 +38,7 @@ from megatron_lite.training.metrics import (
 )
 from megatron_lite.training.records import RecordWriter, records_directory
 from megatron_lite.training.stage_timing import StageTimer
+from megatron_lite.validation.outputs import check_output_folders
 
 
 def print_rank0(*args) -> None:
@@ -125,6 +126,7 @@ def pretrain(config: Config) -> int:
     if exit_code == 0 and run.iteration == t.train_iters:
         finish(run)
         status = "completed"
+    wait_for_saves(run)
     summarize(run, status, time.time() - start)
     run.tb.close()
     run.records.close()
@@ -140,11 +142,13 @@ def setup(config: Config) -> Run:
     configure_logging(config.logging.log_level)
     # Rank 0 locks --save before any process group exists; the others learn the outcome right after.
     lock, lock_problem, lock_note = checkpointing.lock_before_init(config)
-    init_distributed(config.parallel.distributed_backend, config.logging.log_level)
+    init_distributed(config.parallel.distributed_backend, config.logging.log_level,
+                     config.parallel.distributed_timeout_minutes)
     save_folder = checkpointing.open_save_folder(config, lock, lock_problem) if config.training.save else None
     if lock_note:
         print_rank0(lock_note)
-    state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
+    state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size,
+                     config.parallel.distributed_timeout_minutes)
     summary = layout_summary(config, dist.get_backend(), "cuda" if torch.cuda.is_available() else "cpu")
     print_rank0(summary)
     d = config.data
@@ -273,9 +277,25 @@ def finish(run: Run) -> None:
 
 
 def save(run: Run) -> None:
-    checkpointing.save(run.engine, run.config, run.iteration, run.consumed_samples, run.save_folder)
+    start = time.perf_counter()
+    folder = run.save_folder
+    tag = checkpointing.save(run.engine, run.config, run.iteration, run.consumed_samples, folder)
     run.last_saved = run.iteration
-    print_rank0(f"saved checkpoint {checkpointing.tag_for(run.iteration)} in {run.config.training.save}")
+    if folder.writer is None:
+        print_rank0(f"saved checkpoint {tag} in {run.config.training.save}")
+        return
+    waited = "" if folder.waited is None else f" after waiting {folder.waited:.1f}s for the save before it"
+    print_rank0(f"checkpoint {tag}: snapshot taken in {time.perf_counter() - start:.1f}s{waited}; training goes on "
+                f"while it is written")
+
+
+def wait_for_saves(run: Run) -> None:
+    """Before the run ends (its last iteration, --exit-interval, a signal): the save in flight is committed."""
+    if run.save_folder is None:
+        return
+    waited = run.save_folder.wait()
+    if waited is not None:
+        print_rank0(f"waited {waited:.1f}s at the end of the run for the last checkpoint to be written")
 
 
 def evaluate(engine: Engine, dataset, config: Config) -> Optional[float]:
@@ -336,6 +356,7 @@ def check_training_inputs(config: Config) -> None:
             "--data-path is required to train: the prefix of a .bin/.idx pair written by "
             "tools/preprocess_data.py, e.g. --data-path data/corpus_text_document (see scripts/quickstart.sh)"
         )
+    check_output_folders(config)
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -349,16 +370,35 @@ def check_training_inputs(config: Config) -> None:
 def main(config: Config) -> None:
     """Entry point: missing inputs, a checkpoint that cannot be resumed, or data that does not fit the
     vocabulary are a clear error (exit 2); a save that could not be written (a full disk) exits 1. The
-    ranks raise these together, so rank 0 speaks for all."""
+    ranks raise these together, so rank 0 speaks for all. A collective that timed out (another rank stuck
+    or dead) exits 1 with a line from each rank that waited."""
     try:
         check_training_inputs(config)
         code = pretrain(config)
     except (ConfigError, checkpointing.CheckpointError, TokenOutOfVocabularyError) as e:
         if is_rank_zero_from_environment() or isinstance(e, TokenOutOfVocabularyError):
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        _release_process_groups()
         sys.exit(2)
     except checkpointing.WriteError as e:
         if is_rank_zero_from_environment():
             print(f"pretrain_gpt.py: error: {e}; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        _release_process_groups()
         sys.exit(1)
+    except RuntimeError as e:
+        message = collective_timeout(e, config.parallel.distributed_timeout_minutes)
+        if message is None:
+            raise
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)  # each rank that waited says so
+        sys.exit(1)
+    _release_process_groups()
     sys.exit(code)
+
+
+def _release_process_groups() -> None:
+    """Destroy the process groups before the interpreter's teardown: left to it, gloo's objects were
+    destroyed with a thread still attached now and then ("terminate called without an active exception",
+    exit -6, in 2 runs of one full test suite). Local for gloo; skipped after a timed-out collective, whose
+    peer may never answer."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -57,7 +57,7 @@ from megatron_lite.model.arithmetic import (
     transformer_layers_per_stage,
 )
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
-from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
 from megatron_lite.validation import validate
 

@@ -182,7 +182,7 @@ def deepspeed_rules(config: Config, notes: List[str]) -> Config:
         if not isinstance(contents, dict):
             raise ConfigError(f"--deepspeed-config {path}: must hold a JSON object, got {type(contents).__name__}")
         config = config.replace(training__deepspeed_config_contents=contents)
-    from megatron_lite.training.deepspeed_config import deepspeed_config
+    from megatron_lite.deepspeed_config import deepspeed_config
 
     deepspeed_config(config)  # raises ConfigError naming the contradicting key
     return config

@@ -8,6 +8,7 @@ flag, the bad value and a value that would work.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, List, Sequence, Tuple
 
 from megatron_lite import batching
@@ -65,6 +66,9 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
         )
     if p.distributed_backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"--distributed-backend {p.distributed_backend} is not nccl or gloo")
+    if not 0 < p.distributed_timeout_minutes < math.inf:
+        raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got "
+                          f"{p.distributed_timeout_minutes:g}; e.g. 10 (Megatron-LM's default) or 0.5 for 30 s")
     _check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
     return config.replace(parallel__data_parallel_size=world // (tp * pp))
 
@@ -331,6 +335,8 @@ def training_rules(config: Config, notes: List[str]) -> Config:
         raise ConfigError(f"--save-interval {t.save_interval} needs --save DIR to say where checkpoints go")
     if t.keep_last is not None and not t.save:
         raise ConfigError(f"--keep-last {t.keep_last} needs --save DIR")
+    if t.async_save and not t.save:
+        raise ConfigError("--async-save writes checkpoints in the background; it needs --save DIR")
     if t.exit_interval is not None and not t.save:
         notes.append("warning: --exit-interval without --save exits without a checkpoint")
     return config

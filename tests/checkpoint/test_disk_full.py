@@ -81,3 +81,15 @@ def test_training_saves_on_a_full_disk_and_into_a_read_only_folder(corpus, tmp_p
         result = pretrain_in_one_process(corpus, ["--train-iters", "2", "--eval-iters", "0", "--save",
                                                   os.path.join(disk, "other")])
         _refusal(result, "pretrain_gpt.py", disk, READ_ONLY)
+
+
+def test_an_async_save_on_a_full_disk_stops_the_run_at_its_end_with_one_line_and_no_temporary_folder(corpus,
+                                                                                                    tmp_path):
+    """The background writer fails; the run learns it where every rank waits (here, the end of the run)."""
+    with small_tmpfs(tmp_path / "disk", 64 * 1024) as disk:
+        save = os.path.join(disk, "ckpt")
+        result = pretrain_in_one_process(corpus, ["--train-iters", "2", "--eval-iters", "0", "--save", save,
+                                                  "--async-save"])
+        line = _refusal(result, "pretrain_gpt.py", disk, FULL)
+        assert "the last complete checkpoint is kept" in line
+        assert listing(disk) == ["ckpt", "ckpt/.megatron_lite.lock", "ckpt/metrics", "ckpt/metrics/metrics.jsonl"]

@@ -6,7 +6,7 @@ from contextlib import redirect_stdout
 import pytest
 
 from megatron_lite.model import memory
-from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
 from tests.model.activation_census import saved_bytes_per_stage

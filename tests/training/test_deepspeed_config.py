@@ -4,7 +4,7 @@ import pytest
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.config import ConfigError
-from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
 
 
 def config_for(argv, world_size=4):

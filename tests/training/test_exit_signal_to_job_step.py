@@ -5,7 +5,6 @@ DataLoader workers. The ranks here are started as plain `srun` starts them (RANK
 no launcher process) in one process group, and the group is signalled.
 """
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from tests.harness import free_port
+from tests.harness import free_port, read_until
 from tests.data.test_data_worker_signals import still_running
 from tests.harness import REPO_ROOT
 from tests.training.test_pretrain_e2e import MODEL, corpus, data_args, layout, losses_by_iteration, pretrain  # noqa: F401
@@ -41,14 +40,11 @@ def test_a_signal_to_every_process_of_the_step_with_data_workers_saves_exits_0_a
     ckpt = tmp_path / "ckpt"
     common = [*MODEL, *data_args(corpus), *layout(1, 2), "--num-workers", "2", "--save", str(ckpt)]
     procs = _start_ranks([*common, "--train-iters", "1000", "--exit-signal-handler"], 2, tmp_path)
-    lines = []
     try:
-        for line in procs[0].stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/1000", line):
-                break
-        workers = [c for p in procs for c in psutil.Process(p.pid).children()]
-        assert len(workers) == 4, "".join(lines)  # the data workers are there to be signalled
+        lines = read_until(procs[0].stdout, r"iteration\s+2/1000")
+        # the data workers are there to be signalled (each rank's other child: multiprocessing's resource tracker)
+        workers = [c for p in procs for c in psutil.Process(p.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 4, "".join(lines)
         os.killpg(procs[0].pid, signum)
         out, _ = procs[0].communicate(timeout=240)
         procs[1].wait(timeout=60)

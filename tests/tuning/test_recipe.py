@@ -6,7 +6,7 @@ import pytest
 
 from megatron_lite.arguments import parse_args
 from megatron_lite.model import memory
-from megatron_lite.training.deepspeed_config import deepspeed_config
+from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning import recipe
 from tests.harness import REPO_ROOT
 
