@@ -55,7 +55,8 @@ def snapshot(obj: Any) -> Any:
 
 
 def snapshot_bytes(obj: Any) -> int:
-    """Host bytes a snapshot of `obj` takes: its distinct tensor storages (what the memory estimate counts)."""
+    """Host bytes a snapshot of `obj` takes: its distinct tensor storages (what the memory estimate's
+    `snapshot` is tested against)."""
     seen, total = set(), 0
 
     def walk(o):

@@ -22,6 +22,22 @@ from typing import Callable, List, Optional
 import torch.distributed as dist
 
 
+def write_in_turn(writes: List[Callable[[], None]], failure: Optional[Exception] = None) -> Optional[Exception]:
+    """Each of `writes`, in turn, until one raises WriteError (or while `failure` is None): the first failure,
+    or None. Each write is dropped from the list once done, so a snapshot's memory goes back file by file."""
+    from megatron_lite.atomic import WriteError
+
+    while writes and failure is None:
+        write = writes.pop(0)
+        try:
+            write()
+        except WriteError as e:
+            failure = e
+        del write
+    writes.clear()
+    return failure
+
+
 class AsyncWriter:
     def __init__(self, timeout: Optional[datetime.timedelta] = None):
         """Collective: every rank creates the writer's group."""
@@ -29,36 +45,21 @@ class AsyncWriter:
         self.group = dist.new_group(backend="gloo", **kwargs)
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self.tag: Optional[str] = None
 
     def submit(self, tag: str, writes: List[Callable[[], None]], commit: Callable[[Optional[Exception], object], None],
                failure: Optional[Exception] = None) -> None:
         """Start writing: each of `writes` in turn (stopping at the first WriteError), then `commit(failure,
         group)`, which agrees with the other ranks and publishes. The previous save must have been waited for."""
         assert self._thread is None, "wait() for the save in flight before submitting another"
-        self.tag = tag
         self._thread = threading.Thread(target=self._run, args=(writes, commit, failure), daemon=True,
                                         name=f"async-save {tag}")
         self._thread.start()
 
     def _run(self, writes, commit, failure) -> None:
-        from megatron_lite.atomic import WriteError
-
         try:
-            while writes and failure is None:
-                write = writes.pop(0)  # each file's snapshot is freed once it is written
-                try:
-                    write()
-                except WriteError as e:
-                    failure = e
-                del write
-            writes.clear()
-            commit(failure, self.group)
+            commit(write_in_turn(writes, failure), self.group)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             self._error = e
-
-    def in_flight(self) -> bool:
-        return self._thread is not None
 
     def wait(self) -> Optional[float]:
         """Block until the save in flight is committed: the seconds waited, None when none was in flight.

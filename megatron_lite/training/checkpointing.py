@@ -58,7 +58,7 @@ from megatron_lite.checkpoint.reader import check_layer_state, check_model_state
 from megatron_lite.config import Config
 from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.parallel import state
-from megatron_lite.training.async_save import AsyncWriter
+from megatron_lite.training.async_save import AsyncWriter, write_in_turn
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
 from megatron_lite.training.layout_free_resume import (
     Resumed,
@@ -174,14 +174,7 @@ def save(engine, config: Config, iteration: int, consumed_samples: int, folder: 
     if writer is not None:
         writer.submit(tag, writes, commit, io.failure)
         return tag
-    failure = io.failure
-    for write in writes if failure is None else ():
-        try:
-            write()
-        except WriteError as e:
-            failure = e
-            break
-    commit(failure)
+    commit(write_in_turn(writes, io.failure))
     return tag
 
 
