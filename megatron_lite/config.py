@@ -191,8 +191,15 @@ class ParallelConfig:
     """TP degree: ranks that split each matrix (within a node)."""
     pipeline_model_parallel_size: int = option(1, "--pipeline-model-parallel-size")
     """PP degree: stages the layers are split into."""
+    context_parallel_size: int = option(1, "--context-parallel-size")
+    """CP degree: ranks that split each sample's sequence (world = TP x CP x PP x DP). Each holds
+    seq/CP tokens outside attention; inside it an all-to-all gives each all tokens of (heads/TP)/CP
+    heads. Gradients are reduced, and ZeRO partitions, over DP x CP."""
+    cp_comm_type: str = option("a2a", "--cp-comm-type", choices=("a2a", "p2p"))
+    """How context-parallel attention communicates: a2a (all-to-all over heads, as DeepSpeed-Ulysses).
+    p2p (ring attention, Megatron-LM's default) is not built and is refused by validation."""
     data_parallel_size: Optional[int] = None
-    """DP degree: world_size / (TP x PP), derived by validation."""
+    """DP degree: world_size / (TP x CP x PP), derived by validation."""
     zero_stage: int = option(0, "--zero-stage", choices=(0, 1, 2, 3))
     """DeepSpeed ZeRO stage; 0 or 1 when --pipeline-model-parallel-size > 1."""
     pipeline_partition_method: str = option("cost", "--pipeline-partition-method")

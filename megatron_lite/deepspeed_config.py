@@ -42,7 +42,9 @@ def _ours(config: Config) -> Dict[str, Any]:
             min_loss_scale=precision.min_loss_scale,
         )
     return {
-        "train_batch_size": batch.global_batch_size,
+        # DeepSpeed's data-parallel ranks are DP x CP (parallel/state.py), each taking micro x gas samples
+        # per step as it counts them; the CP ranks of a sample each count it once.
+        "train_batch_size": batch.global_batch_size * config.parallel.context_parallel_size,
         "train_micro_batch_size_per_gpu": batch.micro_batch_size,
         "gradient_accumulation_steps": batch.gradient_accumulation_steps,
         "gradient_clipping": config.optimizer.clip_grad,

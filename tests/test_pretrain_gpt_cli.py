@@ -45,6 +45,15 @@ def test_query_groups_that_do_not_fit_tp_exit_2_with_one_line_before_any_collect
     assert len(errors) == 1 and "Use --num-query-groups 1 or 2" in errors[0], out
 
 
+def test_a_context_parallel_size_the_heads_do_not_split_into_exits_2_with_one_line_before_any_collective():
+    proc = _launch(["--context-parallel-size", "4", "--hidden-size", "96", "--num-attention-heads", "6"],
+                   WORLD_SIZE="4")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out
+    errors = [line for line in out.splitlines() if "--context-parallel-size 4" in line]
+    assert len(errors) == 1 and "Use --context-parallel-size 1 or 2" in errors[0], out
+
+
 def test_unknown_flag_exits_2_with_usage():
     proc = _launch(["--tensor-parallel-size", "2"])
     out, _ = proc.communicate(timeout=120)

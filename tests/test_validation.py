@@ -162,6 +162,25 @@ RULES = [
     pytest.param(model_rules, cfg(model__use_rope_scaling=True),
                  r"^--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope",
                  id="rope-scaling-without-rope"),
+    pytest.param(parallel_rules, layout(6, 1, 1, parallel__context_parallel_size=4),
+                 r"^world size 6 is not divisible by --tensor-model-parallel-size 1 x --context-parallel-size 4 x "
+                 r"--pipeline-model-parallel-size 1 = 4;", id="world-size-divisible-by-tp-cp-pp"),
+    pytest.param(parallel_rules, cfg(parallel__cp_comm_type="p2p", parallel__context_parallel_size=2,
+                                     parallel__world_size=2),
+                 r"^--cp-comm-type p2p: ring attention \(p2p\) is not built here; use --cp-comm-type a2a",
+                 id="cp-ring-attention"),
+    pytest.param(model_rules, layout(4, 2, parallel__context_parallel_size=2, model__hidden_size=96,
+                                     model__num_attention_heads=6),
+                 r"^--num-attention-heads 6 / --tensor-model-parallel-size 2 = 3 heads per TP rank is not divisible "
+                 r"by --context-parallel-size 2: .* Use --context-parallel-size 1$", id="heads-vs-cp"),
+    pytest.param(model_rules, layout(4, 1, parallel__context_parallel_size=4, model__group_query_attention=True,
+                                     model__num_query_groups=6, model__hidden_size=96, model__num_attention_heads=12),
+                 r"^--num-query-groups 6 at --tensor-model-parallel-size 1 leaves 6 key/value groups per TP rank, "
+                 r"which neither divides nor is divided by --context-parallel-size 4", id="groups-vs-cp"),
+    pytest.param(model_rules, layout(4, 2, parallel__context_parallel_size=2, parallel__sequence_parallel=True,
+                                     model__seq_length=1026),
+                 r"^--seq-length 1026 is not divisible by --context-parallel-size 2 x --tensor-model-parallel-size 2 "
+                 r"\(with --sequence-parallel\) = 4: .* Use --seq-length 1024 or 1028$", id="seq-vs-cp-sp"),
 ]
 
 

@@ -24,8 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from bench_training import join_gloo_world, random_batches  # noqa: E402
+from bench_training import add_model_arguments, join_gloo_world, random_batches, run_ranks  # noqa: E402
 
 VARIANTS = {
     "tp2": [],
@@ -84,12 +83,7 @@ def _worker(rank, port, args, results):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
+    add_model_arguments(parser, seq_length=512, micro_batch_size=4)
     parser.add_argument("--gas", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     parser.add_argument("--attention-backend", default="fused", choices=("sdpa", "fused"),
@@ -98,17 +92,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per engine per round")
     args = parser.parse_args()
 
-    from megatron_lite.training.distributed import free_port
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    out = run_ranks(_worker, 2, args)
     rounds = [{n: max(rank_rounds[i][n] for _, rank_rounds, _ in out) for n in VARIANTS}
               for i in range(args.rounds)]
     activations = out[0][2]

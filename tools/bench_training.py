@@ -144,7 +144,34 @@ def join_gloo_world(rank, world_size, port):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
-def _worker(rank, world_size, port, argv, warmup, iters, results):
+def add_model_arguments(parser, seq_length: int, micro_batch_size: int) -> None:
+    """The GPT the two-process benchmarks build: 4 layers, hidden 256, 8 heads, vocabulary 2048."""
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=seq_length)
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=micro_batch_size)
+
+
+def run_ranks(target, world_size, *args, timeout=3600):
+    """target(rank, port, *args, results) on world_size spawned processes; what each put in results, in
+    rank order (each puts one tuple that starts with its rank)."""
+    from megatron_lite.training.distributed import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = sorted(results.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join()
+    return out
+
+
+def _worker(rank, port, world_size, argv, warmup, iters, results):
     import torch.distributed as dist
 
     join_gloo_world(rank, world_size, port)
@@ -155,18 +182,7 @@ def _worker(rank, world_size, port, argv, warmup, iters, results):
 
 def run_world(argv, world_size, warmup, iters):
     """(seconds per step: the slowest rank's, rank 0's details)."""
-    from megatron_lite.training.distributed import free_port
-
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, argv, warmup, iters, results))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out = sorted(results.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    out = run_ranks(_worker, world_size, world_size, argv, warmup, iters, timeout=1800)
     return max(t for _, t, _ in out), out[0][2]
 
 

@@ -1,4 +1,4 @@
-"""Find a fast TP / PP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
+"""Find a fast TP / CP / PP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
 
     python tools/tune_parallelism.py plan --nodes 4 --gpus-per-node 8 --gpu-memory-gb 80 \\
         <pretrain_gpt.py model flags> --global-batch-size 1024 --output plan.json
@@ -41,6 +41,9 @@ def _plan(argv) -> int:
     parser.add_argument("--micro-batch-probe", action="store_true",
                         help="Samyam's mode: one node, --probe-layers layers at full hidden size, micro batch 1..64")
     parser.add_argument("--probe-layers", type=int, default=2)
+    parser.add_argument("--max-context-parallel", type=int, default=None,
+                        help="largest --context-parallel-size tried (1, 2, 4, ...; default: up to the heads per TP "
+                             "rank; 1 plans without context parallelism)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
     parser.add_argument("--peak-tflops", type=float, default=312.0, help="16-bit dense peak per GPU (A100 312)")
     parser.add_argument("--intra-node-gbps", type=float, default=150.0)
@@ -49,7 +52,9 @@ def _plan(argv) -> int:
     parser.add_argument("--show", type=int, default=30, help="rows of the table to print")
     own, model_argv = parser.parse_known_args(argv)
     for flag, value in (("--nodes", own.nodes), ("--gpus-per-node", own.gpus_per_node),
-                        ("--max-micro-batch", own.max_micro_batch)):
+                        ("--max-micro-batch", own.max_micro_batch),
+                        ("--max-context-parallel",
+                         1 if own.max_context_parallel is None else own.max_context_parallel)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if not 0 <= own.memory_margin < 1:
@@ -62,7 +67,8 @@ def _plan(argv) -> int:
     workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else tempfile.mkdtemp(prefix="plan_")
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
-                    own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers)
+                    own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
+                    max_context_parallel=own.max_context_parallel)
     print(recipe.format_plan(p, own.show))
     print(f"first: {recipe.first_choice_reason(p)}")
     if own.output:

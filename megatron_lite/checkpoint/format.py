@@ -72,10 +72,17 @@ def zero_optimizer_files(folder: str, stage: int, tp_rank: int, tp: int, dp: int
 
 
 def layout_of(tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-              data_parallel_size: Optional[int]) -> Dict[str, Optional[int]]:
+              data_parallel_size: Optional[int], context_parallel_size: int = 1) -> Dict[str, Optional[int]]:
     return {"tensor_model_parallel_size": tensor_model_parallel_size,
             "pipeline_model_parallel_size": pipeline_model_parallel_size,
-            "data_parallel_size": data_parallel_size}
+            "data_parallel_size": data_parallel_size,
+            "context_parallel_size": context_parallel_size}
+
+
+def data_ranks(layout: dict) -> int:
+    """DeepSpeed's data-parallel size when the layout was saved: DP x CP (parallel/state.py), one ZeRO
+    optimizer partition file each. Checkpoints from before context parallelism have no CP: 1."""
+    return int(layout.get("data_parallel_size") or 1) * int(layout.get("context_parallel_size") or 1)
 
 
 def read_latest(directory: str) -> Optional[str]:

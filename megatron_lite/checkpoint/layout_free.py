@@ -28,6 +28,7 @@ from megatron_lite.atomic import torch_save
 from megatron_lite.checkpoint import sliced
 from megatron_lite.checkpoint.format import (
     UNIVERSAL_FORMAT,
+    data_ranks,
     CheckpointError,
     layer_file,
     load_file,
@@ -87,7 +88,7 @@ class LayoutFreeReader:
         layout = metadata["layout"]
         self.tp = int(layout["tensor_model_parallel_size"])
         self.pp = int(layout["pipeline_model_parallel_size"])
-        self.dp = int(layout.get("data_parallel_size") or 1)
+        self.dp = data_ranks(layout)  # ZeRO partitions: DP x CP
         self.layout = ModelLayout(self.config)
         self.bounds = None if self.universal else self.layout.saved_stage_bounds(metadata)
         self.zero_stage, self.precision = storage_of(metadata)

@@ -27,6 +27,7 @@ from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     layer_file,
+    layout_of,
     load_file,
     read_metadata,
     rng_files,
@@ -66,9 +67,9 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
     padded = m.padded_vocab_size
     if m.vocab_size is not None:
         padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    dp = p.data_parallel_size
+    dp, cp = p.data_parallel_size, p.context_parallel_size  # kept: the run's batch and sequence split
     config = source.replace(parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
-                            parallel__pipeline_partition_method=method, parallel__world_size=tp * pp * dp,
+                            parallel__pipeline_partition_method=method, parallel__world_size=tp * pp * dp * cp,
                             model__padded_vocab_size=padded)
     try:
         ModelLayout(config).stage_bounds(pp, method)
@@ -102,7 +103,8 @@ def engine_state(config: Config, layout: ModelLayout, bounds: List[int], run, st
     """One stage's and TP rank's model-states file: a plain AdamW state (`moments`: optimizer index -> step and
     moments; empty for none) with the run's schedule and counters."""
     p = config.parallel
-    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = p.data_parallel_size * p.context_parallel_size  # DeepSpeed's data-parallel size
     groups = _groups(config, run.lr_scheduler)
     params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
     decay = sum(1 for info, _ in params if info.decays)
@@ -183,8 +185,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 torch_save(load_file(os.path.join(source.folder, name)), os.path.join(tmp, name))
         metadata = {k: v for k, v in source.metadata.items() if k not in ("format", "run_state", "converted_from")}
         metadata.update(iteration=run.iteration, consumed_samples=run.consumed_samples,
-                        layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                                "data_parallel_size": dp},
+                        layout=layout_of(tp, pp, dp, config.parallel.context_parallel_size),
                         layers_per_stage=layout.layers_per_stage(bounds),
                         config=dataclasses.asdict(config), optimizer_states=not no_optimizer,
                         storage={"zero_stage": 0, "precision": "fp32"},

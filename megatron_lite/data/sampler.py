@@ -8,12 +8,14 @@ exactly the micro-batches it would have seen next.
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from megatron_lite.data import workers
+from megatron_lite.data.context_parallel import context_parallel_part
 
 
 class PretrainingSampler:
@@ -51,16 +53,19 @@ def collate_arrays(samples: Sequence[Dict[str, np.ndarray]]) -> Tuple[np.ndarray
     return tuple(np.stack([s[key] for s in samples]) for key in BATCH_KEYS)
 
 
-def as_batch(arrays: Sequence[np.ndarray]):
+def as_batch(arrays: Sequence[np.ndarray], context_parallel: Tuple[int, int] = (0, 1)):
     """The four arrays -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine
-    takes them (tensors sharing the arrays' memory)."""
-    tokens, position_ids, labels, loss_mask = (torch.from_numpy(a) for a in arrays)
+    takes them (tensors sharing the arrays' memory). context_parallel (rank, size) with size > 1: that
+    CP rank's part of the sequence, the mask as loss weights (data/context_parallel.py)."""
+    if context_parallel[1] > 1:
+        arrays = context_parallel_part(arrays, *context_parallel)
+    tokens, position_ids, labels, loss_mask = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
     return (tokens, position_ids), (labels, loss_mask)
 
 
-def collate(samples: Sequence[Dict[str, np.ndarray]]):
+def collate(samples: Sequence[Dict[str, np.ndarray]], context_parallel: Tuple[int, int] = (0, 1)):
     """Dataset items -> ((tokens, position_ids), (labels, loss_mask))."""
-    return as_batch(collate_arrays(samples))
+    return as_batch(collate_arrays(samples), context_parallel)
 
 
 class _ArrayBatches:
@@ -68,14 +73,15 @@ class _ArrayBatches:
     leave as tensors. Every other attribute, read or set, is the DataLoader iterator's (its
     worker shutdown, which tests and the exit hook of data/workers.py rely on)."""
 
-    def __init__(self, iterator) -> None:
+    def __init__(self, iterator, context_parallel: Tuple[int, int] = (0, 1)) -> None:
         object.__setattr__(self, "_iterator", iterator)
+        object.__setattr__(self, "_context_parallel", context_parallel)
 
     def __iter__(self) -> "_ArrayBatches":
         return self
 
     def __next__(self):
-        return as_batch(next(self._iterator))
+        return as_batch(next(self._iterator), self._context_parallel)
 
     def __getattr__(self, name: str):
         return getattr(self._iterator, name)
@@ -85,8 +91,10 @@ class _ArrayBatches:
 
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                        data_parallel_size: int, num_workers: int = 0) -> Optional[Iterator]:
-    """Iterator of this DP rank's micro-batches from consumed_samples on; None for no dataset."""
+                        data_parallel_size: int, num_workers: int = 0,
+                        context_parallel: Tuple[int, int] = (0, 1)) -> Optional[Iterator]:
+    """Iterator of this DP rank's micro-batches from consumed_samples on (with context_parallel
+    (rank, size): that CP rank's part of each); None for no dataset."""
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
@@ -100,10 +108,11 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # process that competes with the compute threads for the cores (measured on 2 cores:
     # 2.5-3 ms per micro-batch against 0.5 ms; tools/bench_single_peers.py).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate_arrays if num_workers else collate,
+                                         collate_fn=collate_arrays if num_workers else
+                                         functools.partial(collate, context_parallel=context_parallel),
                                          persistent_workers=num_workers > 0,
                                          generator=torch.Generator().manual_seed(data_parallel_rank),
                                          **(workers.loader_options() if num_workers else {}))
     if not num_workers:
         return iter(loader)
-    return _ArrayBatches(workers.start_workers(loader))
+    return _ArrayBatches(workers.start_workers(loader), context_parallel)

@@ -46,7 +46,7 @@ def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method:
     """The run's config under the evaluation's layout, checked by the same validation training uses."""
     config = source.replace(
         parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
-        parallel__data_parallel_size=None, parallel__zero_stage=0, parallel__cpu_offload=False,
+        parallel__data_parallel_size=None, parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
         parallel__pipeline_partition_method=partition_method, parallel__distributed_backend=None,
         batch__gradient_accumulation_steps=None, batch__rampup_batch_size=None, model__padded_vocab_size=None,
         data__data_path=tuple(data_path) if data_path else source.data.data_path,

@@ -4,9 +4,13 @@ What each autograd node of our layer keeps (model/transformer.py; storages count
 e = bytes of an activation element (4 fp32, 2 bf16/fp16; weights are the same dtype), k = bytes of a
 dropout mask element (1 on CUDA, where native_dropout keeps a bool mask; e on CPU, where dropout
 keeps a mask in the input's dtype: measured), t = TP, r = t with --sequence-parallel and 1 without
-(what divides the residual stream), b = micro batch, s = sequence, h = hidden, f = FFN width,
+(what divides the residual stream), c = CP, b = micro batch, S = sequence, s = S / c the tokens of a
+sample this rank holds outside attention (S without context parallelism), h = hidden, f = FFN width,
 a = heads, g = key/value groups, d = h / a; per TP rank n = a/t query heads and m = max(g/t, 1)
-groups, Q = e b s n d and K = e b s m d bytes of queries and keys (QKV = Q + 2K, the fused output):
+groups; inside attention a rank holds all S tokens of n_c = n/c heads and m_c = m_e/c groups, where
+m_e = m, or c when m < c (keys and values repeated to c groups before the all-to-all). Without
+context parallelism n_c = n, m_c = m. Q = e b S n_c d and K = e b S m_c d bytes of the queries and keys
+attention runs on (QKV = Q + 2K: the fused output, or with context parallelism the all-to-all's):
 
   2 norms, each with its output (the next linear's input), / r (sequence parallel: shards; the
   column-parallel linears keep the shard and all-gather it again in backward):
@@ -16,47 +20,59 @@ groups, Q = e b s n d and K = e b s m d bytes of queries and keys (QKV = Q + 2K,
                a copy otherwise), the normalised input cast back (the weight's gradient),
                output, fp32 rstd
   q, k, v: what the attention keeps of them (below)    `attention_input_bytes`
-  RoPE: its cos and signed sin tables (shared by q, k) 2 e s d
+  RoPE: its cos and signed sin tables (shared by q, k) 2 e S d
   g < t: the QKV weight multiplied with, its group's   e (n + 2) d h  (parallel/qkv.py; made per
          K/V rows gathered                                            micro-batch)
   attention context (the projection's input)           e bsh / t
   MLP  GeLU: its input and output                      2 e bsf / t
        SwiGLU: [gate; up], silu(gate), the product     4 e bsf / t
   attention core (`attention_core_bytes`), by kernel (`attention_kernel`):
-    fused   the softmax output                         e a s^2 b / t
-            attention dropout (p > 0): mask + output   (k + e) a s^2 b / t
-    flash   (SDPA) the fp32 log-sum-exp                4 a s b / t, no s^2 term
+    fused   the softmax output                         e n_c S^2 b
+            attention dropout (p > 0): mask + output   (k + e) n_c S^2 b
+    flash   (SDPA) the fp32 log-sum-exp                4 n_c S b, no S^2 term
+            c > 1: its output [b, n_c, S, d], which    e b S n_c d = e bsh / t
+            the all-to-all copies into the projection's input (at c = 1 that input is the output's storage)
     math    (SDPA's fallback: on CPU with dropout)     as fused, in fp32 whatever the inputs
   two hidden dropouts (p > 0): masks                   2 k bsh / r
   => Korthikanti et al. 2022, for e = 2, k = 1, f = 4h, GPT-2's block (LayerNorm statistics left out):
      sbh(34 + 5as/h) at t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34/t + 5as/(ht)) with TP + SP.
 
-q, k and v (measured for every case; `attention_input_bytes`): q and k are views of the QKV output,
-or with RoPE new tensors; v is a view. SDPA's kernels keep what they are given (v's view keeps the
-whole QKV output). The fused path's matmuls keep the [b m, ., d] batches they fold [b, m, ., d] into:
-a view of the QKV output when b = 1 or m = 1, else a copy; queries are regrouped to [b, m, (n/m) s, d]
-first, a copy when n > m. The math path scales q and k into new tensors, converts 16-bit q, k, v to
-fp32, and repeats k and v to n heads when n > m.
+q, k and v (measured for every case; `attention_input_bytes`): q and k are views of the QKV output
+(with context parallelism: of the all-to-all's output [b, n_c + 2 m_c, S, d]), or with RoPE new
+tensors; v is a view. SDPA's kernels keep what they are given (v's view keeps the whole QKV or
+all-to-all output). The fused path's matmuls keep the [b m_c, ., d] batches they fold [b, m_c, ., d]
+into: a view when b = 1 or m_c = 1, else a copy; queries are regrouped to [b, m_c, (n_c/m_c) S, d]
+first, a copy of the QKV output's [b, n, S, d] view when n > m (the all-to-all's heads-major layout
+regroups as a view). The math path scales q and k into new tensors, converts 16-bit q, k, v to fp32,
+and repeats k and v to n_c heads when n_c > m_c.
+Context parallelism keeps nothing else of its all-to-alls (they save no tensor; packing q, k, v and
+repeating groups save none): its cost is the all-to-all output kept whole, and flash's output above.
 
 --recompute-granularity selective drops the attention core's terms: its checkpoint keeps q, k, v
 as given, and its output is the projection's input (counted above); so sbh 34/t with TP + SP.
+Context parallelism divides every term by c: the sbh terms through the tokens (s = S/c), the attention
+core's through the heads (n_c = n/c), q, k, v through the heads (and grows K by the repeated groups when
+m < c); RoPE's tables (2 e S d, per layer) are its one term that does not shrink.
 Under flash SDPA there is no s^2 term to drop: selective saves the log-sum-exp only, and still runs
 the attention core twice. Backward rebuilds one layer's attention core at a time (a transient).
 --recompute-granularity full keeps each recomputed chunk's input (e bsh / r) instead of its layers'
 activations (model/arithmetic.py `recompute_chunks`); backward rebuilds one chunk at a time: up to N
 layers' activations with --recompute-method uniform, one layer with block.
 
-First stage adds the embedding: token and position ids (8 bs each), the out-of-range mask at t > 1
-(bs), the dropout mask (k bsh / r). Without dropout under sequence parallelism at b = 1 the first
-layer's input shard is a view of the whole embedding output: e bsh (1 - 1/t) more wherever that
-input is kept (not by a 16-bit RMSNorm, which keeps its fp32 copy instead).
+First stage adds the embedding (this rank's s tokens): token and position ids (8 bs each), the
+out-of-range mask at t > 1 (bs), the dropout mask (k bsh / r). Without dropout under sequence
+parallelism at b = 1 the first layer's input shard is a view of the whole embedding output:
+e bsh (1 - 1/t) more wherever that input is kept (not by a 16-bit RMSNorm, which keeps its fp32
+copy instead).
 Last stage adds the final norm (as above, its output being the head's input; the gathered sequence
 is not kept), the vocab-parallel cross entropy's fp32 softmax (4 bsV/t), its local targets and
-out-of-range mask (9 bs), and the loss mask with the count it divides by (4 bs + 4). The cross
+out-of-range mask (9 bs), and the loss mask with the count it divides by (4 bs + 4; with context
+parallelism the loss weights, 4 bs, which hold the count: data/context_parallel.py). The cross
 entropy works in place on fp32 logits, so the softmax is the logits' own buffer. 16-bit logits live
 on while their fp32 copy is made, and backward turns the fp32 gradient into a 16-bit one: a
 transient of e bsV/t when e < 4.
-A non-last stage also keeps its output (e bsh / r) per micro-batch in flight for the send.
+A non-last stage also keeps its output (e bsh / r, this rank's part of the sequence) per micro-batch in
+flight for the send.
 """
 from __future__ import annotations
 
@@ -66,6 +82,7 @@ from typing import Tuple
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import recompute_chunks
 from megatron_lite.model.transformer import resolve_attention_backend
+from megatron_lite.parallel.context_parallel import context_parallel_groups
 from megatron_lite.parallel.qkv import local_query_groups
 
 
@@ -75,12 +92,23 @@ class Dims:
     k: int
     t: int
     r: int
+    c: int
     b: int
-    s: int
+    S: int
+    """The whole sequence (what attention sees)."""
     h: int
     f: int
     a: int
     g: int
+
+    @property
+    def s(self) -> int:
+        """Tokens of a sample this rank holds outside attention: S / c."""
+        return self.S // self.c
+
+    @property
+    def bs(self) -> int:
+        return self.b * self.s
 
     @property
     def bsh(self) -> int:
@@ -98,14 +126,24 @@ class Dims:
     def local_groups(self) -> int:
         return local_query_groups(self.g, self.t)
 
+    @property
+    def attention_heads(self) -> int:
+        """n_c: query heads this rank attends with, over all S tokens."""
+        return self.local_heads // self.c
+
+    @property
+    def attention_groups(self) -> int:
+        """m_c: key/value groups this rank attends with (after the repeat to c groups when m < c)."""
+        return context_parallel_groups(self.local_groups, self.c) // self.c
+
 
 def dims(config: Config, device: str) -> Dims:
     m, p = config.model, config.parallel
     e = 4 if config.precision.dtype_name == "fp32" else 2
     t = p.tensor_model_parallel_size
     return Dims(e=e, k=1 if device == "cuda" else e, t=t, r=t if p.sequence_parallel else 1,
-                b=config.batch.micro_batch_size, s=m.seq_length, h=m.hidden_size, f=m.ffn_hidden_size,
-                a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads)
+                c=p.context_parallel_size, b=config.batch.micro_batch_size, S=m.seq_length, h=m.hidden_size,
+                f=m.ffn_hidden_size, a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads)
 
 
 def attention_kernel(config: Config, device: str) -> str:
@@ -121,7 +159,7 @@ def attention_kernel(config: Config, device: str) -> str:
     if device != "cuda":
         return "flash" if m.attention_dropout == 0 else "math"
     d = dims(config, device)
-    grouped = d.local_heads != d.local_groups
+    grouped = d.attention_heads != d.attention_groups
     return "math" if grouped and config.precision.dtype_name == "fp32" else "flash"
 
 
@@ -135,18 +173,19 @@ def attention_input_bytes(config: Config, device: str = "cuda", checkpointed: bo
     what selective recompute's checkpoint keeps of them: its inputs as given. Measured for every case
     (tests/model/test_memory.py)."""
     d = dims(config, device)
-    n, m = d.local_heads, d.local_groups
-    q = d.e * d.b * d.s * n * d.head_dim
-    kv = d.e * d.b * d.s * m * d.head_dim
+    n, m = d.attention_heads, d.attention_groups
+    q = d.e * d.b * d.S * n * d.head_dim
+    kv = d.e * d.b * d.S * m * d.head_dim
     rope = config.model.position_embedding_type == "rope"
     kernel = "flash" if checkpointed else attention_kernel(config, device)
     fold_is_view = d.b == 1 or m == 1  # [b, m, ., d] -> [b m, ., d] without a copy
+    regroup_is_view = n == m or d.c > 1  # [b, n, S, d] -> [b, m, (n/m) S, d]: see the module docstring
     if kernel == "flash":  # as given
         q_view, k_view, v_view = not rope, not rope, True
     elif kernel == "fused":
-        q_view, k_view, v_view = not rope and n == m and fold_is_view, not rope and fold_is_view, fold_is_view
+        q_view, k_view, v_view = not rope and regroup_is_view and fold_is_view, not rope and fold_is_view, fold_is_view
     elif d.e < 4 or n != m:  # math: fp32 copies of 16-bit inputs, or k and v repeated to n heads
-        return 3 * 4 * d.b * d.s * n * d.head_dim
+        return 3 * 4 * d.b * d.S * n * d.head_dim
     else:  # math, fp32: q and k scaled into new tensors
         q_view, k_view, v_view = False, False, fold_is_view
     whole = q + 2 * kv if (q_view or k_view or v_view) else 0  # a view keeps the whole QKV output
@@ -157,10 +196,13 @@ def attention_core_bytes(config: Config, device: str = "cuda") -> int:
     """What the attention core (scores, softmax, dropout, x V) keeps beyond its inputs: selective
     recompute's saving."""
     d = dims(config, device)
-    scores = d.a * d.s * d.s * d.b // d.t
+    scores = d.attention_heads * d.S * d.S * d.b
     kernel = attention_kernel(config, device)
     if kernel == "flash":
-        return 4 * scores // d.s  # the fp32 log-sum-exp per query
+        # The fp32 log-sum-exp per query; with context parallelism also its output, no longer the
+        # storage the projection's input is.
+        output = d.e * d.b * d.S * d.attention_heads * d.head_dim if d.c > 1 else 0
+        return 4 * scores // d.S + output
     # SDPA's math path works in fp32 whatever the inputs (its dropout mask: bool on CUDA, fp32 on CPU).
     e, k = (4, 1 if device == "cuda" else 4) if kernel == "math" else (d.e, d.k)
     total = e * scores
@@ -169,13 +211,23 @@ def attention_core_bytes(config: Config, device: str = "cuda") -> int:
     return total
 
 
+def context_parallel_all_to_all_bytes(config: Config) -> int:
+    """Bytes of one layer's two forward all-to-all tensors on a rank per micro-batch (its gradients in
+    backward are as large): q, k, v packed, [b, s, n + 2 m_e, d] = [b, n_c + 2 m_c, S, d] after it, and
+    the context [b, n_c, S, d] back; 0 without context parallelism. A rank sends (c-1)/c of each."""
+    d = dims(config, "cuda")
+    if d.c == 1:
+        return 0
+    return d.e * d.b * d.S * (2 * d.attention_heads + 2 * d.attention_groups) * d.head_dim
+
+
 def norm_bytes(config: Config, device: str = "cuda") -> int:
     """One norm of the residual stream with its output (module docstring), on this rank's shard."""
     d = dims(config, device)
     if config.model.normalization == "RMSNorm":
-        return ((4 + 2 * d.e) * d.bsh + 4 * d.b * d.s) // d.r
+        return ((4 + 2 * d.e) * d.bsh + 4 * d.bs) // d.r
     statistic = 4 if device == "cuda" else d.e  # mean and rstd: fp32 on CUDA, the input's dtype on CPU
-    return (2 * d.e * d.bsh + 2 * statistic * d.b * d.s) // d.r
+    return (2 * d.e * d.bsh + 2 * statistic * d.bs) // d.r
 
 
 def _layer_bytes(config: Config, device: str, selective: bool) -> int:
@@ -185,10 +237,10 @@ def _layer_bytes(config: Config, device: str, selective: bool) -> int:
     if not selective:
         total += attention_core_bytes(config, device)
     if m.position_embedding_type == "rope":
-        total += 2 * d.e * d.s * d.head_dim
+        total += 2 * d.e * d.S * d.head_dim
     if d.g < d.t:
         total += d.e * (d.local_heads + 2) * d.head_dim * d.h
-    total += (4 if m.swiglu else 2) * d.e * d.b * d.s * d.f // d.t
+    total += (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t
     if m.hidden_dropout > 0:
         total += 2 * d.k * d.bsh // d.r
     return total
@@ -241,7 +293,7 @@ def stage_layer_bytes(config: Config, layers: int, device: str = "cuda") -> Tupl
 
 def embedding_activation_bytes(config: Config, device: str = "cuda") -> int:
     m, d = config.model, dims(config, device)
-    bs = d.b * d.s
+    bs = d.bs
     total = 8 * bs + (8 * bs if m.position_embedding_type == "learned_absolute" else 0) + (bs if d.t > 1 else 0)
     if m.hidden_dropout > 0:
         return total + d.k * d.bsh // d.r
@@ -257,18 +309,20 @@ def embedding_activation_bytes(config: Config, device: str = "cuda") -> int:
 def head_activation_bytes(config: Config, device: str = "cuda") -> int:
     """The final norm, the head's input, the cross entropy's softmax and targets."""
     d = dims(config, device)
-    bs = d.b * d.s
-    # norm_bytes counts the norm's output, which is the head's input.
-    return norm_bytes(config, device) + 4 * bs * config.model.padded_vocab_size // d.t + 13 * bs + 4
+    bs = d.bs
+    # norm_bytes counts the norm's output, which is the head's input; the count the loss divides by
+    # (4 bytes) is gone under context parallelism, whose loss weights already hold it.
+    return (norm_bytes(config, device) + 4 * bs * config.model.padded_vocab_size // d.t + 13 * bs
+            + (4 if d.c == 1 else 0))
 
 
 def head_transient_bytes(config: Config) -> int:
     d = dims(config, "cuda")
-    return (d.e if d.e < 4 else 0) * d.b * d.s * config.model.padded_vocab_size // d.t
+    return (d.e if d.e < 4 else 0) * d.bs * config.model.padded_vocab_size // d.t
 
 
 def stage_output_bytes(config: Config) -> int:
-    """What crosses a pipeline stage boundary per micro-batch: [b, s, h], or [b, s/t, h] under sequence
-    parallelism (also the size of each pipeline-engine buffer)."""
+    """What crosses a pipeline stage boundary per micro-batch: [b, s, h] (this rank's s = S/c tokens), or
+    [b, s/t, h] under sequence parallelism (also the size of each pipeline-engine buffer)."""
     d = dims(config, "cuda")
     return d.e * d.bsh // d.r

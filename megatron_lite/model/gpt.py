@@ -34,7 +34,7 @@ from megatron_lite.model.partition import stage_table
 from megatron_lite.model.norms import RMSNorm
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.model.transformer import TransformerLayer, normal_init
-from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy
+from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy, weighted_sum
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -137,17 +137,20 @@ class LMHeadPipe(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Tensor],
-            vocab_size: Optional[int] = None) -> torch.Tensor:
+            vocab_size: Optional[int] = None, weighted: bool = False) -> torch.Tensor:
     """Mean cross entropy over the unmasked tokens of a micro-batch; logits stay split over TP, and the
-    padded vocabulary columns (from vocab_size on) are out of the softmax."""
+    padded vocabulary columns (from vocab_size on) are out of the softmax. weighted (context
+    parallelism): the mask holds loss weights, and this rank's share of the loss is their weighted sum."""
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)  # [b, s]
-    return masked_mean(losses, loss_mask)
+    losses = vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)  # [b, s] (CP: [b, s/C])
+    return weighted_sum(losses, loss_mask) if weighted else masked_mean(losses, loss_mask)
 
 
-def model_loss_fn(model: ModelConfig):
-    """The loss DeepSpeed's pipeline calls with (logits, (labels, loss mask)) for this model's vocabulary."""
-    return functools.partial(loss_fn, vocab_size=model.vocab_size)
+def model_loss_fn(config: Config):
+    """The loss DeepSpeed's pipeline calls with (logits, (labels, loss mask)) for this model's vocabulary
+    (under context parallelism, with loss weights)."""
+    return functools.partial(loss_fn, vocab_size=config.model.vocab_size,
+                             weighted=config.parallel.context_parallel_size > 1)
 
 
 def layer_specs(config: Config) -> List[LayerSpec]:
@@ -181,7 +184,7 @@ class GPTPipe(OwnPartitionPipelineModule):
             super().__init__(
                 layers=layer_specs(config),
                 topology=topology,
-                loss_fn=model_loss_fn(config.model),
+                loss_fn=model_loss_fn(config),
                 partition_method=config.parallel.pipeline_partition_method,
                 activation_checkpoint_interval=0,
             )
@@ -214,6 +217,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: Config):
         super().__init__()
         self.model_config = config.model
+        self.loss = model_loss_fn(config)
         tied = {}
         self.layers = nn.ModuleList()
         self._forward_fns = []
@@ -235,4 +239,4 @@ class GPTModel(nn.Module):
         x = run_stage(self._forward_fns, (tokens, position_ids), self.model_config)
         if labels is None:
             return x
-        return loss_fn(x, (labels, loss_mask), self.model_config.vocab_size)
+        return self.loss(x, (labels, loss_mask))

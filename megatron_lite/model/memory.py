@@ -11,7 +11,8 @@ states (model states) + communication buffers + the largest of three phases:
 The activations are gone before the reduction starts.
 
 Notation: P = this rank's parameters on the stage (after the TP split; model/arithmetic.py
-counts the GPT-2 and the Llama block alike), N = DP, w = bytes of a weight (4 fp32,
+counts the GPT-2 and the Llama block alike), N = DP x CP (the ranks gradients are reduced and ZeRO
+partitions over: `zero_partitions`; a CP rank holds the whole model), w = bytes of a weight (4 fp32,
 2 bf16/fp16), e = bytes of an activation element (same as w), b = micro batch,
 s = sequence, h = hidden, f = FFN width, a = heads, t = TP, V = padded vocabulary.
 
@@ -51,17 +52,17 @@ Optimizer step (torch AdamW): on CUDA its foreach path makes one fp32 temporary 
 steps (the sqrt of the second moments); on CPU the per-tensor path makes two of the largest tensor
 it steps (its parameters at ZeRO 0 fp32, the flat partition of a group under DeepSpeed's optimizers).
 
-Pipeline engine buffers (PP > 1), activation-sized (e bsh each, e bsh / TP with sequence
-parallelism) and kept between steps: a later stage keeps its received inputs and their gradients
-for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3 more (receive
-and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
+Pipeline engine buffers (PP > 1), activation-sized (e bsh each, s = S / CP this rank's part of
+the sequence; e bsh / TP with sequence parallelism) and kept between steps: a later stage keeps its
+received inputs and their gradients for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3
+more (receive and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
 this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1.
 The last stage's outputs (its [b, s, V/t] logits) would stay in the engine's pipe buffers after
 backward (DeepSpeed 0.19 clears them on the other stages only): deepspeed_compat frees them
 (`free_last_stage_outputs_after_backward`), so they are not counted.
 
 Activations: what autograd keeps per micro-batch, per layer and stage, with sequence
-parallelism and selective / full / partial recompute: model/activations.py.
+parallelism, context parallelism and selective / full / partial recompute: model/activations.py.
 
 Micro-batches in flight under DeepSpeed's 1F1B (pipe/schedule.py
 TrainSchedule.num_pipe_buffers): stage i holds min(gas, PP - i); the ZeRO 2/3
@@ -130,6 +131,13 @@ class StageMemory:
         return dict(asdict(self), model_states=self.model_states, peak=self.peak)
 
 
+def zero_partitions(config: Config) -> int:
+    """N: the ranks gradients are reduced over and ZeRO partitions over, DP x CP (CP ranks hold the same
+    weights and see different tokens of the same samples)."""
+    p = config.parallel
+    return p.data_parallel_size * p.context_parallel_size
+
+
 def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     zero = dict((ds_config or {}).get("zero_optimization", {}))
     stage = int(zero.get("stage", 0))
@@ -141,11 +149,12 @@ def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def model_state_bytes(parameters: int, zero_stage: int, data_parallel_size: int, precision: str,
+def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precision: str,
                       cpu_offload: bool = False, offload_param: bool = False,
                       largest_layer_parameters: int = 0) -> Dict[str, int]:
-    """weights / gradients / optimizer_states on the device and cpu_bytes, per rank (see the table above)."""
-    p, n = parameters, data_parallel_size
+    """weights / gradients / optimizer_states on the device and cpu_bytes, per rank (see the table above);
+    partitions: N = DP x CP (`zero_partitions`)."""
+    p, n = parameters, partitions
     w = 4 if precision == "fp32" else 2
     shard = lambda bytes_per_param: int(bytes_per_param * p / n)  # noqa: E731
     if zero_stage == 3:
@@ -208,7 +217,7 @@ def step_transient_bytes(config: Config, parameters: int, largest_tensor: int, d
         return 0  # the step runs on the CPU copy
     # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
     flat = _uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload) or p.zero_stage >= 2 or precision == "bf16"
-    stepped = parameters // p.data_parallel_size if flat else parameters
+    stepped = parameters // zero_partitions(config) if flat else parameters
     if device == "cuda":
         return 4 * stepped
     return 2 * 4 * (stepped if flat else largest_tensor)
@@ -260,11 +269,11 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
     num_specs = len(per_spec)
     layers_per_stage = transformer_layers_per_stage(config, bounds)
-    boundary = activations.stage_output_bytes(config)  # [b, s, h] or its sequence shard
+    boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         layers, first, last = layers_per_stage[i], a == 0, b == num_specs
-        states = model_state_bytes(params[i], par.zero_stage, par.data_parallel_size, precision, par.cpu_offload,
+        states = model_state_bytes(params[i], par.zero_stage, zero_partitions(config), precision, par.cpu_offload,
                                    settings["offload_param"], largest)
         per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device)
         if first:

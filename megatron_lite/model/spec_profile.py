@@ -59,7 +59,8 @@ def measure_spec_seconds(specs: Sequence, loss_fn: Callable, micro_batch_size: i
                     x = torch.randn(b, s // sequence_shards, h, device=device, requires_grad=True)
                     out = module(x) if forward_fn is None else forward_fn(module, x)
                 if i == len(specs) - 1:
-                    out = loss_fn(out, labels_and_mask)
+                    # The head's tokens: all of them, or a context-parallel rank's part.
+                    out = loss_fn(out, tuple(t[:, :out.shape[1]] for t in labels_and_mask))
                 out.float().sum().backward()
 
             step()  # warm-up: allocations, kernel selection

@@ -10,6 +10,10 @@ process-group function itself. Layer N's dropouts draw from its own streams
 With sequence_parallel (--sequence-parallel) the residual stream, the LayerNorms and
 the residual dropout work on this TP rank's part of the sequence, [b, s/tp, h]: the
 column-parallel linears all-gather it, the row-parallel ones reduce-scatter back to it.
+With context parallelism (--context-parallel-size C) every activation outside attention holds this
+CP rank's s/C tokens; attention trades that split for a split of its heads by one all-to-all of q, k
+and v and trades back after the core by another (parallel/context_parallel.py), so the core and RoPE
+see whole sequences at their true positions.
 Selective recompute (--recompute-granularity selective) recomputes the attention core
 (scores, softmax, dropout, x V) in backward; full recompute runs whole layers under
 checkpoint (model/recompute.py).
@@ -26,6 +30,12 @@ from torch import nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.model.norms import build_norm
+from megatron_lite.parallel.context_parallel import (
+    context_parallel_groups,
+    cp_world_size,
+    heads_to_sequence,
+    sequence_to_heads,
+)
 from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.qkv import QKVParallelLinear
 from megatron_lite.parallel.random import (
@@ -140,6 +150,7 @@ class ParallelAttention(nn.Module):
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),
                                        sequence_parallel=sequence_parallel)
         self.recompute_core = config.recompute_granularity == "selective"
+        self.context_parallel = cp_world_size()
 
     def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
         """kv_cache (generation only): an object with `offset` (tokens already cached) and
@@ -155,6 +166,8 @@ class ParallelAttention(nn.Module):
             return t.view(b, s, n, hd).transpose(1, 2)
 
         q, k, v = heads(q, self.local_heads), heads(k, self.local_groups), heads(v, self.local_groups)
+        if self.context_parallel > 1:
+            q, k, v = self._whole_sequences(q, k, v)
         if self.rotary is not None:
             q, k = self.rotary(q, k, offset)
         if kv_cache is not None:
@@ -165,8 +178,23 @@ class ParallelAttention(nn.Module):
             context = checkpoint(self._core, q, k, v)
         else:
             context = self._core(q, k, v, offset)
+        context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
+
+    def _whole_sequences(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """q [b, np, s/C, hd], k and v [b, ng, s/C, hd] -> every token of this CP rank's 1/C of the heads:
+        [b, np/C, s, hd] and [b, max(ng, C)/C, s, hd], by one all-to-all of the three packed together.
+        With fewer key/value groups than CP ranks each group is repeated for the ranks whose query heads
+        use it (validation allows ng dividing C), as the heads' order keeps a group's queries adjacent."""
+        b, heads, s, hd = q.shape
+        c, groups = self.context_parallel, context_parallel_groups(k.shape[1], self.context_parallel)
+        if groups > k.shape[1]:
+            k, v = (t.repeat_interleave(groups // k.shape[1], dim=1) for t in (k, v))
+        # Chunk j of every tensor (its heads j*n/C..) goes to CP rank j in one message.
+        packed = torch.cat([t.reshape(b, c, t.shape[1] // c, s, hd) for t in (q, k, v)], dim=2)
+        whole = heads_to_sequence(packed.view(b, heads + 2 * groups, s, hd))
+        return whole.split((heads // c, groups // c, groups // c), dim=1)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Scores, causal softmax, dropout, x V: q [b, np, s, hd], k and v [b, ng, s', hd] -> [b, np, s, hd].

@@ -90,3 +90,9 @@ def masked_mean(loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """
     loss_mask = loss_mask.float()
     return (loss.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def weighted_sum(loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(loss * weights): the loss of a context-parallel rank, whose weights already hold the
+    micro-batch's token count (data/context_parallel.py)."""
+    return (loss.float() * weights.float()).sum()

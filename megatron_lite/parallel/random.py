@@ -20,6 +20,10 @@ or the data-parallel rank, so a layer draws the same masks under any PP layout:
                            --sequence-parallel, the embedding dropout on this rank's shard)
 So --sequence-parallel changes the residual-stream and embedding dropout masks (not their
 distribution) and leaves the attention-probability masks as they are.
+With context parallelism (C > 1) every CP rank holds other tokens (and, inside attention, other
+heads), so every stream's key also holds ("cp", cp_rank): streams stay equal across TP where the
+activations are replicated, and differ across CP ranks everywhere. At C = 1 the keys are as above,
+so runs without CP draw the masks they always drew.
 The default generators get `seed`, identical on every rank. The tracker keeps
 each stream's state aside and swaps it in inside `get_rng_tracker().fork(name)`.
 Each state is the CPU generator's plus, when CUDA is available, the current
@@ -34,6 +38,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 
+from megatron_lite.parallel.context_parallel import cp_rank, cp_world_size
 from megatron_lite.parallel.tp import tp_rank
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -138,12 +143,14 @@ def model_parallel_seed(seed: int, num_layers: int) -> None:
     (numbered from 1); the streams are the same on every PP stage and DP rank."""
     torch.manual_seed(seed)  # CPU and every CUDA device, whichever one this rank ends up using
     _RNG_TRACKER.reset()
-    _RNG_TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
-    _RNG_TRACKER.add(EMBEDDING_RNG, stream_seed(seed, EMBEDDING_RNG))
+    cp = ("cp", cp_rank()) if cp_world_size() > 1 else ()
+    _RNG_TRACKER.add(MODEL_PARALLEL_RNG, stream_seed(seed, MODEL_PARALLEL_RNG, tp_rank(), *cp) if cp
+                     else seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank())
+    _RNG_TRACKER.add(EMBEDDING_RNG, stream_seed(seed, EMBEDDING_RNG, *cp))
     for n in range(1, num_layers + 1):
-        _RNG_TRACKER.add(layer_rng(n), stream_seed(seed, n))
-        _RNG_TRACKER.add(layer_split_rng(n), stream_seed(seed, n, tp_rank()))
-        _RNG_TRACKER.add(layer_sequence_shard_rng(n), stream_seed(seed, n, "sequence-shard", tp_rank()))
+        _RNG_TRACKER.add(layer_rng(n), stream_seed(seed, n, *cp))
+        _RNG_TRACKER.add(layer_split_rng(n), stream_seed(seed, n, tp_rank(), *cp))
+        _RNG_TRACKER.add(layer_sequence_shard_rng(n), stream_seed(seed, n, "sequence-shard", tp_rank(), *cp))
 
 
 def checkpoint(function, *args):

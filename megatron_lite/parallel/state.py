@@ -1,8 +1,15 @@
-"""Parallel topology: DeepSpeed's PipeModelDataParallelTopology -> our TP, DP and PP groups.
+"""Parallel topology: DeepSpeed's PipeModelDataParallelTopology -> our TP, CP, DP and PP groups.
 
 Rank order is (pipe, data, model) with model fastest: TP ranks are adjacent
 (they talk most), PP is outermost. DeepSpeed's pipeline engine builds its own
 groups from the same topology object, so both agree by construction.
+
+Context parallelism has no axis of its own in DeepSpeed's grid: its "data" axis is
+DP x CP, coordinate dp_rank * CP + cp_rank, so CP ranks come right after TP in the
+rank order (Megatron-LM's tp-cp-dp-pp). DeepSpeed therefore averages gradients, and
+ZeRO partitions the optimizer, over DP x CP, which is what CP needs: the CP ranks of
+one sample each hold a part of its loss (data/context_parallel.py scales it so the
+average is the sample's). Our own getters split that axis back into DP and CP.
 
 Call `initialize()` once after torch.distributed is initialised; model code
 never calls process-group functions itself but goes through the getters here.
@@ -23,13 +30,21 @@ class _State:
     topology: object
     tensor_group: object
     data_group: object
+    """Ranks with this rank's TP, CP and PP place: one per data-parallel replica (what the sampler splits)."""
+    context_group: object
+    """Ranks that share one sample's sequence: CP of them, adjacent after TP."""
+    data_context_group: object
+    """DP x CP: DeepSpeed's data-parallel group, over which gradients are averaged and ZeRO partitions."""
     pipeline_group: object
     model_group: object
     """TP x PP ranks that share one data-parallel index: one whole model replica."""
     tensor_ranks: List[int]
     data_ranks: List[int]
+    context_ranks: List[int]
+    data_context_ranks: List[int]
     pipeline_ranks: List[int]
     model_ranks: List[int]
+    context_parallel_size: int
 
 
 _STATE: Optional[_State] = None
@@ -47,7 +62,8 @@ def _build_groups(comm_lists: List[List[int]], rank: int, timeout: datetime.time
 
 
 def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-               timeout_minutes: float = ParallelConfig.distributed_timeout_minutes) -> None:
+               timeout_minutes: float = ParallelConfig.distributed_timeout_minutes,
+               context_parallel_size: int = 1) -> None:
     """Build the topology and the groups, whose collectives fail after timeout_minutes (as the world's,
     --distributed-timeout-minutes). torch.distributed must already be initialised."""
     global _STATE
@@ -58,19 +74,25 @@ def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by TP {tp} x PP {pp}")
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by TP {tp} x CP {cp} x PP {pp}")
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (tp * pp))
 
     timeout = datetime.timedelta(minutes=timeout_minutes)
     tensor_group, tensor_ranks = _build_groups(topology.get_axis_comm_lists("model"), rank, timeout)
-    data_group, data_ranks = _build_groups(topology.get_axis_comm_lists("data"), rank, timeout)
+    data_context_lists = topology.get_axis_comm_lists("data")  # DP x CP, in data-coordinate order
+    data_context_group, data_context_ranks = _build_groups(data_context_lists, rank, timeout)
+    data_group, data_ranks = _build_groups([ranks[c::cp] for ranks in data_context_lists for c in range(cp)],
+                                           rank, timeout)
+    context_group, context_ranks = _build_groups(
+        [ranks[d:d + cp] for ranks in data_context_lists for d in range(0, len(ranks), cp)], rank, timeout)
     pipeline_group, pipeline_ranks = _build_groups(topology.get_axis_comm_lists("pipe"), rank, timeout)
     replicas = [topology.filter_match(data=d) for d in range(topology.get_dim("data"))]
     model_group, model_ranks = _build_groups(replicas, rank, timeout)
-    _STATE = _State(topology, tensor_group, data_group, pipeline_group, model_group,
-                    tensor_ranks, data_ranks, pipeline_ranks, model_ranks)
+    _STATE = _State(topology, tensor_group, data_group, context_group, data_context_group, pipeline_group,
+                    model_group, tensor_ranks, data_ranks, context_ranks, data_context_ranks, pipeline_ranks,
+                    model_ranks, cp)
 
 
 def is_initialized() -> bool:
@@ -81,6 +103,18 @@ def destroy() -> None:
     """Forget the groups (tests and restarts); the default process group stays."""
     global _STATE
     _STATE = None
+
+
+def current() -> _State:
+    """This process's groups, to hand back to `activate` later: several layouts' engines in one process
+    (a benchmark comparing CP, DP and TP on the same two ranks) each run under their own groups."""
+    return _state()
+
+
+def activate(saved: _State) -> None:
+    """Make groups from `current()` this process's groups again (built earlier by initialize on every rank)."""
+    global _STATE
+    _STATE = saved
 
 
 def _state() -> _State:
@@ -97,8 +131,13 @@ def get_tensor_model_parallel_group():
     return _state().tensor_group
 
 
-def get_data_parallel_group():
-    return _state().data_group
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The data-parallel replicas of this rank's place; with_context_parallel: DP x CP, DeepSpeed's group."""
+    return _state().data_context_group if with_context_parallel else _state().data_group
+
+
+def get_context_parallel_group():
+    return _state().context_group
 
 
 def get_pipeline_model_parallel_group():
@@ -116,6 +155,10 @@ def get_tensor_model_parallel_ranks() -> List[int]:
 
 def get_data_parallel_ranks() -> List[int]:
     return list(_state().data_ranks)
+
+
+def get_context_parallel_ranks() -> List[int]:
+    return list(_state().context_ranks)
 
 
 def get_pipeline_model_parallel_ranks() -> List[int]:
@@ -139,12 +182,22 @@ def get_tensor_model_parallel_rank() -> int:
     return _coord("model")
 
 
-def get_data_parallel_world_size() -> int:
-    return _state().topology.get_dim("data")
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    size = _state().topology.get_dim("data")
+    return size if with_context_parallel else size // _state().context_parallel_size
 
 
-def get_data_parallel_rank() -> int:
-    return _coord("data")
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    coord = _coord("data")
+    return coord if with_context_parallel else coord // _state().context_parallel_size
+
+
+def get_context_parallel_world_size() -> int:
+    return _state().context_parallel_size
+
+
+def get_context_parallel_rank() -> int:
+    return _coord("data") % _state().context_parallel_size
 
 
 def get_pipeline_model_parallel_world_size() -> int:
@@ -179,12 +232,14 @@ def describe() -> Dict[str, int]:
         "rank": dist.get_rank(),
         "tp_rank": get_tensor_model_parallel_rank(), "tp_size": get_tensor_model_parallel_world_size(),
         "pp_rank": get_pipeline_model_parallel_rank(), "pp_size": get_pipeline_model_parallel_world_size(),
+        "cp_rank": get_context_parallel_rank(), "cp_size": get_context_parallel_world_size(),
         "dp_rank": get_data_parallel_rank(), "dp_size": get_data_parallel_world_size(),
     }
 
 
 class ModelParallelUnit:
     """The `mpu` interface DeepSpeed's non-pipeline engine asks for (PP = 1: model parallel = TP).
+    Its data-parallel group is DP x CP, as the pipeline engine's is (the module docstring says why).
 
     The pipeline engine does not need it: it reads the same topology from the PipelineModule.
     """
@@ -199,10 +254,10 @@ class ModelParallelUnit:
         return get_tensor_model_parallel_group()
 
     def get_data_parallel_rank(self) -> int:
-        return get_data_parallel_rank()
+        return get_data_parallel_rank(with_context_parallel=True)
 
     def get_data_parallel_world_size(self) -> int:
-        return get_data_parallel_world_size()
+        return get_data_parallel_world_size(with_context_parallel=True)
 
     def get_data_parallel_group(self):
-        return get_data_parallel_group()
+        return get_data_parallel_group(with_context_parallel=True)

@@ -135,7 +135,8 @@ def _tokenizer_sha256(config: Config) -> Optional[str]:
 def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> dict:
     p = config.parallel
     return {"iteration": iteration, "consumed_samples": consumed_samples,
-            "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size),
+            "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+                                p.context_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
             "tokenizer_sha256": _tokenizer_sha256(config),
@@ -236,8 +237,8 @@ def with_saved_stages(config: Config) -> Config:
 def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: bool):
     """(path, check) for every file DeepSpeed reads on this rank when resuming at the same layout."""
     p = config.parallel
-    dp_rank, bf16 = state.get_data_parallel_rank(), config.precision.bf16
-    # DeepSpeed's own loader reads this DP rank's optimizer partition only (the layout is the saved one).
+    dp_rank, bf16 = state.get_data_parallel_rank(with_context_parallel=True), config.precision.bf16
+    # DeepSpeed's own loader reads this DP (x CP) rank's optimizer partition only (the layout is the saved one).
     partition = load_optimizer and (p.zero_stage >= 1 or bf16)
     if not engine.pipelined:  # ZeRO 2/3 at PP = 1: one model-states file (one per DP rank at ZeRO 3), partitions
         name = model_states_file(0, 0, 1)
@@ -279,12 +280,13 @@ def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optio
 
 def _same_places(engine, config: Config, metadata: dict) -> bool:
     """Whether every rank finds its layers' files where it would have saved them: the same TP, PP and stage
-    split (a layout-free folder has no such files)."""
+    split (a layout-free folder has no such files), and its random streams: the same CP."""
     p, saved = config.parallel, metadata["layout"]
     split = getattr(engine.module, "layers_per_stage", None)
     return (metadata.get("format") != UNIVERSAL_FORMAT
             and saved["tensor_model_parallel_size"] == p.tensor_model_parallel_size
             and saved["pipeline_model_parallel_size"] == p.pipeline_model_parallel_size
+            and (saved.get("context_parallel_size") or 1) == p.context_parallel_size
             and (split is None or metadata.get("layers_per_stage") in (None, split)))
 
 

@@ -38,9 +38,10 @@ def _count(n: int) -> str:
 
 
 def layout_summary(config: Config, backend: str, device: str) -> str:
-    """One line: processes and their TP x PP x DP grid, ZeRO, precision, batch, model size."""
+    """One line: processes and their TP (x CP) x PP x DP grid, ZeRO, precision, batch, model size."""
     p, b, m = config.parallel, config.batch, config.model
-    return (f"megatron_lite: {p.world_size} processes = TP {p.tensor_model_parallel_size} x PP "
+    cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
+    return (f"megatron_lite: {p.world_size} processes = TP {p.tensor_model_parallel_size}{cp} x PP "
             f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size} ({backend}, {device}) | ZeRO {p.zero_stage}"
             f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name} | global batch "
             f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "

@@ -69,7 +69,8 @@ class Engine:
         # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
         self.io = EngineIO()
         self.io.install(self.engine)
-        if self.pipelined and config.parallel.zero_stage == 0 and config.parallel.data_parallel_size == 1:
+        if (self.pipelined and config.parallel.zero_stage == 0
+                and config.parallel.data_parallel_size * config.parallel.context_parallel_size == 1):
             deepspeed_compat.skip_gradient_all_reduce(self.engine)
         if self.pipelined:
             # The last stage's logits are not needed once their backward ran (deepspeed_compat says why).
@@ -127,9 +128,11 @@ class Engine:
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
 
     def set_global_batch_size(self, global_batch_size: int) -> None:
-        """Batch ramp-up: DeepSpeed derives the new gas from it (micro batch and DP stay)."""
-        if global_batch_size != self.engine.train_batch_size():
-            self.engine.set_train_batch_size(global_batch_size)
+        """Batch ramp-up: DeepSpeed derives the new gas from it (micro batch and DP stay). DeepSpeed counts
+        a sample once per CP rank (deepspeed_config.py)."""
+        deepspeed_batch = global_batch_size * self.config.parallel.context_parallel_size
+        if deepspeed_batch != self.engine.train_batch_size():
+            self.engine.set_train_batch_size(deepspeed_batch)
 
     def save(self, directory: str, tag: str) -> None:
         self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
@@ -162,7 +165,8 @@ class Engine:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
-        group = state.get_data_parallel_group()
+        # Over DP x CP, as the pipeline engine does: a CP rank's loss is C x its share (data/context_parallel.py).
+        group = state.get_data_parallel_group(with_context_parallel=True)
         loss = loss.to(self.device)
         dist.all_reduce(loss, group=group)
         return loss.item() / dist.get_world_size(group=group)

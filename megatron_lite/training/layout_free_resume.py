@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.checkpoint.format import CheckpointError, layout_of
+from megatron_lite.checkpoint.format import CheckpointError, data_ranks, layout_of
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.config import Config
@@ -47,8 +47,9 @@ def agree(action):
 
 def _describe_layout(layout: dict, storage) -> str:
     zero, precision = storage
-    return (f"TP {layout['tensor_model_parallel_size']} x PP {layout['pipeline_model_parallel_size']} x DP "
-            f"{layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
+    cp = layout.get("context_parallel_size") or 1
+    return (f"TP {layout['tensor_model_parallel_size']}{f' x CP {cp}' if cp > 1 else ''} x PP "
+            f"{layout['pipeline_model_parallel_size']} x DP {layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
 
 
 def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
@@ -91,7 +92,8 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
         randomness = "random generators kept (each stream is the same on every DP rank)"
     else:
         randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
-    ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size)
+    ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+                     p.context_parallel_size)
     note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
             f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
             f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
@@ -99,11 +101,12 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
 
 
 def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
-    """The saved random generators of the rank that had this rank's stage and TP rank at DP rank 0: every
-    stream is seeded without the DP rank, so any DP rank's state is every DP rank's."""
-    tp, dp = saved_layout["tensor_model_parallel_size"], saved_layout.get("data_parallel_size") or 1
-    return read_rng_state(folder, state.get_pipeline_model_parallel_rank() * dp * tp
-                          + state.get_tensor_model_parallel_rank())
+    """The saved random generators of the rank that had this rank's stage, CP rank and TP rank at DP rank 0:
+    every stream is seeded without the DP rank, so any DP rank's state is every DP rank's. (Called only when
+    TP, PP and CP are the saved ones: the data axis is DP x CP, CP fastest.)"""
+    tp = saved_layout["tensor_model_parallel_size"]
+    return read_rng_state(folder, state.get_pipeline_model_parallel_rank() * data_ranks(saved_layout) * tp
+                          + state.get_context_parallel_rank() * tp + state.get_tensor_model_parallel_rank())
 
 
 def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict) -> None:

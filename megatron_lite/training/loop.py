@@ -148,7 +148,7 @@ def setup(config: Config) -> Run:
     if lock_note:
         print_rank0(lock_note)
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size,
-                     config.parallel.distributed_timeout_minutes)
+                     config.parallel.distributed_timeout_minutes, config.parallel.context_parallel_size)
     summary = layout_summary(config, dist.get_backend(), "cuda" if torch.cuda.is_available() else "cpu")
     print_rank0(summary)
     d = config.data
@@ -175,7 +175,7 @@ def setup(config: Config) -> Run:
     )
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,
-                                     num_workers=config.data.num_workers)
+                                     num_workers=config.data.num_workers, context_parallel=_context_parallel_place())
     rank0 = dist.get_rank() == 0
     records = RecordWriter(records_directory(config.logging.tensorboard_dir, t.save) if rank0 else None)
     records.write("start", iteration=iteration, train_iters=t.train_iters, layout=summary, config=config.to_dict())
@@ -184,6 +184,11 @@ def setup(config: Config) -> Run:
                exit_signal=ExitSignal(t.exit_signal_handler), records=records,
                stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
                iteration=iteration, consumed_samples=consumed, last_saved=iteration if t.load else None)
+
+
+def _context_parallel_place():
+    """(CP rank, CP size): which part of each sample's sequence this rank keeps."""
+    return state.get_context_parallel_rank(), state.get_context_parallel_world_size()
 
 
 def train_step(run: Run) -> StepStats:
@@ -304,7 +309,8 @@ def evaluate(engine: Engine, dataset, config: Config) -> Optional[float]:
     if dataset is None or config.training.eval_iters == 0:
         return None
     it = build_data_iterator(dataset, 0, config.batch.micro_batch_size, state.get_data_parallel_rank(),
-                             config.parallel.data_parallel_size, num_workers=0)
+                             config.parallel.data_parallel_size, num_workers=0,
+                             context_parallel=_context_parallel_place())
     losses = [engine.eval_step(it) for _ in range(config.training.eval_iters)]
     return sum(losses) / len(losses)
 

@@ -29,9 +29,10 @@ def agreed_spec_seconds(config: Config) -> List[float]:
     rank of the job calls it (TP layers run their collectives inside the measurement)."""
     m = config.model
     seconds = measure_spec_seconds(
-        layer_specs(config), model_loss_fn(m), config.batch.micro_batch_size, m.seq_length, m.hidden_size, m.vocab_size,
-        config.training.seed, m.num_layers, device=_this_rank_device(),
-        sequence_shards=config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel else 1)
+        layer_specs(config), model_loss_fn(config), config.batch.micro_batch_size, m.seq_length, m.hidden_size,
+        m.vocab_size, config.training.seed, m.num_layers, device=_this_rank_device(),
+        sequence_shards=((config.parallel.tensor_model_parallel_size if config.parallel.sequence_parallel else 1)
+                         * config.parallel.context_parallel_size))
     return state.agree_with_rank0(seconds)
 
 

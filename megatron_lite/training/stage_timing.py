@@ -6,7 +6,9 @@ log interval ("loss" is the broadcast of the loss from the last stage that ends
 every step: the other stages wait for it there). At each log line the first rank of every stage sends its sums to
 rank 0, which prints one small table and writes `timing/stage{N}/{category}`
 to TensorBoard. Time a fast stage spends blocked in recv is the imbalance,
-measured; "other" is the step time no instruction accounts for.
+measured; "other" is the step time no instruction accounts for. Under context parallelism
+a last column, "cp-a2a", is the time spent in the attention's all-to-alls (parallel/context_parallel.py
+counts it), a part of forward and backward rather than beside them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.parallel import state
+from megatron_lite.parallel import context_parallel, state
 
 CATEGORY = {
     "LoadMicroBatch": "load", "ForwardPass": "forward", "BackwardPass": "backward",
@@ -31,6 +33,7 @@ COLUMNS = ("forward", "backward", "recv", "send", "reduce", "optimizer", "loss",
 class StageTimer:
     def __init__(self, pipeline_engine):
         self.seconds: Dict[str, float] = defaultdict(float)
+        self.a2a_from = context_parallel.seconds()
         synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         deepspeed_compat.time_pipeline_instructions(pipeline_engine, self._record, synchronize)
 
@@ -40,24 +43,29 @@ class StageTimer:
     @contextlib.contextmanager
     def paused(self):
         """Instructions run inside (evaluation) do not count toward the training interval."""
-        saved = dict(self.seconds)
+        saved, a2a = dict(self.seconds), context_parallel.seconds()
         try:
             yield
         finally:
             self.seconds = defaultdict(float, saved)
+            self.a2a_from += context_parallel.seconds() - a2a
 
     def take(self, step_seconds: float) -> Dict[str, float]:
         """This interval's sums (with "other" = step time - instructions) and a fresh start."""
         sums = dict(self.seconds)
         sums["other"] = max(step_seconds - sum(sums.values()), 0.0)
         sums["step"] = step_seconds
+        if context_parallel.cp_world_size() > 1:
+            sums["cp-a2a"] = context_parallel.seconds() - self.a2a_from  # inside forward and backward
+        self.a2a_from = context_parallel.seconds()
         self.seconds = defaultdict(float)
         return sums
 
 
 def gather_stages(value) -> List[Tuple[int, object]]:
     """(stage, value) of each stage's first rank, on rank 0 ([] elsewhere). A collective: every rank calls it."""
-    first_of_stage = state.get_data_parallel_rank() == 0 and state.get_tensor_model_parallel_rank() == 0
+    first_of_stage = (state.get_data_parallel_rank(with_context_parallel=True) == 0
+                      and state.get_tensor_model_parallel_rank() == 0)
     mine = (state.get_pipeline_model_parallel_rank(), value) if first_of_stage else None
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -66,11 +74,14 @@ def gather_stages(value) -> List[Tuple[int, object]]:
 
 def format_table(stages: List[Tuple[int, Dict[str, float]]], iterations: int) -> str:
     """Milliseconds per iteration, one line per stage; the last column is the measured step time."""
-    header = f"{'stage':>5} " + " ".join(f"{c:>9}" for c in COLUMNS) + f" {'step':>9}   (ms per iteration)"
+    columns = COLUMNS + (("cp-a2a",) if any("cp-a2a" in sums for _, sums in stages) else ())
+    header = (f"{'stage':>5} " + " ".join(f"{c:>9}" for c in COLUMNS) + f" {'step':>9}"
+              + "".join(f" {c:>9}" for c in columns[len(COLUMNS):]) + "   (ms per iteration)")
     lines = [header]
     for stage, sums in stages:
         cells = " ".join(f"{1e3 * sums.get(c, 0.0) / iterations:>9.1f}" for c in COLUMNS)
-        lines.append(f"{stage:>5} {cells} {1e3 * sums['step'] / iterations:>9.1f}")
+        extra = "".join(f" {1e3 * sums.get(c, 0.0) / iterations:>9.1f}" for c in columns[len(COLUMNS):])
+        lines.append(f"{stage:>5} {cells} {1e3 * sums['step'] / iterations:>9.1f}{extra}")
     return "\n".join(lines)
 
 

@@ -1,9 +1,11 @@
-"""The tuning recipe: candidate TP / PP / micro-batch / gas layouts for a cluster and a model.
+"""The tuning recipe: candidate TP / CP / PP / micro-batch / gas layouts for a cluster and a model.
 
-Candidates come from the cluster shape: TP divides the GPUs per node, PP
-divides the GPUs left (layers need not divide: the cost partitioner balances
-and the imbalance shows in the predicted efficiency), DP is the rest, micro
-batch 1, 2, 4, ... and gas from the global batch. Each candidate is the user's
+Candidates come from the cluster shape: TP divides the GPUs per node, CP
+(context parallelism) is 1, 2, 4, ... up to the heads per TP rank (and
+--max-context-parallel) dividing the GPUs left, PP divides the GPUs left after
+TP x CP (layers need not divide: the cost partitioner balances and the
+imbalance shows in the predicted efficiency), DP is the rest, micro batch
+1, 2, 4, ... and gas from the global batch. Each candidate is the user's
 `Config` with its layout fields replaced, and goes through the validation
 pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
 layout is never refused at launch; its command line is written from that
@@ -11,16 +13,20 @@ Config (`arguments.config_to_argv`). A refused candidate keeps the validation
 error's code (`reason_code`), by which the plan groups its rejections: e.g. a TP
 that heads, FFN width or key/value groups do not allow (grouped-query attention
 needs the groups to divide TP or TP to divide them, and a shared group's K/V
-rows to split over the ranks sharing it). Parameters, FLOPs and memory come
-from model/arithmetic.py and model/memory.py, which know GPT-2's and the Llama
-block alike. Then
+rows to split over the ranks sharing it), or a CP that the heads per TP rank,
+the groups per TP rank or the sequence do not allow. Parameters, FLOPs and
+memory come from model/arithmetic.py and model/memory.py, which know GPT-2's
+and the Llama block alike. Then
 the memory savers are tried, fastest first (`savers`), and the first whose
 predicted peak on every stage fits the GPU less the margin is kept; the plan
 says which saver that was:
   tier 0, no extra compute: ZeRO 0, then 1, each alone, then with sequence
           parallelism (TP > 1; its reduce-scatter + all-gather move the bytes of
           the all-reduce they replace); then selective recompute (the attention
-          core's scores again) with ZeRO 0, then 1
+          core's scores again) with ZeRO 0, then 1. Context parallelism counts
+          here too: it divides every activation by CP for two all-to-alls per
+          layer and direction (tuning/throughput.py), so a CP > 1 layout's saver
+          is named "context parallel C + ..." and ranks as tier 0 after CP 1
   tier 1, recompute whole layers: --recompute-method block with 1, 2, 4, ... layers
           per stage, then every layer (uniform 1), ZeRO 0 then 1 at each
   tier 2, ZeRO 2 / 2 + optimizer offload / 3 / 3 + parameter offload (PP = 1
@@ -30,10 +36,12 @@ says which saver that was:
 
 Order (default `shaden`): layouts with gas >= 8 x PP (bubble <= ~11%) first,
 then TP closest to the GPUs per node, then the saver tier (a layout that fits
-with sequence parallelism or selective recompute ranks above one that needs
-whole layers recomputed, and both above ZeRO 2/3/offload: stages are added only
-when the cheap savers do not fit), the fewest stages, micro batch 1 before
-larger ones, the saver's place in its tier, and predicted throughput last. `throughput`
+with sequence parallelism, selective recompute or context parallelism ranks
+above one that needs whole layers recomputed, and all above ZeRO 2/3/offload:
+stages are added only when the cheap savers do not fit), the smallest CP (its
+all-to-alls cross nodes once TP x CP exceeds the GPUs per node), the fewest
+stages, micro batch 1 before larger ones, the saver's place in its tier, and
+predicted throughput last. `throughput`
 orders by the predicted tokens/s of tuning/throughput.py alone.
 Samyam's micro-batch probe (`micro_batch_probe`): one node, the model cut to a
 few layers at full hidden size, PP = 1, micro batch 1..64 at gas 1.
@@ -50,7 +58,9 @@ from megatron_lite.arguments import build_parser, config_to_argv, given_fields
 from megatron_lite.atomic import write_text
 from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.model import memory
+from megatron_lite.model.activations import context_parallel_all_to_all_bytes
 from megatron_lite.model.arithmetic import (
+    recompute_chunks,
     recompute_forward_flops_per_token,
     stage_bounds,
     stage_flops,
@@ -61,8 +71,8 @@ from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
 from megatron_lite.validation import validate
 
-LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-                 "gradient_accumulation_steps", "zero_stage", "cpu_offload", "sequence_parallel",
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                 "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload", "sequence_parallel",
                  "recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers")
 """Config fields each candidate sets (the user's values for them are replaced)."""
 LAYOUT_FLAGS = tuple(flag_for(name) for name in LAYOUT_FIELDS)
@@ -75,7 +85,10 @@ REJECTION_LABELS = {
     "groups_not_compatible_with_tp": "query groups neither divide nor are divided by TP (or K/V rows do not split)",
     "heads_not_divisible_by_groups": "heads not divisible by query groups",
     "batch_not_divisible": "global batch not divisible by micro x DP",
-    "world_not_divisible": "world size not divisible by TP x PP",
+    "world_not_divisible": "world size not divisible by TP x CP x PP",
+    "heads_not_divisible_by_cp": "heads per TP rank not divisible by CP",
+    "groups_not_compatible_with_cp": "query groups per TP rank neither divide nor are divided by CP",
+    "seq_not_divisible_by_cp": "sequence not divisible by CP (x TP with sequence parallelism)",
 }
 """Reason code -> the words the plan's table groups rejections under."""
 ZERO_LADDER = ((0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False),
@@ -120,9 +133,9 @@ class Saver:
         return " + ".join(parts) or "none"
 
 
-def savers(tp: int, pp: int, seq_length: int, max_stage_layers: int) -> List[Saver]:
+def savers(tp: int, pp: int, seq_length: int, max_stage_layers: int, cp: int = 1) -> List[Saver]:
     """Every saver to try for a layout, fastest first (the module docstring gives the order)."""
-    sp = tp > 1 and seq_length % tp == 0
+    sp = tp > 1 and seq_length % (tp * cp) == 0
     activation = [{}] + ([{"sequence_parallel": True}] if sp else [])
     selective = {"sequence_parallel": sp, "recompute_granularity": "selective"}
     full = [{"sequence_parallel": sp, "recompute_granularity": "full", "recompute_method": "block",
@@ -153,6 +166,7 @@ class Candidate:
     pipeline_model_parallel_size: int
     data_parallel_size: int
     micro_batch_size: int
+    context_parallel_size: int = 1
     gradient_accumulation_steps: int = 0
     zero_stage: int = 0
     cpu_offload: bool = False
@@ -162,9 +176,11 @@ class Candidate:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     saver: str = ""
-    """The memory saver that made it fit ("none" when the fastest setting fits)."""
+    """The memory saver that made it fit ("none" when the fastest setting fits; "context parallel C + ..."
+    at CP > 1)."""
     saver_tier: int = 0
-    """0: nothing or sequence parallelism / selective recompute; 1: whole layers recomputed; 2: ZeRO 2/3, offload."""
+    """0: nothing or sequence / context parallelism, selective recompute; 1: whole layers recomputed; 2: ZeRO 2/3,
+    offload."""
     saver_order: int = 0
     """The saver's place in the layout's list of savers, fastest first."""
     peak_bytes_per_stage: List[int] = field(default_factory=list)
@@ -183,8 +199,8 @@ class Candidate:
 
     @property
     def layout(self) -> str:
-        return (f"tp{self.tensor_model_parallel_size}_pp{self.pipeline_model_parallel_size}_"
-                f"dp{self.data_parallel_size}_mb{self.micro_batch_size}")
+        return (f"tp{self.tensor_model_parallel_size}_cp{self.context_parallel_size}_"
+                f"pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}_mb{self.micro_batch_size}")
 
 
 def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[str]) -> Config:
@@ -192,6 +208,7 @@ def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[st
     extra = {"training__deepspeed_config": offload_param_json} if c.offload_param else {}
     return base.replace(
         parallel__tensor_model_parallel_size=c.tensor_model_parallel_size,
+        parallel__context_parallel_size=c.context_parallel_size,
         parallel__pipeline_model_parallel_size=c.pipeline_model_parallel_size,
         parallel__zero_stage=c.zero_stage, parallel__cpu_offload=c.cpu_offload,
         parallel__sequence_parallel=c.sequence_parallel,
@@ -204,9 +221,10 @@ SAVER_FLAGS = ("cpu_offload", "sequence_parallel", "recompute_granularity", "rec
 
 
 def layout_argv(c: Candidate, config: Config) -> List[str]:
-    """A candidate's layout flags, TP / PP / micro batch / ZeRO always spelled out (and the
+    """A candidate's layout flags, TP / CP / PP / micro batch / ZeRO always spelled out (and the
     DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
-    shown = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size", "zero_stage")
+    shown = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+             "micro_batch_size", "zero_stage")
     return (config_to_argv(config, fields=shown, include_defaults=True)
             + config_to_argv(config, fields=SAVER_FLAGS)
             + (config_to_argv(config, fields=("deepspeed_config",)) if c.offload_param else []))
@@ -242,13 +260,15 @@ def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], wor
                 offload_param_json: str) -> Tuple[Optional[Candidate], Optional[Config], str, str]:
     """The first saver that fits, as (candidate, validated config, "", ""), or (None, None, reason, reason code).
     model_fields: the fields (not layout) whose flags the candidate's command line spells out."""
-    pp = base.pipeline_model_parallel_size
+    pp, cp = base.pipeline_model_parallel_size, base.context_parallel_size
     last_error: Optional[ConfigError] = None
     smallest = None
     stage_layers = -(-model.model.num_layers // pp)  # the most a stage holds under a uniform split
     for order, saver in enumerate(savers(base.tensor_model_parallel_size, pp, model.model.seq_length,
-                                         stage_layers)):
-        c = Candidate(**{**asdict(base), **asdict(saver), "saver": saver.name, "saver_tier": saver.tier,
+                                         stage_layers, cp)):
+        name = saver.name if cp == 1 else " + ".join(
+            [f"context parallel {cp}"] + ([saver.name] if saver.name != "none" else []))
+        c = Candidate(**{**asdict(base), **asdict(saver), "saver": name, "saver_tier": saver.tier,
                          "saver_order": order})
         planned = candidate_config(model, c, offload_param_json)
         try:
@@ -259,7 +279,7 @@ def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], wor
         stages = memory.estimate(config, deepspeed_config(config), device=device)
         peaks = [st.peak for st in stages]
         if smallest is None or max(peaks) < max(smallest[0]):
-            smallest = (peaks, saver.name)
+            smallest = (peaks, name)
         if max(peaks) <= budget:
             c.gradient_accumulation_steps = config.batch.gradient_accumulation_steps
             c.peak_bytes_per_stage = peaks
@@ -282,33 +302,46 @@ def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
     flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
     params = [st["parameters"] for st in c.stage_memory]
     again = [recompute_forward_flops_per_token(m, [n]) for n in layers]
+    redone = [_recomputed_layers(m, n) for n in layers]
     times = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
                                  tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
                                  dp=c.data_parallel_size, micro=c.micro_batch_size,
                                  gas=c.gradient_accumulation_steps, zero_stage=c.zero_stage,
                                  recompute_flops=again, cpu_offload=c.cpu_offload,
-                                 sequence_parallel=c.sequence_parallel)
+                                 sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
+                                 cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
+                                 recomputed_layers=redone)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
+
+
+def _recomputed_layers(m, layers: int) -> int:
+    """Layers of a stage whose forward full recompute runs again in backward (their all-to-alls too)."""
+    if m.recompute_granularity != "full":
+        return 0
+    return sum(end - start for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers,
+                                                                     layers) if again)
 
 
 def _shaden_key(c: Candidate, gpus_per_node: int):
     # Pipeline stages are added only where the cheap savers do not make fewer stages fit.
     return (c.gradient_accumulation_steps < 8 * c.pipeline_model_parallel_size,
             abs(math.log2(c.tensor_model_parallel_size / gpus_per_node)),
-            c.saver_tier, c.pipeline_model_parallel_size, c.micro_batch_size, c.saver_order,
-            -c.predicted_tokens_per_s)
+            c.saver_tier, c.context_parallel_size, c.pipeline_model_parallel_size, c.micro_batch_size,
+            c.saver_order, -c.predicted_tokens_per_s)
 
 
 def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
          memory_margin: float = 0.1, max_micro_batch: int = 8, order: str = "shaden",
          hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
-         micro_batch_probe: bool = False, probe_layers: int = 2, progress=None) -> Plan:
+         micro_batch_probe: bool = False, probe_layers: int = 2, progress=None,
+         max_context_parallel: Optional[int] = None) -> Plan:
     """Candidates for the cluster, validated, memory-checked, predicted and ordered.
 
     model_argv: pretrain_gpt.py flags describing the model and the batch (argparse exits 2 on an
-    unknown one); the layout flags among them are replaced per candidate, which the plan's notes say."""
+    unknown one); the layout flags among them are replaced per candidate, which the plan's notes say.
+    max_context_parallel: the largest CP tried (default: the heads per TP rank; 1 plans without CP)."""
     hw = hardware or Hardware(gpus_per_node=gpus_per_node)
     model_argv = list(model_argv)
     given = given_fields(build_parser().parse_args(model_argv))
@@ -332,18 +365,20 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     micro_sizes = [2 ** k for k in range(int(math.log2(max_micro_batch)) + 1)]
     kept, rejected = [], []
     tps = divisors(gpus_per_node)
-    for tp in tps:
-        for pp in ([1] if micro_batch_probe else divisors(world // tp)):
-            dp = world // (tp * pp)
+    layouts = [(tp, cp) for tp in tps for cp in context_parallel_sizes(model, tp, world, max_context_parallel)]
+    for tp, cp in layouts:
+        for pp in ([1] if micro_batch_probe else divisors(world // (tp * cp))):
+            dp = world // (tp * cp * pp)
             for micro in micro_sizes:
-                base = Candidate(tp, pp, dp, micro)
+                base = Candidate(tp, pp, dp, micro, context_parallel_size=cp)
                 planned = model.replace(batch__global_batch_size=micro * dp) if micro_batch_probe else model
                 c, config, reason, code = _try_savers(base, planned, model_fields, world, budget, device,
                                                       offload_param_json)
                 if c is None:
                     rejected.append({"layout": base.layout, "tensor_model_parallel_size": tp,
-                                     "pipeline_model_parallel_size": pp, "data_parallel_size": dp,
-                                     "micro_batch_size": micro, "reason": reason, "reason_code": code})
+                                     "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+                                     "data_parallel_size": dp, "micro_batch_size": micro, "reason": reason,
+                                     "reason_code": code})
                     continue
                 _predict(c, config, hw)
                 kept.append(c)
@@ -362,8 +397,19 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
         c.rank = i
         c.name = f"{i:03d}_{c.layout}"
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
-               "memory_margin": memory_margin, "order": order, "device": device, "hardware": asdict(hw)}
+               "memory_margin": memory_margin, "order": order, "device": device, "hardware": asdict(hw),
+               "max_context_parallel": max_context_parallel}
     return Plan(mode, cluster, model_argv, budget, kept, rejected, notes)
+
+
+def context_parallel_sizes(model: Config, tp: int, world: int, limit: Optional[int] = None) -> List[int]:
+    """CP degrees to try at TP tp: 1, 2, 4, ... dividing the ranks TP leaves, up to the heads per TP rank
+    (each CP rank attends with whole heads) and `limit`. Validation refuses those the heads, groups or
+    sequence do not divide, with its reason."""
+    most = max(model.model.num_attention_heads // tp, 1)
+    if limit is not None:
+        most = min(most, limit)
+    return [c for c in (2 ** k for k in range(most.bit_length())) if c <= most and (world // tp) % c == 0]
 
 
 _SAVER_FIELDS = ("zero_stage", "cpu_offload", "sequence_parallel", "recompute_activations", "recompute_granularity",
@@ -390,22 +436,23 @@ def first_choice_reason(p: Plan) -> str:
     if p.cluster["order"] == "throughput" or p.mode == "micro-batch-probe":
         return f"{c.layout}: the highest predicted tokens/s; {tail}"
     pp, gas = c.pipeline_model_parallel_size, c.gradient_accumulation_steps
-    tp = c.tensor_model_parallel_size
+    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
     return (f"{c.layout}: gas {gas} {'>=' if gas >= 8 * pp else '<'} 8 x PP {pp}, "
             f"TP {tp} {'= GPUs per node' if tp == gpus_per_node else f'the nearest to {gpus_per_node} GPUs per node'}, "
-            f"memory saver '{c.saver}' (tier {c.saver_tier}), {pp} stage{'s' if pp > 1 else ''}, micro batch "
-            f"{c.micro_batch_size} (Shaden's order, in that priority); {tail}")
+            f"memory saver '{c.saver}' (tier {c.saver_tier}), CP {cp}, {pp} stage{'s' if pp > 1 else ''}, micro "
+            f"batch {c.micro_batch_size} (Shaden's order, in that priority); {tail}")
 
 
 def format_plan(p: Plan, limit: int = 30) -> str:
-    lines = [f"{'rank':>4} {'thr.rank':>8} {'TP':>3} {'PP':>3} {'DP':>4} {'micro':>5} {'gas':>5} "
+    lines = [f"{'rank':>4} {'thr.rank':>8} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} {'micro':>5} {'gas':>5} "
              f"{'peak GiB (stages)':>24} {'pipe eff':>8} {'rel. thr':>8}  saver"]
     for c in p.candidates[:limit]:
         peaks = [x / memory.GIB for x in c.peak_bytes_per_stage]
         peak_txt = (f"{max(peaks):.3g} ({peaks[0]:.3g}..{peaks[-1]:.3g})" if len(peaks) > 1
                     else f"{peaks[0]:.3g}")
         lines.append(f"{c.rank:>4} {c.throughput_rank:>8} {c.tensor_model_parallel_size:>3} "
-                     f"{c.pipeline_model_parallel_size:>3} {c.data_parallel_size:>4} {c.micro_batch_size:>5} "
+                     f"{c.context_parallel_size:>3} {c.pipeline_model_parallel_size:>3} "
+                     f"{c.data_parallel_size:>4} {c.micro_batch_size:>5} "
                      f"{c.gradient_accumulation_steps:>5} {peak_txt:>24} {c.predicted_pipeline_efficiency:>8.3f} "
                      f"{c.predicted_relative_throughput:>8.3f}  {c.saver}")
     if len(p.candidates) > limit:

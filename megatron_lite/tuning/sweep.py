@@ -5,7 +5,7 @@
         -- --data-path data/corpus_text_document --tokenizer-type NullTokenizer ...
 
 Launcher placeholders (str.format): {nproc_per_node} (processes per node: the plan's GPUs per
-node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x PP x DP of the candidate), {port} (a free TCP port on this host),
+node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x CP x PP x DP of the candidate), {port} (a free TCP port on this host),
 {name} (the run's folder name), {run_dir} (its absolute path), {script} (pretrain_gpt.py; appended
 after the launcher when the template does not place it). Inside a Slurm allocation use e.g.
 "srun --ntasks {world_size} --ntasks-per-node {gpus_per_node} python".
@@ -132,8 +132,8 @@ def pretrain_args(candidate: Dict[str, Any], fixed: Sequence[str]) -> List[str]:
 def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str],
                   run_dir: str, train_iters: int, script: str) -> List[str]:
     cluster = plan["cluster"]
-    world = (candidate["tensor_model_parallel_size"] * candidate["pipeline_model_parallel_size"]
-             * candidate["data_parallel_size"])
+    world = (candidate["tensor_model_parallel_size"] * candidate.get("context_parallel_size", 1)
+             * candidate["pipeline_model_parallel_size"] * candidate["data_parallel_size"])
     values = {"nproc_per_node": min(cluster["gpus_per_node"], world), "gpus_per_node": cluster["gpus_per_node"],
               "nodes": cluster["nodes"], "world_size": world, "port": free_port(), "name": candidate["name"],
               "run_dir": os.path.abspath(run_dir), "script": script}
@@ -184,8 +184,8 @@ def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[
 
 def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any],
                  measured: Dict[str, Any]) -> Dict[str, Any]:
-    keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-            "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
+    keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "context_parallel_size",
+            "pipeline_model_parallel_size", "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
             "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers", "saver",
             "predicted_pipeline_efficiency", "predicted_tokens_per_s",
             "predicted_relative_throughput", "peak_bytes_per_stage", "argv")

@@ -1,22 +1,31 @@
 """A simple, documented model of training speed, to rank layouts before running any.
 
-One optimizer step of a layout (TP t, PP p, DP n, micro batch b, gas g):
+One optimizer step of a layout (TP t, CP c, PP p, DP n, micro batch b, gas g), with s = b S / c the
+tokens of a micro-batch a rank holds (S the sequence; context parallelism splits it c ways):
 
-  step = (g + p - 1) x max over stages (compute_i + tp_comm_i) + p2p + dp_comm + offload
+  step = (g + p - 1) x max over stages (compute_i + tp_comm_i + cp_comm_i) + p2p + dp_comm + offload
 
   compute_i  = (3 x stage forward FLOPs + what recompute runs again on the stage: model/arithmetic.py
-               `recompute_forward_flops_per_token`) x b x s / t / (peak x gemm_eff(b s))
+               `recompute_forward_flops_per_token`) x b S / (t c) / (peak x gemm_eff(s))
                gemm_eff(tokens) = tokens / (tokens + 256): small matrices run below peak
-  tp_comm_i  = layers_i x 4 all-reduces x 2 (t-1)/t x (b s h x 2 bytes) / bandwidth
+               (context parallelism splits the attention core by heads and the rest by tokens)
+  tp_comm_i  = layers_i x 4 all-reduces x 2 (t-1)/t x (s h x 2 bytes) / bandwidth
                (forward and backward, two per layer each; NVLink when the TP group sits in a node;
                sequence parallelism replaces each by a reduce-scatter and an all-gather, the same bytes)
-  p2p        = 2 (g + p - 1) x b s h x 2 bytes / bandwidth between consecutive stages (/ t with
+  cp_comm_i  = (2 layers_i + recomputed layers_i) x (c-1)/c x A / bandwidth
+               A = the bytes of one layer's two forward all-to-alls on a rank (q, k, v in, the context
+               out: model/activations.py `context_parallel_all_to_all_bytes`), each rank sending
+               (c-1)/c of them; backward moves their gradients, full recompute runs the forward ones
+               again. CP ranks follow the TP ranks (rank order pipe, data, model with data = DP x c + CP),
+               so the group sits in a node when t c <= GPUs per node
+  p2p        = 2 (g + p - 1) x s h x 2 bytes / bandwidth between consecutive stages (/ t with
                sequence parallelism: a stage sends its sequence shard)
-  dp_comm    = 2 (n-1)/n x stage parameters x 2 bytes / bandwidth; ZeRO 3 moves 1.5x that
+  dp_comm    = 2 (N-1)/N x stage parameters x 2 bytes / bandwidth, N = n c (gradients are reduced
+               over DP x CP); ZeRO 3 moves 1.5x that
   offload    = 16 bytes x partition parameters / host bandwidth (CPU Adam and the copies)
 
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
-model/pipeline_efficiency.py). Tokens/s = global batch x s / step. The numbers
+model/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
 are for ranking layouts against each other; only the sweep measures.
 """
 from __future__ import annotations
@@ -46,25 +55,32 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                          stage_parameters: Sequence[int], hw: Hardware, *, hidden: int, seq: int,
                          tp: int, pp: int, dp: int, micro: int, gas: int, zero_stage: int,
                          recompute_flops: Sequence[float], cpu_offload: bool,
-                         sequence_parallel: bool = False) -> Dict[str, float]:
-    """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage."""
-    tokens = micro * seq
+                         sequence_parallel: bool = False, cp: int = 1, cp_all_to_all_bytes: int = 0,
+                         recomputed_layers: Sequence[int] = ()) -> Dict[str, float]:
+    """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
+    cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again."""
+    tokens = micro * seq // cp
     flops_per_s = hw.peak_tflops * 1e12 * gemm_efficiency(tokens)
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
     tp_bw = gbps(tp <= hw.gpus_per_node)
+    cp_bw = gbps(tp * cp <= hw.gpus_per_node)
     act_bytes = tokens * hidden * 2
+    recomputed = list(recomputed_layers) or [0] * len(stage_layers)
     per_stage: List[float] = []
-    for flops, again, layers in zip(stage_flops_per_token, recompute_flops, stage_layers):
+    for flops, again, layers, redone in zip(stage_flops_per_token, recompute_flops, stage_layers, recomputed):
         compute = (3.0 * flops + again) * tokens / tp / flops_per_s
         tp_comm = layers * 4 * 2 * (tp - 1) / tp * act_bytes / tp_bw if tp > 1 else 0.0
-        per_stage.append(compute + tp_comm)
-    # Rank order is (pipe, data, model): a stage spans tp x dp consecutive ranks.
+        cp_comm = (2 * layers + redone) * (cp - 1) / cp * cp_all_to_all_bytes / cp_bw if cp > 1 else 0.0
+        per_stage.append(compute + tp_comm + cp_comm)
+    # Rank order is (pipe, data, model), data = DP x CP: a stage spans tp x cp x dp consecutive ranks.
     sent = act_bytes / tp if sequence_parallel else act_bytes
-    p2p = 2 * (gas + pp - 1) * sent / gbps(tp * dp * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
-    dp_inside = tp * dp <= hw.gpus_per_node
+    stage_ranks = tp * cp * dp
+    p2p = 2 * (gas + pp - 1) * sent / gbps(stage_ranks * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
+    reduced = dp * cp  # gradients are reduced over DP x CP
     largest = max(stage_parameters)
-    dp_comm = 2 * (dp - 1) / dp * largest * 2 / gbps(dp_inside) * (1.5 if zero_stage == 3 else 1.0) if dp > 1 else 0.0
-    offload = 16.0 * largest / dp / (hw.host_gbps * 1e9) if cpu_offload else 0.0
+    dp_comm = (2 * (reduced - 1) / reduced * largest * 2 / gbps(stage_ranks <= hw.gpus_per_node)
+               * (1.5 if zero_stage == 3 else 1.0) if reduced > 1 else 0.0)
+    offload = 16.0 * largest / reduced / (hw.host_gbps * 1e9) if cpu_offload else 0.0
     pipeline = (gas + pp - 1) * max(per_stage)
     step = pipeline + p2p + dp_comm + offload
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,

@@ -27,7 +27,8 @@ MODEL_FIELDS = (
 # DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
 # ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
 LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipeline_model_parallel_size"),
-                 ("parallel", "data_parallel_size"), ("parallel", "zero_stage"), ("model", "padded_vocab_size"))
+                 ("parallel", "data_parallel_size"), ("parallel", "context_parallel_size"), ("parallel", "zero_stage"),
+                 ("model", "padded_vocab_size"))
 
 # What --use-checkpoint-args takes from the checkpoint: the model's shape and meaning, as Megatron-LM's
 # load_args_from_checkpoint does, but not --seq-length (this run's choice, up to the maximum positions).
@@ -35,7 +36,7 @@ CHECKPOINT_ARGS = tuple(name for _, name in MODEL_FIELDS) + (
     "group_query_attention", "norm_epsilon", "make_vocab_size_divisible_by")
 FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
-              "data_parallel_size": "the data-parallel size (world size / (TP x PP))",
+              "data_parallel_size": "the data-parallel size (world size / (TP x CP x PP))",
               "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
               "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
 

@@ -41,8 +41,14 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
     p = config.parallel
     require_at_least_one(p, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     world, tp, pp = p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    cp = p.context_parallel_size
     if world < 1:
         raise ConfigError(f"world size {world} (WORLD_SIZE / SLURM_NTASKS) must be at least 1")
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size {cp} must be at least 1 (1 = no context parallelism)")
+    if p.cp_comm_type != "a2a":
+        raise ConfigError(f"--cp-comm-type {p.cp_comm_type}: ring attention (p2p) is not built here; use "
+                          f"--cp-comm-type a2a (all-to-all over heads, DeepSpeed-Ulysses style)", code="cp_comm_type")
     if world % (tp * pp):
         fits = [f"{t}x{q}" for t in (1, 2, 4, 8) for q in (1, 2, 4, 8) if world % (t * q) == 0 and t * q > 1][:4]
         raise ConfigError(
@@ -50,6 +56,13 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
             f"--pipeline-model-parallel-size {pp} = {tp * pp}; the data-parallel size must be a whole number. "
             f"Launch a multiple of {tp * pp} processes, or use TP x PP that divides {world}"
             + (f" (e.g. {', '.join(fits)})" if fits else ""), code="world_not_divisible"
+        )
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--context-parallel-size {cp} x --pipeline-model-parallel-size {pp} = {tp * cp * pp}; the "
+            f"data-parallel size must be a whole number. Launch a multiple of {tp * cp * pp} processes, or use "
+            f"sizes whose product divides {world}", code="world_not_divisible"
         )
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {p.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -70,7 +83,7 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
         raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got "
                           f"{p.distributed_timeout_minutes:g}; e.g. 10 (Megatron-LM's default) or 0.5 for 30 s")
     _check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
-    return config.replace(parallel__data_parallel_size=world // (tp * pp))
+    return config.replace(parallel__data_parallel_size=world // (tp * pp * cp))
 
 
 def _check_partition_method(method: str, num_layers: int, pp: int) -> None:
@@ -165,6 +178,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{flag(name)} {value} must be in [0, 1), e.g. 0.1")
     _check_sequence_parallel(config)
+    _check_context_parallel(config, groups)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
                           model__recompute_granularity=granularity, model__num_query_groups=groups)
@@ -232,6 +246,37 @@ def _check_sequence_parallel(config: Config) -> None:
                           f"(LayerNorms, row-parallel biases) are summed over TP once per step in the pipeline "
                           f"engine, which ZeRO 2/3 do not use; use --zero-stage 1 (or 0)",
                           code="sequence_parallel_with_zero")
+
+
+def _check_context_parallel(config: Config, groups: int) -> None:
+    """CP splits each TP rank's heads (inside attention) and the sequence (outside it) C ways."""
+    p, m = config.parallel, config.model
+    cp, tp, seq = p.context_parallel_size, p.tensor_model_parallel_size, m.seq_length
+    if cp == 1:
+        return
+    local_heads = m.num_attention_heads // tp
+    if local_heads % cp:
+        raise ConfigError(
+            f"--num-attention-heads {m.num_attention_heads} / --tensor-model-parallel-size {tp} = {local_heads} "
+            f"heads per TP rank is not divisible by --context-parallel-size {cp}: the all-to-all gives each CP "
+            f"rank whole heads. Use --context-parallel-size "
+            f"{batching.or_join([c for c in (1, 2, 4, 8) if local_heads % c == 0][-2:])}",
+            code="heads_not_divisible_by_cp")
+    local_groups = max(groups // tp, 1)
+    if local_groups % cp and cp % local_groups:
+        raise ConfigError(
+            f"--num-query-groups {groups} at --tensor-model-parallel-size {tp} leaves {local_groups} key/value "
+            f"groups per TP rank, which neither divides nor is divided by --context-parallel-size {cp}; use a "
+            f"--context-parallel-size that divides {local_groups} or is a multiple of it",
+            code="groups_not_compatible_with_cp")
+    shards = cp * tp if p.sequence_parallel else cp
+    if seq % shards:
+        what = (f"--context-parallel-size {cp} x --tensor-model-parallel-size {tp} (with --sequence-parallel)"
+                if p.sequence_parallel else f"--context-parallel-size {cp}")
+        raise ConfigError(f"--seq-length {seq} is not divisible by {what} = {shards}: each rank holds an equal "
+                          f"part of the sequence. Use --seq-length "
+                          f"{batching.or_join(batching.nearest_multiples(seq, shards))}",
+                          code="seq_not_divisible_by_cp")
 
 
 def _recompute_granularity(m, notes: List[str]):

@@ -112,7 +112,7 @@ def test_a_zero_2_run_takes_only_a_checkpoint_of_its_own_layout_zero_stage_and_p
         _config("--load", folder, "--zero-stage", "2", "--bf16", world_size=2)
     message = str(info.value)
     for part in ("--pipeline-model-parallel-size: checkpoint 2, this run 1",
-                 "the data-parallel size (world size / (TP x PP)): checkpoint 1, this run 2",
+                 "the data-parallel size (world size / (TP x CP x PP)): checkpoint 1, this run 2",
                  "--zero-stage: checkpoint 0, this run 2", "precision: checkpoint fp32, this run bf16",
                  "a checkpoint moves between layouts and precisions at ZeRO 0 and 1 only"):
         assert part in message, message

@@ -4,20 +4,25 @@ import contextlib
 import torch
 
 from megatron_lite.model.arithmetic import stage_bounds
-from megatron_lite.model.gpt import GPTModel, loss_fn
+from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.parallel.random import checkpoint as random_checkpoint
 
 
 def _model_and_batch(config):
-    """The whole GPT of the config on this TP rank (TP groups made if none exist) in the config's
+    """The whole GPT of the config on this TP and CP rank (groups made if none exist) in the config's
     precision, the storages of its parameters (never counted as activations), and one random
-    micro-batch of tokens and positions."""
+    micro-batch: (tokens, positions) and (labels, loss mask), under context parallelism this CP rank's
+    part of the sequence with the mask as loss weights, each in a storage of its own (as the sampler
+    hands them over)."""
+    from megatron_lite.data.context_parallel import context_parallel_part
     from megatron_lite.parallel import state
+    from megatron_lite.parallel.context_parallel import cp_rank
     from megatron_lite.parallel.random import model_parallel_seed
 
+    cp = config.parallel.context_parallel_size
     if not state.is_initialized():
-        state.initialize(config.parallel.tensor_model_parallel_size, 1)
+        state.initialize(config.parallel.tensor_model_parallel_size, 1, context_parallel_size=cp)
     model = GPTModel(config).train()
     if config.precision.dtype_name != "fp32":  # as the engine casts it
         model = model.to(torch.bfloat16 if config.precision.bf16 else torch.float16)
@@ -25,17 +30,20 @@ def _model_and_batch(config):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s))
-    return model, params, tokens, torch.arange(s).expand(b, s).contiguous()
+    arrays = (tokens, torch.arange(s).expand(b, s).contiguous(), tokens, torch.ones(b, s))
+    if cp > 1:
+        arrays = tuple(t.clone() for t in context_parallel_part(arrays, cp_rank(), cp))
+    return model, params, arrays[:2], arrays[2:]
 
 
 def saved_bytes_per_stage(config):
     """For each pipeline stage of the config: storages saved by autograd for one micro-batch,
     plus the inputs activation recompute keeps alive, plus a non-last stage's output (kept to send).
-    Under sequence parallelism, the TP rank's own shard (every rank keeps the same amount)."""
-    model, params, tokens, positions = _model_and_batch(config)
-    b, s = tokens.shape
+    Under sequence parallelism, the TP rank's own shard (every rank keeps the same amount); under
+    context parallelism, this CP rank's (every rank keeps the same amount)."""
+    model, params, inputs, labels_and_mask = _model_and_batch(config)
     bounds = stage_bounds(config, estimate=True)
-    results, x = [], (tokens, positions)
+    results, x = [], inputs
     for a, z in zip(bounds[:-1], bounds[1:]):
         if isinstance(x, torch.Tensor):  # what the pipeline engine hands the next stage
             x = x.detach().requires_grad_(True)
@@ -52,7 +60,7 @@ def saved_bytes_per_stage(config):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _keeping_checkpoint_inputs(keep):
             x = run_stage(model._forward_fns[a:z], x, config.model)
             if z == len(model._forward_fns):
-                x = loss_fn(x, (tokens, torch.ones(b, s)))
+                x = model.loss(x, labels_and_mask)
             else:
                 keep(x)
         results.append(sum(kept.values()))
@@ -85,8 +93,8 @@ def saved_bytes_per_layer(config):
     plus what recompute keeps alive. Its input is the embedding's output in a storage of its own, as a
     later layer's input is (a sequence shard of the embedding at micro batch 1 is a view of the whole
     [1, s, h] output: the first stage's business, counted by saved_bytes_per_stage)."""
-    model, params, tokens, positions = _model_and_batch(config)
-    x = model._forward_fns[0]((tokens, positions)).detach().clone().requires_grad_(True)
+    model, params, inputs, _ = _model_and_batch(config)
+    x = model._forward_fns[0](inputs).detach().clone().requires_grad_(True)
     kept = {}
 
     def keep(t):

@@ -9,9 +9,10 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--clip-grad", "1.0", "--seed", "7"]
 
 
-def tiny_config(tp=1, pp=1, dp=1, extra=()):
-    argv = TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
-    return parse_args(argv, world_size=tp * pp * dp)[0]
+def tiny_config(tp=1, pp=1, dp=1, extra=(), cp=1):
+    argv = TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                   "--context-parallel-size", str(cp), *extra]
+    return parse_args(argv, world_size=tp * pp * dp * cp)[0]
 
 
 def global_batches(config, steps, seed=0):
@@ -21,8 +22,12 @@ def global_batches(config, steps, seed=0):
                                                        config.model.seq_length + 1), generator=g)
 
 
-def micro_batches(config, batches, dp_rank, dp):
-    """Megatron's order: each micro-step takes the next micro x DP samples, rank r its r-th slice."""
+def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None):
+    """Megatron's order: each micro-step takes the next micro x DP samples, rank r its r-th slice; a
+    context-parallel rank (cp = (rank, size)) its part of their sequences. loss_mask(labels) -> mask
+    (default: every token counts)."""
+    from megatron_lite.data.context_parallel import context_parallel_part
+
     micro = config.batch.micro_batch_size
     seq = config.model.seq_length
     positions = torch.arange(seq).expand(micro, seq).contiguous()
@@ -30,10 +35,15 @@ def micro_batches(config, batches, dp_rank, dp):
         for m in range(config.batch.gradient_accumulation_steps):
             window = step[m * micro * dp:(m + 1) * micro * dp]
             sample = window[dp_rank * micro:(dp_rank + 1) * micro]
-            yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
+            labels = sample[:, 1:].contiguous()
+            arrays = (sample[:, :-1].contiguous(), positions, labels,
+                      torch.ones(micro, seq) if loss_mask is None else loss_mask(labels))
+            if cp[1] > 1:
+                arrays = context_parallel_part(arrays, *cp)
+            yield (arrays[0], arrays[1]), (arrays[2], arrays[3])
 
 
-def dense_losses(config, batches, micro_batch_size=None):
+def dense_losses(config, batches, micro_batch_size=None, loss_mask=None):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
 
     By default each step is one forward over the whole global batch. With dropout, pass
@@ -56,7 +66,8 @@ def dense_losses(config, batches, micro_batch_size=None):
         for chunk in chunks:
             tokens, labels = chunk[:, :-1], chunk[:, 1:]
             positions = torch.arange(seq).expand_as(tokens)
-            loss = model(tokens, positions, labels, torch.ones(labels.shape)) / len(chunks)
+            mask = torch.ones(labels.shape) if loss_mask is None else loss_mask(labels)
+            loss = model(tokens, positions, labels, mask) / len(chunks)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)

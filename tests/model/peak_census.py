@@ -55,19 +55,21 @@ class StoragePeak(TorchDispatchMode):
         return out
 
 
-def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True):
-    """This rank's peak over steps 3 and 4 (the higher of the two), and the bytes alive between steps."""
+def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1):
+    """This rank's peak over steps 3 and 4 (the higher of the two), and the bytes alive between steps.
+    cp: --context-parallel-size (the world is TP x CP x PP x DP)."""
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
 
-    config = tiny_config(tp, pp, dp, tuple(extra) + ("--deepspeed-config", ds_json))
-    state.initialize(tp, pp)
+    config = tiny_config(tp, pp, dp, tuple(extra) + ("--deepspeed-config", ds_json), cp=cp)
+    state.initialize(tp, pp, context_parallel_size=cp)
     engine = Engine(config, with_scheduler=False)
     if not free_last_stage_outputs:  # DeepSpeed's own instructions, as without deepspeed_compat's hook
         engine.engine._INSTRUCTION_MAP = type(engine.engine)._INSTRUCTION_MAP
-    data = micro_batches(config, global_batches(config, 4), state.get_data_parallel_rank(), dp)
+    data = micro_batches(config, global_batches(config, 4), state.get_data_parallel_rank(), dp,
+                         cp=(state.get_context_parallel_rank(), cp))
     engine.train_step(data)
     peaks, alive = [], []
     with StoragePeak() as tracker:

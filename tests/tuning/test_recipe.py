@@ -48,15 +48,16 @@ def test_model_too_big_for_one_node_on_four_nodes_gets_tp8_pp2_with_sequence_par
 def test_rejections_name_their_reasons(tmp_path):
     p = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     # 12 heads: TP 8 does not divide them
-    assert {"tp8_pp1_dp1_mb1"} <= _rejections(p, "heads_not_divisible_by_tp")
+    assert {"tp8_cp1_pp1_dp1_mb1"} <= _rejections(p, "heads_not_divisible_by_tp")
     # 2 layers: 4 and 8 stages are too many
-    assert {"tp1_pp4_dp2_mb1", "tp1_pp8_dp1_mb1", "tp2_pp4_dp1_mb1"} <= _rejections(p, "layers_fewer_than_stages")
+    assert {"tp1_cp1_pp4_dp2_mb1", "tp1_cp1_pp8_dp1_mb1", "tp2_cp1_pp4_dp1_mb1"} <= _rejections(
+        p, "layers_fewer_than_stages")
     # global batch 16 with micro 4 x DP 8 = 32
-    assert "tp1_pp1_dp8_mb4" in _rejections(p, "batch_not_divisible")
+    assert "tp1_cp1_pp1_dp8_mb4" in _rejections(p, "batch_not_divisible")
     table = recipe.format_plan(p)
-    assert "x heads not divisible by TP: tp8_pp1_dp1_mb1" in table and "x layers fewer than stages" in table
+    assert "x heads not divisible by TP: tp8_cp1_pp1_dp1_mb1" in table and "x layers fewer than stages" in table
     kept = {c.layout for c in p.candidates}
-    assert {"tp1_pp1_dp8_mb1", "tp2_pp2_dp2_mb2", "tp4_pp1_dp2_mb1"} <= kept
+    assert {"tp1_cp1_pp1_dp8_mb1", "tp2_cp1_pp2_dp2_mb2", "tp4_cp1_pp1_dp2_mb1"} <= kept
     assert not kept & {r["layout"] for r in p.rejected}
     first = p.candidates[0]
     # Shaden's order: TP as close to the GPUs per node as the heads allow (4), micro batch 1
@@ -73,11 +74,12 @@ def test_too_little_memory_rejects_everything_with_the_needed_bytes(tmp_path):
 def test_memory_savers_are_tried_fastest_first_and_named(tmp_path):
     # Enough memory for the states but not for micro batch 4's activations at ZeRO 0: recompute saves it.
     loose = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
-    assert all(c.saver == "none" and c.zero_stage == 0 for c in loose.candidates)
-    c = next(c for c in loose.candidates if c.layout == "tp1_pp1_dp2_mb4")
+    assert all(c.saver == ("none" if c.context_parallel_size == 1 else f"context parallel {c.context_parallel_size}")
+               and c.zero_stage == 0 for c in loose.candidates)
+    c = next(c for c in loose.candidates if c.layout == "tp1_cp1_pp1_dp2_mb4")
     tight_gb = (max(c.peak_bytes_per_stage) - 1) / 2 ** 30 / 0.9
     tight = _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=tight_gb)
-    saved = next(x for x in tight.candidates if x.layout == "tp1_pp1_dp2_mb4")
+    saved = next(x for x in tight.candidates if x.layout == "tp1_cp1_pp1_dp2_mb4")
     assert saved.saver != "none" and max(saved.peak_bytes_per_stage) < max(c.peak_bytes_per_stage)
     assert saved.saver_order > 0
 
@@ -87,10 +89,11 @@ LONG = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8
         "--vocab-size", "1000", "--global-batch-size", "64", "--bf16"]
 
 
-def _peak(argv, tp, pp, dp, micro, *extra):
-    """The estimated peak (GiB) of the layout at ZeRO 0, on a GPU."""
+def _peak(argv, tp, pp, dp, micro, *extra, cp=1):
+    """The estimated peak (GiB) of the layout at ZeRO 0 (unless extra says otherwise), on a GPU."""
     config, _ = parse_args(argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                                   "--micro-batch-size", str(micro), *extra], world_size=tp * pp * dp)
+                                   "--context-parallel-size", str(cp), "--micro-batch-size", str(micro), *extra],
+                           world_size=tp * cp * pp * dp)
     return max(st.peak for st in memory.estimate(config, deepspeed_config(config))) / 2 ** 30
 
 
@@ -106,8 +109,8 @@ def test_a_layout_that_fits_by_sequence_parallelism_or_selective_recompute_ranks
     assert _peak(argv, tp, 2, 2 // tp, 4) > (fits + tight) / 2, "without the saver it would not fit"
     p = _plan(argv, tmp_path, nodes=2, gpus_per_node=2, gpu_memory_gb=(fits + tight) / 2 / 0.9)
     by_layout = {c.layout: c for c in p.candidates}
-    cheap_fit = by_layout[f"tp{tp}_pp2_dp{2 // tp}_mb4"]
-    recomputed = by_layout[f"tp{tp}_pp1_dp{4 // tp}_mb4"]
+    cheap_fit = by_layout[f"tp{tp}_cp1_pp2_dp{2 // tp}_mb4"]
+    recomputed = by_layout[f"tp{tp}_cp1_pp1_dp{4 // tp}_mb4"]
     assert cheap_fit.saver == saver and cheap_fit.saver_tier == 0
     assert recompute_needed(recomputed)
     assert cheap_fit.rank < recomputed.rank, "it ranks higher although it has twice the stages"
@@ -117,13 +120,20 @@ def recompute_needed(c):
     return c.saver_tier == 1 and c.recompute_granularity == "full"
 
 
+def _world(c):
+    return (c.tensor_model_parallel_size * c.context_parallel_size * c.pipeline_model_parallel_size
+            * c.data_parallel_size)
+
+
 def test_every_kept_candidates_command_line_passes_pretrain_validation_with_its_layout(tmp_path):
     p = _plan(SMALL + ["--zero-stage", "1", "--lr", "3e-4"], tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80)
     for c in p.candidates:
-        world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+        world = _world(c)
         config, _ = parse_args(c.pretrain_argv, world_size=world)
         assert config.batch.gradient_accumulation_steps == c.gradient_accumulation_steps
         assert config.parallel.tensor_model_parallel_size == c.tensor_model_parallel_size
+        assert config.parallel.context_parallel_size == c.context_parallel_size
+        assert config.parallel.data_parallel_size == c.data_parallel_size
         assert config.parallel.zero_stage == c.zero_stage and config.batch.micro_batch_size == c.micro_batch_size
         assert config.optimizer.lr == 3e-4 and config.model.num_attention_heads == 12
         assert c.pretrain_argv[-len(c.argv):] == c.argv
@@ -142,7 +152,7 @@ def test_micro_batch_probe_uses_one_node_few_layers_and_micro_batches_to_64(tmp_
     assert p.mode == "micro-batch-probe"
     assert all(c.pretrain_argv[c.pretrain_argv.index("--num-layers") + 1] == "2" for c in p.candidates)
     assert all(c.pipeline_model_parallel_size == 1 and c.gradient_accumulation_steps == 1 for c in p.candidates)
-    assert all(c.tensor_model_parallel_size * c.data_parallel_size == 8 for c in p.candidates)
+    assert all(_world(c) == 8 for c in p.candidates)
     assert 64 in {c.micro_batch_size for c in p.candidates} | {r["micro_batch_size"] for r in p.rejected}
 
 
@@ -188,7 +198,7 @@ def test_llama_plan_with_2_query_groups_proposes_tp4_and_no_tp_that_validation_r
     assert refused == {3, 6, 12}
     assert "x query groups neither divide nor are divided by TP" in recipe.format_plan(p)
     for c in p.candidates:  # what pretrain_gpt.py would be given: it validates
-        world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+        world = _world(c)
         config, _ = parse_args(c.pretrain_argv, world_size=world)
         assert config.model.num_query_groups == 2 and config.model.swiglu
         # Memory through the same estimate as tools/estimate_memory.py, for the Llama block.
@@ -196,3 +206,46 @@ def test_llama_plan_with_2_query_groups_proposes_tp4_and_no_tp_that_validation_r
     first = p.candidates[0]
     assert first.tensor_model_parallel_size == 4, "Shaden's order: the TP nearest the GPUs per node that validates"
     assert recipe.first_choice_reason(p).startswith(f"{first.layout}: gas ")
+
+
+def test_plan_tries_context_parallelism_up_to_the_heads_per_tp_rank_and_names_the_cps_it_refuses(tmp_path):
+    """12 heads, 2 key/value groups, 8 GPUs: CP 1, 2, 4, 8 at TP 1 (8 refused: 12 heads do not split into 8),
+    1, 2, 4 at TP 2 (4 refused: 6 heads per TP rank) and 1, 2 at TP 4 (2 refused: 3 heads); at TP 1 CP 4
+    repeats the 2 groups to 4. Every kept CP candidate launches TP x CP x PP x DP ranks and validates."""
+    p = _plan(LLAMA_SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1)
+    kept = {(c.tensor_model_parallel_size, c.context_parallel_size) for c in p.candidates}
+    assert {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)} <= kept
+    refused = {(r["tensor_model_parallel_size"], r["context_parallel_size"]) for r in p.rejected
+               if r["reason_code"] == "heads_not_divisible_by_cp"}
+    assert refused == {(1, 8), (2, 4), (4, 2)}
+    assert "tp1_cp8_pp1_dp1_mb1" in _rejections(p, "heads_not_divisible_by_cp")
+    assert "x heads per TP rank not divisible by CP: " in recipe.format_plan(p)
+    for c in p.candidates:
+        if c.context_parallel_size == 1:
+            continue
+        config, _ = parse_args(c.pretrain_argv, world_size=_world(c))
+        flag = c.pretrain_argv.index("--context-parallel-size")
+        assert c.pretrain_argv[flag + 1] == str(c.context_parallel_size) and flag >= len(c.pretrain_argv) - len(c.argv)
+        assert config.parallel.data_parallel_size == c.data_parallel_size
+        assert c.saver.startswith(f"context parallel {c.context_parallel_size}") and c.saver_tier < 2
+        assert c.peak_bytes_per_stage == [st.peak for st in memory.estimate(config, deepspeed_config(config))]
+    no_cp = _plan(LLAMA_SMALL, tmp_path, nodes=1, gpus_per_node=8, gpu_memory_gb=80, max_micro_batch=1,
+                  max_context_parallel=1)
+    assert {c.context_parallel_size for c in no_cp.candidates} == {1}
+
+
+def test_a_layout_that_fits_by_context_parallelism_ranks_above_one_recomputing_layers(tmp_path):
+    """LONG on 2 GPUs at micro batch 4: the budget fits TP 1 x CP 2 with nothing else, while TP 1 x DP 2
+    (CP 1) must recompute whole layers. CP costs two all-to-alls per layer and direction, no compute, so
+    it ranks above, as sequence parallelism and selective recompute do."""
+    argv = LONG + ["--attention-backend", "sdpa"]
+    cp2 = _peak(argv, 1, 1, 1, 4, cp=2)
+    cheapest_cp1 = min(_peak(argv, 1, 1, 2, 4, "--recompute-granularity", "selective", *zero)
+                       for zero in ((), ("--zero-stage", "1")))
+    assert cp2 < cheapest_cp1
+    p = _plan(argv, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=(cp2 + cheapest_cp1) / 2 / 0.9)
+    by_layout = {c.layout: c for c in p.candidates}
+    split, recomputed = by_layout["tp1_cp2_pp1_dp1_mb4"], by_layout["tp1_cp1_pp1_dp2_mb4"]
+    assert split.saver == "context parallel 2" and split.saver_tier == 0
+    assert recompute_needed(recomputed)
+    assert split.rank < recomputed.rank

@@ -104,9 +104,33 @@ def test_a_hanging_and_a_failing_run_do_not_stop_the_sweep_and_rerun_skips_finis
     assert retried == {"skipped": 2, "failed": 1}
 
 
+def test_a_context_parallel_candidate_launches_tp_x_cp_x_pp_x_dp_ranks_and_its_record_says_cp(tmp_path):
+    plan = recipe.plan(TINY, 1, 2, 80, max_micro_batch=1, device="cpu", workdir=str(tmp_path)).to_dict()
+    plan["candidates"] = [c for c in plan["candidates"] if c["layout"] == "tp1_cp2_pp1_dp1_mb1"]
+    assert len(plan["candidates"]) == 1
+    fake = tmp_path / "fake.py"
+    fake.write_text("import sys\nfrom megatron_lite.training.records import RecordWriter\n"
+                    "writer = RecordWriter(sys.argv[sys.argv.index('--tensorboard-dir') + 1])\n"
+                    f"for record in {_records([1.0, 1.0, 1.0])!r}:\n"
+                    "    writer.write(record.pop('kind'), **record)\n")
+    counts = sweep.sweep(plan, str(tmp_path / "out"), f"{sys.executable} {fake} --ranks {{world_size}} {{script}}",
+                         [], train_iters=3, warmup_iters=1, time_limit=60, log=lambda s: None)
+    assert counts == {"completed": 1}
+    name = plan["candidates"][0]["name"]
+    command = (tmp_path / "out" / name / "command.txt").read_text()
+    assert "--ranks 2 " in command and "--context-parallel-size 2" in command
+    line = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    assert (line["layout"], line["context_parallel_size"], line["data_parallel_size"]) == ("tp1_cp2_pp1_dp1_mb1", 2, 1)
+    assert line["saver"] == "context parallel 2"
+    rows = report.write_report(str(tmp_path / "out"), out_dir=str(tmp_path / "report"))["rows"]
+    assert rows[0]["layout"] == "tp1_cp2_pp1_dp1_mb1" and rows[0]["measured_pipeline_efficiency"] == 1.0
+
+
 def test_layout_flags_among_the_fixed_flags_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
         sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--context-parallel-size", "2"])
 
 
 def test_unknown_launcher_placeholder_is_named(tmp_path):
@@ -125,12 +149,12 @@ def null_corpus(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_real_sweep_of_six_layouts_completes_records_a_failure_and_reports(tmp_path, null_corpus):
+def test_a_real_sweep_of_seven_layouts_completes_records_a_failure_and_reports(tmp_path, null_corpus):
     p = recipe.plan(TINY, nodes=1, gpus_per_node=2, gpu_memory_gb=16, max_micro_batch=2, device="cpu",
                     workdir=str(tmp_path))
     plan = p.to_dict()
-    wanted = ["tp1_pp1_dp2_mb1", "tp2_pp1_dp1_mb1", "tp1_pp2_dp1_mb1", "tp1_pp1_dp2_mb2", "tp2_pp1_dp1_mb2",
-              "tp1_pp2_dp1_mb2"]
+    wanted = ["tp1_cp1_pp1_dp2_mb1", "tp2_cp1_pp1_dp1_mb1", "tp1_cp1_pp2_dp1_mb1", "tp1_cp1_pp1_dp2_mb2",
+              "tp2_cp1_pp1_dp1_mb2", "tp1_cp1_pp2_dp1_mb2", "tp1_cp2_pp1_dp1_mb1"]
     plan["candidates"] = [c for c in plan["candidates"] if c["layout"] in wanted]
     assert sorted(c["layout"] for c in plan["candidates"]) == sorted(wanted)
     broken = dict(plan["candidates"][0], name="999_broken", rank=999,
@@ -144,9 +168,9 @@ def test_a_real_sweep_of_six_layouts_completes_records_a_failure_and_reports(tmp
     out = str(tmp_path / "sweep")
     counts = sweep.sweep(plan, out, launcher, fixed, train_iters=4, warmup_iters=1, time_limit=120,
                          log=lambda s: None)
-    assert counts == {"completed": 6, "failed": 1}, counts
+    assert counts == {"completed": 7, "failed": 1}, counts
     assert sweep.sweep(plan, out, launcher, fixed, train_iters=4, warmup_iters=1, time_limit=120,
-                       log=lambda s: None) == {"skipped": 7}
+                       log=lambda s: None) == {"skipped": 8}
     rows = sweep.collect(out)
     assert all(r["tokens_per_s"] > 0 and r["timed_iterations"] == 3 for r in rows if r["status"] == "completed")
     assert all(sorted(r["stage_memory"]) == [str(s) for s in range(r["pipeline_model_parallel_size"])]

@@ -1,0 +1,22 @@
+"""tools/bench_context_parallel.py runs end to end on a tiny model and prints what its docstring promises
+(its numbers are for the README, not checked here: timings on a shared VM are not test material)."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_context_parallel_benchmark_prints_its_ratios_and_where_the_time_goes():
+    result = subprocess.run([sys.executable, "tools/bench_context_parallel.py", "--num-layers", "1", "--hidden-size",
+                             "64", "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "128",
+                             "--rounds", "1", "--steps", "1", "--profile"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",
+                                                                                             "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for line in ("cp2/dp2", "cp2/tp2", "cp2 all-to-alls:", "matmuls"):
+        assert line in out, out
