@@ -1,12 +1,15 @@
 """Find a fast TP / CP / PP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
 
+    python tools/tune_parallelism.py calibrate --output profile.json [--device cpu|cuda] [--world-size 4]
     python tools/tune_parallelism.py plan --nodes 4 --gpus-per-node 8 --gpu-memory-gb 80 \\
-        <pretrain_gpt.py model flags> --global-batch-size 1024 --output plan.json
+        <pretrain_gpt.py model flags> --global-batch-size 1024 [--profile profile.json] --output plan.json
     python tools/tune_parallelism.py sweep --plan plan.json --results sweep/ \\
         --launcher "torchrun --nproc_per_node {gpus_per_node} --nnodes {nodes} --master_port {port}" \\
         -- <fixed pretrain_gpt.py flags: --data-path, --tokenizer-*, ...>
     python tools/tune_parallelism.py report --results sweep/ [--sort-by tokens_per_s]
 
+calibrate: measures this machine (GEMM FLOP/s, copy GB/s, each collective's latency and bandwidth) into a
+JSON profile that `plan --profile` prices layouts with instead of the --peak-tflops / --*-gbps constants.
 plan: the model is described with pretrain_gpt.py's own flags (no --data-path needed; give --vocab-size).
 sweep: launcher placeholders are listed by `sweep --help`. report: markdown, CSV, PNG plots, best command line.
 """
@@ -22,7 +25,7 @@ from megatron_lite.config import ConfigError  # noqa: E402
 
 
 def _plan(argv) -> int:
-    from megatron_lite.tuning import recipe
+    from megatron_lite.tuning import calibration, recipe
     from megatron_lite.tuning.throughput import Hardware
 
     parser = argparse.ArgumentParser(prog="tune_parallelism.py plan", allow_abbrev=False,
@@ -48,6 +51,9 @@ def _plan(argv) -> int:
     parser.add_argument("--peak-tflops", type=float, default=312.0, help="16-bit dense peak per GPU (A100 312)")
     parser.add_argument("--intra-node-gbps", type=float, default=150.0)
     parser.add_argument("--inter-node-gbps", type=float, default=25.0)
+    parser.add_argument("--profile", default=None,
+                        help="a profile from `tune_parallelism.py calibrate` (measured on --device): predict step "
+                             "times from it instead of --peak-tflops and the --*-gbps constants")
     parser.add_argument("--output", default=None, help="plan JSON (default: print only)")
     parser.add_argument("--show", type=int, default=30, help="rows of the table to print")
     own, model_argv = parser.parse_known_args(argv)
@@ -61,6 +67,10 @@ def _plan(argv) -> int:
         parser.error(f"--memory-margin must be in [0, 1), got {own.memory_margin}")
     if own.gpu_memory_gb <= 0:
         parser.error(f"--gpu-memory-gb must be a positive number of GiB per GPU (e.g. 80), got {own.gpu_memory_gb}")
+    profile = None
+    if own.profile:
+        profile = calibration.load(own.profile)
+        calibration.check_device(profile, own.profile, own.device)
     hw = Hardware(gpus_per_node=own.gpus_per_node, peak_tflops=own.peak_tflops,
                   intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps)
     # The ZeRO-3 parameter-offload candidates name a DeepSpeed JSON written next to the plan.
@@ -68,7 +78,7 @@ def _plan(argv) -> int:
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
-                    max_context_parallel=own.max_context_parallel)
+                    max_context_parallel=own.max_context_parallel, profile=profile)
     print(recipe.format_plan(p, own.show))
     print(f"first: {recipe.first_choice_reason(p)}")
     if own.output:
@@ -79,9 +89,53 @@ def _plan(argv) -> int:
     return 0 if p.candidates else 1
 
 
+def _calibrate(argv) -> int:
+    from megatron_lite.tuning.measure import measure
+
+    parser = argparse.ArgumentParser(prog="tune_parallelism.py calibrate", allow_abbrev=False,
+                                     description="Measure this machine for `plan --profile` (about a minute with "
+                                                 "the defaults): GEMM FLOP/s at a few token counts, the bandwidth of "
+                                                 "a large copy, and latency + bandwidth of all-reduce, all-gather, "
+                                                 "reduce-scatter, send/recv and all-to-all at group sizes 2, 4, ... "
+                                                 "up to --world-size (gloo on CPU, NCCL on CUDA).")
+    parser.add_argument("--output", required=True, help="the profile JSON to write")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world-size", type=int, default=2, help="the largest collective group measured (2, 4, ...)")
+    parser.add_argument("--gemm-tokens", type=int, nargs="+", default=[128, 512, 2048],
+                        help="GEMM rows m (tokens of a micro-batch on a rank) measured")
+    parser.add_argument("--gemm-hidden", type=int, default=1024, help="h of the [m, h] x [h, 4h] GEMM")
+    parser.add_argument("--copy-megabytes", type=int, default=256, help="size of the copied buffer, MiB")
+    parser.add_argument("--message-bytes", type=int, nargs="+", default=[2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24],
+                        help="collective message sizes the latency + bandwidth fit uses")
+    parser.add_argument("--iters", type=int, default=10, help="calls timed per collective and size")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per GEMM size and on the copy")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
+    args = parser.parse_args(argv)
+    if args.world_size < 2:
+        parser.error(f"--world-size must be at least 2 (the smallest collective group), got {args.world_size}")
+    small = [v for v in args.gemm_tokens + [args.gemm_hidden, args.copy_megabytes, args.iters] if v < 1]
+    if small or len(set(args.message_bytes)) < 2 or min(args.message_bytes) < 4:
+        parser.error("--gemm-tokens, --gemm-hidden, --copy-megabytes, --iters must be positive and --message-bytes "
+                     "needs two different sizes of at least 4 bytes (the fit has two unknowns)")
+    start = time.time()
+    try:
+        profile = measure(args.device, args.world_size, args.gemm_tokens, args.gemm_hidden, args.copy_megabytes,
+                          args.message_bytes, args.iters, args.min_seconds, args.threads,
+                          progress=lambda line: print(line, flush=True))
+    except RuntimeError as e:
+        print(f"tune_parallelism.py calibrate: error: {e}", file=sys.stderr)
+        return 1
+    profile.save(args.output)
+    print(profile.summary())
+    print(f"calibrate: {args.device} profile, collectives up to {args.world_size} ranks, {time.time() - start:.1f}s; "
+          f"wrote {args.output}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"plan": _plan}
+    commands = {"calibrate": _calibrate, "plan": _plan}
     try:
         from megatron_lite.tuning import report, sweep
         commands.update(sweep=sweep.main, report=report.main)

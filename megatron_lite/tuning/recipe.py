@@ -68,6 +68,7 @@ from megatron_lite.model.arithmetic import (
 )
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.deepspeed_config import deepspeed_config
+from megatron_lite.tuning.calibration import Profile
 from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
 from megatron_lite.validation import validate
 
@@ -296,7 +297,7 @@ def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], wor
         "does_not_fit_memory"
 
 
-def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
+def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profile] = None) -> None:
     m = config.model
     bounds = stage_bounds(config, estimate=True)
     flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
@@ -310,7 +311,8 @@ def _predict(c: Candidate, config: Config, hw: Hardware) -> None:
                                  recompute_flops=again, cpu_offload=c.cpu_offload,
                                  sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
                                  cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
-                                 recomputed_layers=redone)
+                                 recomputed_layers=redone, profile=profile,
+                                 bytes_per_value=2 if config.precision.dtype_name != "fp32" else 4)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
@@ -336,12 +338,15 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
          memory_margin: float = 0.1, max_micro_batch: int = 8, order: str = "shaden",
          hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
          micro_batch_probe: bool = False, probe_layers: int = 2, progress=None,
-         max_context_parallel: Optional[int] = None) -> Plan:
+         max_context_parallel: Optional[int] = None, profile: Optional[Profile] = None) -> Plan:
     """Candidates for the cluster, validated, memory-checked, predicted and ordered.
 
     model_argv: pretrain_gpt.py flags describing the model and the batch (argparse exits 2 on an
     unknown one); the layout flags among them are replaced per candidate, which the plan's notes say.
-    max_context_parallel: the largest CP tried (default: the heads per TP rank; 1 plans without CP)."""
+    max_context_parallel: the largest CP tried (default: the heads per TP rank; 1 plans without CP).
+    profile: measured hardware (tuning/calibration.py) that prices the candidates instead of `hardware`."""
+    if profile is not None and profile.device != device:
+        raise ConfigError(f"the profile was measured on {profile.device}, the plan is for {device}", code="bad_profile")
     hw = hardware or Hardware(gpus_per_node=gpus_per_node)
     model_argv = list(model_argv)
     given = given_fields(build_parser().parse_args(model_argv))
@@ -380,7 +385,7 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
                                      "data_parallel_size": dp, "micro_batch_size": micro, "reason": reason,
                                      "reason_code": code})
                     continue
-                _predict(c, config, hw)
+                _predict(c, config, hw, profile)
                 kept.append(c)
                 if progress:
                     progress(len(kept), len(rejected))
@@ -399,6 +404,9 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
                "memory_margin": memory_margin, "order": order, "device": device, "hardware": asdict(hw),
                "max_context_parallel": max_context_parallel}
+    if profile is not None:
+        cluster["profile"] = {"device": profile.device, "device_name": profile.device_name, "backend": profile.backend,
+                              "torch_version": profile.torch_version, "date": profile.date}
     return Plan(mode, cluster, model_argv, budget, kept, rejected, notes)
 
 

@@ -27,11 +27,31 @@ tokens of a micro-batch a rank holds (S the sequence; context parallelism splits
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
 model/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
 are for ranking layouts against each other; only the sweep measures.
+
+With a measured profile (tuning/calibration.py, `tune_parallelism.py calibrate`) the constants give way
+to measurements: peak x gemm_eff(s) becomes the GEMM FLOP/s measured at s tokens (interpolated), and
+each communication term becomes latency x messages + bytes / bandwidth of that collective at that group
+size, with the bytes the caller's tensor (the profile's bandwidth includes the ring factors), in the
+model's activation dtype (bytes_per_value: 4 for fp32 training):
+  tp_comm_i  = layers_i x 4 all-reduces of s h values (sequence parallelism: a reduce-scatter and an
+               all-gather each)
+  cp_comm_i  = (2 layers_i + recomputed layers_i) x 2 all-to-alls of A/2 bytes each
+  p2p        = 2 (g + p - 1) sends of s h values (/ t with sequence parallelism)
+  dp_comm    = one all-reduce of the stage's parameters over n c ranks, a message per 500 MB bucket;
+               ZeRO 3 1.5x
+  offload    = 16 bytes x partition parameters / measured copy bandwidth
+The profile measures one machine: groups that cross nodes are priced as the local ones.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
+
+from megatron_lite.tuning.calibration import Profile
+
+DP_BUCKET_BYTES = 5e8
+"""Gradient bytes per all-reduce message (DeepSpeed's default reduce bucket: 5e8 elements, taken as bytes)."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +76,18 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                          tp: int, pp: int, dp: int, micro: int, gas: int, zero_stage: int,
                          recompute_flops: Sequence[float], cpu_offload: bool,
                          sequence_parallel: bool = False, cp: int = 1, cp_all_to_all_bytes: int = 0,
-                         recomputed_layers: Sequence[int] = ()) -> Dict[str, float]:
+                         recomputed_layers: Sequence[int] = (), profile: Optional[Profile] = None,
+                         bytes_per_value: int = 2) -> Dict[str, float]:
     """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
-    cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again."""
+    cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again;
+    profile: measured hardware instead of hw's constants (bytes_per_value is used with it only)."""
+    if profile is not None:
+        return _predict_with_profile(stage_flops_per_token, stage_layers, stage_parameters, profile, hidden=hidden,
+                                     seq=seq, tp=tp, pp=pp, dp=dp, micro=micro, gas=gas, zero_stage=zero_stage,
+                                     recompute_flops=recompute_flops, cpu_offload=cpu_offload,
+                                     sequence_parallel=sequence_parallel, cp=cp,
+                                     cp_all_to_all_bytes=cp_all_to_all_bytes, recomputed_layers=recomputed_layers,
+                                     bytes_per_value=bytes_per_value)
     tokens = micro * seq // cp
     flops_per_s = hw.peak_tflops * 1e12 * gemm_efficiency(tokens)
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
@@ -81,6 +110,41 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     dp_comm = (2 * (reduced - 1) / reduced * largest * 2 / gbps(stage_ranks <= hw.gpus_per_node)
                * (1.5 if zero_stage == 3 else 1.0) if reduced > 1 else 0.0)
     offload = 16.0 * largest / reduced / (hw.host_gbps * 1e9) if cpu_offload else 0.0
+    pipeline = (gas + pp - 1) * max(per_stage)
+    step = pipeline + p2p + dp_comm + offload
+    return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
+            "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": max(per_stage)}
+
+
+def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
+                          stage_parameters: Sequence[int], profile: Profile, *, hidden: int, seq: int, tp: int,
+                          pp: int, dp: int, micro: int, gas: int, zero_stage: int, recompute_flops: Sequence[float],
+                          cpu_offload: bool, sequence_parallel: bool, cp: int, cp_all_to_all_bytes: int,
+                          recomputed_layers: Sequence[int], bytes_per_value: int) -> Dict[str, float]:
+    """The same terms as predict_step_seconds, priced by a measured profile (module docstring)."""
+    tokens = micro * seq // cp
+    flops_per_s = profile.gemm_flops_per_s(tokens)
+    comm = profile.collective_seconds
+    act_bytes = tokens * hidden * bytes_per_value
+    if sequence_parallel:
+        tp_pair = comm("reduce_scatter", tp, act_bytes) + comm("all_gather", tp, act_bytes)
+    else:
+        tp_pair = comm("all_reduce", tp, act_bytes)
+    recomputed = list(recomputed_layers) or [0] * len(stage_layers)
+    per_stage: List[float] = []
+    for flops, again, layers, redone in zip(stage_flops_per_token, recompute_flops, stage_layers, recomputed):
+        compute = (3.0 * flops + again) * tokens / tp / flops_per_s
+        tp_comm = layers * 4 * tp_pair
+        cp_comm = (2 * layers + redone) * comm("all_to_all", cp, cp_all_to_all_bytes, messages=2)
+        per_stage.append(compute + tp_comm + cp_comm)
+    sent = act_bytes / tp if sequence_parallel else act_bytes
+    p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
+    reduced = dp * cp
+    largest = max(stage_parameters)
+    grad_bytes = largest * bytes_per_value
+    dp_comm = comm("all_reduce", reduced, grad_bytes, messages=math.ceil(grad_bytes / DP_BUCKET_BYTES)) * (
+        1.5 if zero_stage == 3 else 1.0)
+    offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
     pipeline = (gas + pp - 1) * max(per_stage)
     step = pipeline + p2p + dp_comm + offload
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,

@@ -171,7 +171,7 @@ def test_plan_cli_writes_json_and_refuses_unknown_flags(tmp_path):
 def test_tune_parallelism_help_exits_0_and_lists_the_commands():
     r = subprocess.run([sys.executable, "tools/tune_parallelism.py", "--help"], cwd=REPO_ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 0 and "commands: plan | sweep | report" in r.stdout, r.stderr
+    assert r.returncode == 0 and "commands: calibrate | plan | sweep | report" in r.stdout, r.stderr
 
 
 def test_estimate_memory_refuses_a_negative_gpu_memory_naming_the_flag():

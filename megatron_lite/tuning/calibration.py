@@ -1,0 +1,200 @@
+"""A measured hardware profile: the JSON `tune_parallelism.py calibrate` writes and `plan --profile` reads.
+
+The throughput model (tuning/throughput.py) prices compute and communication with it instead of
+fixed constants:
+
+  GEMM:        achieved FLOP/s at a few token counts m of an [m, k] x [k, n] matmul (fp32 on CPU, bf16
+               on CUDA); between measured m it is interpolated linearly in log(m), outside clamped
+  memory:      GB/s of a large copy (bytes read + bytes written), for offloaded optimizer work
+  collectives: per collective and group size, time = latency + bytes / bandwidth, fitted by least squares
+               over a few message sizes. `bytes` is the size of the tensor the collective is about: the
+               tensor all-reduced, the gathered output of an all-gather, the input of a reduce-scatter,
+               one rank's tensor of an all-to-all, the tensor sent by send/recv (so the bandwidth is what
+               the caller sees, ring factors included)
+
+A group size that was not measured is priced from the nearest measured one by the ring algorithm's
+scaling: latency x (g-1)/(g0-1), bytes x ((g-1)/g)/((g0-1)/g0). Loading checks every field and names the
+file and the field on bad input; the file is plain JSON, nothing in it is executed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List
+
+from megatron_lite.atomic import write_text
+from megatron_lite.config import ConfigError
+
+FORMAT_VERSION = 1
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
+"""The collectives the layouts use: TP's all-reduce (or sequence parallelism's all-gather and reduce-scatter),
+PP's send/recv, DP's all-reduce, CP's all-to-all."""
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    tokens: int
+    """m of the [m, k] x [k, n] matmul: the tokens of a micro-batch a rank holds."""
+    k: int
+    n: int
+    flops_per_s: float
+    """Achieved 2 m k n / seconds."""
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    latency_s: float
+    """Seconds a message costs whatever its size (the fit's intercept, at least 0)."""
+    bandwidth_gbps: float
+    """Bytes per second / 1e9 (the inverse of the fit's slope)."""
+    sizes_bytes: List[int] = field(default_factory=list)
+    """The message sizes measured."""
+    seconds: List[float] = field(default_factory=list)
+    """The measured seconds per message at each size."""
+
+    def seconds_for(self, nbytes: float, messages: float = 1.0) -> float:
+        return messages * self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
+
+
+@dataclass
+class Profile:
+    device: str
+    """cpu or cuda: planning for another device type is refused."""
+    device_name: str
+    """The CPU model or GPU name."""
+    backend: str
+    """The torch.distributed backend the collectives ran over (gloo, nccl)."""
+    torch_version: str
+    date: str
+    """When it was measured (UTC, ISO 8601)."""
+    dtype: str
+    """The GEMMs' dtype (float32 on CPU, bfloat16 on CUDA)."""
+    threads: int
+    """CPU threads per process the GEMMs ran with (what each training rank gets)."""
+    gemm: List[GemmPoint]
+    memory_gbps: float
+    collectives: Dict[str, Dict[int, LinkFit]]
+    """collective name -> group size -> fit."""
+    version: int = FORMAT_VERSION
+
+    def gemm_flops_per_s(self, tokens: float) -> float:
+        """Achieved FLOP/s at `tokens` rows: log-linear between measured sizes, clamped outside them."""
+        points = sorted(self.gemm, key=lambda p: p.tokens)
+        if tokens <= points[0].tokens:
+            return points[0].flops_per_s
+        for lo, hi in zip(points, points[1:]):
+            if tokens <= hi.tokens:
+                w = math.log(tokens / lo.tokens) / math.log(hi.tokens / lo.tokens)
+                return lo.flops_per_s + w * (hi.flops_per_s - lo.flops_per_s)
+        return points[-1].flops_per_s
+
+    def collective_seconds(self, name: str, group: int, nbytes: float, messages: float = 1.0) -> float:
+        """Seconds for `messages` calls of collective `name` over `group` ranks moving `nbytes` in all."""
+        if group <= 1:
+            return 0.0
+        fits = self.collectives[name]
+        measured = min(fits, key=lambda g: (abs(math.log(g / group)), g))
+        fit = fits[measured]
+        if measured == group or name == "send_recv":
+            return fit.seconds_for(nbytes, messages)
+        steps = (group - 1) / (measured - 1)
+        share = ((group - 1) / group) / ((measured - 1) / measured)
+        return messages * fit.latency_s * steps + nbytes * share / (fit.bandwidth_gbps * 1e9)
+
+    def summary(self) -> str:
+        gemm = ", ".join(f"m={p.tokens}: {p.flops_per_s / 1e9:.1f}" for p in sorted(self.gemm, key=lambda p: p.tokens))
+        lines = [f"{self.device} ({self.device_name}), {self.backend}, torch {self.torch_version}, {self.dtype}, "
+                 f"{self.threads} thread(s), {self.date}",
+                 f"GEMM GFLOP/s (k={self.gemm[0].k}, n={self.gemm[0].n}): {gemm}",
+                 f"memory copy: {self.memory_gbps:.1f} GB/s"]
+        for name, fits in self.collectives.items():
+            for group, fit in sorted(fits.items()):
+                lines.append(f"{name} x{group}: latency {fit.latency_s * 1e6:.0f} us, "
+                             f"bandwidth {fit.bandwidth_gbps:.2f} GB/s")
+        return "\n".join(lines)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["collectives"] = {name: {str(g): asdict(f) for g, f in fits.items()}
+                            for name, fits in self.collectives.items()}
+        return d
+
+    def save(self, path: str) -> None:
+        write_text(path, json.dumps(self.to_dict(), indent=1))
+
+
+def _field(path: str, d: Any, key: str, kind, where: str = "", positive: bool = False):
+    name = f"{where}{key}"
+    if not isinstance(d, dict) or key not in d:
+        raise ConfigError(f"profile {path}: field '{name}' is missing; run `tune_parallelism.py calibrate` again",
+                          code="bad_profile")
+    value = d[key]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if ok and positive:
+        ok = math.isfinite(value) and value > 0
+    if not ok:
+        want = "a positive number" if positive else kind.__name__ if isinstance(kind, type) else "a number"
+        raise ConfigError(f"profile {path}: field '{name}' is {value!r}, expected {want}", code="bad_profile")
+    return value
+
+
+def load(path: str) -> Profile:
+    """The profile in `path`; ConfigError naming the file and the field when it is missing or malformed."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"profile {path}: cannot read it ({e.strerror}); write one with "
+                          f"`tune_parallelism.py calibrate --output {path}`", code="bad_profile") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"profile {path}: not JSON ({e})", code="bad_profile") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"profile {path}: expected a JSON object, got {type(d).__name__}", code="bad_profile")
+    version = _field(path, d, "version", int)
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"profile {path}: field 'version' is {version}, this code reads {FORMAT_VERSION}; "
+                          f"run `tune_parallelism.py calibrate` again", code="bad_profile")
+    device = _field(path, d, "device", str)
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"profile {path}: field 'device' is {device!r}, expected 'cpu' or 'cuda'", code="bad_profile")
+    number = (int, float)
+    gemm_rows = _field(path, d, "gemm", list)
+    if not gemm_rows:
+        raise ConfigError(f"profile {path}: field 'gemm' is empty, expected measured sizes", code="bad_profile")
+    gemm = [GemmPoint(*(_field(path, row, key, int, f"gemm[{i}].", True) for key in ("tokens", "k", "n")),
+                      float(_field(path, row, "flops_per_s", number, f"gemm[{i}].", True)))
+            for i, row in enumerate(gemm_rows)]
+    collectives: Dict[str, Dict[int, LinkFit]] = {}
+    table = _field(path, d, "collectives", dict)
+    for name in COLLECTIVES:
+        fits = _field(path, table, name, dict, "collectives.")
+        if not fits:
+            raise ConfigError(f"profile {path}: field 'collectives.{name}' has no group sizes", code="bad_profile")
+        collectives[name] = {}
+        for group, fit in fits.items():
+            where = f"collectives.{name}.{group}."
+            if not (group.isdigit() and int(group) >= 2):
+                raise ConfigError(f"profile {path}: field 'collectives.{name}' has group size {group!r}, expected "
+                                  f"an integer >= 2", code="bad_profile")
+            latency = _field(path, fit, "latency_s", number, where)
+            if not (math.isfinite(latency) and latency >= 0):
+                raise ConfigError(f"profile {path}: field '{where}latency_s' is {latency!r}, expected >= 0",
+                                  code="bad_profile")
+            collectives[name][int(group)] = LinkFit(float(latency),
+                                                    float(_field(path, fit, "bandwidth_gbps", number, where, True)),
+                                                    list(fit.get("sizes_bytes", [])), list(fit.get("seconds", [])))
+    return Profile(device=device, device_name=_field(path, d, "device_name", str),
+                   backend=_field(path, d, "backend", str), torch_version=_field(path, d, "torch_version", str),
+                   date=_field(path, d, "date", str), dtype=_field(path, d, "dtype", str),
+                   threads=_field(path, d, "threads", int, positive=True), gemm=gemm,
+                   memory_gbps=float(_field(path, d, "memory_gbps", number, positive=True)), collectives=collectives,
+                   version=version)
+
+
+def check_device(profile: Profile, path: str, device: str) -> None:
+    """Refuse a profile measured on another device type than the one planned for."""
+    if profile.device != device:
+        raise ConfigError(f"profile {path} was measured on {profile.device} ({profile.device_name}), but the plan is "
+                          f"for --device {device}; calibrate on {device} (`tune_parallelism.py calibrate --device "
+                          f"{device}`) or plan with --device {profile.device}", code="bad_profile")
