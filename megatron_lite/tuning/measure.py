@@ -202,6 +202,11 @@ def measure(device: str = "cpu", world_size: int = 2, gemm_tokens: Sequence[int]
     threads: per process for the GEMMs and the copy (default 1 on CPU: a gloo rank's one thread)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device here")
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        # NCCL refuses two ranks on one GPU.
+        raise RuntimeError(f"--world-size {world_size} needs {world_size} GPUs (one NCCL rank each), torch sees "
+                           f"{torch.cuda.device_count()}; use --world-size {max(torch.cuda.device_count(), 2)} "
+                           f"on a machine with that many")
     threads = threads or (1 if device == "cpu" else torch.get_num_threads())
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
