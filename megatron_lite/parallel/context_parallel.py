@@ -81,31 +81,25 @@ def _sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
     return parts.transpose(0, 1).reshape(b, c * n, s // c, hd)
 
 
-class _HeadsToSequence(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One all-to-all exchange whose backward is the inverse exchange of the gradient: the two mappings
+    below are each other's transpose, so one autograd node serves both directions."""
+
     @staticmethod
-    def forward(ctx, x):
-        return _heads_to_sequence(x)
+    def forward(ctx, x, exchange, inverse):
+        ctx.inverse = inverse
+        return exchange(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _sequence_to_heads(grad)
-
-
-class _SequenceToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _sequence_to_heads(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_sequence(grad)
+        return ctx.inverse(grad), None, None
 
 
 def heads_to_sequence(x: torch.Tensor) -> torch.Tensor:
     """[b, n, s/C, hd] (n heads, this rank's tokens) -> [b, n/C, s, hd] (heads c*n/C.., every token)."""
-    return _HeadsToSequence.apply(x) if cp_world_size() > 1 else x
+    return _Exchange.apply(x, _heads_to_sequence, _sequence_to_heads) if cp_world_size() > 1 else x
 
 
 def sequence_to_heads(x: torch.Tensor) -> torch.Tensor:
     """[b, n/C, s, hd] -> [b, n, s/C, hd]: the inverse of heads_to_sequence."""
-    return _SequenceToHeads.apply(x) if cp_world_size() > 1 else x
+    return _Exchange.apply(x, _sequence_to_heads, _heads_to_sequence) if cp_world_size() > 1 else x
