@@ -27,11 +27,17 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     results = json.loads((report / "gpu_check.json").read_text())["results"]
     assert [r["step"] for r in results] == [key for key, *_ in gpu_check_steps.STEPS]
     assert {r["step"]: r["status"] for r in results} == {"env": "pass", "install": "skip", "build": "pass",
-                                                          "a": "pass", "b": "pass", "c": "pass", "d": "pass"}
+                                                          "a": "pass", "b": "pass", "calibrate": "pass", "c": "pass",
+                                                          "d": "pass"}
     markdown = (report / "gpu_check.md").read_text()
     table_start = markdown.index("| step | what | status |")
     assert all(markdown.index(f"\n## {key}:") > table_start for key in ("a", "b", "c", "d"))
-    assert results[5]["numbers"]["full"]["tokens_per_s"] > 0  # c ran with --recompute-activations too
+    c = {r["step"]: r for r in results}["c"]["numbers"]
+    assert c["full"]["tokens_per_s"] > 0  # c ran with full recompute too
+    # The plan priced the measured run from the calibrate step's profile and from the constants.
+    assert set(c["predicted_over_measured"]) == {"calibrated", "constants"}
+    assert all(isinstance(v, float) and v > 0 for v in c["predicted_over_measured"].values())
+    assert "passed" in (report / "gpu_check_tests.log").read_text()  # the whole pytest output is kept
 
 
 def test_a_step_out_of_time_is_recorded_and_the_next_step_still_runs(tmp_path):
@@ -88,3 +94,10 @@ def test_device_factories_put_new_tensors_on_the_test_device_and_keep_cpu_genera
     assert kept.device.type == "cpu"
     with DeviceFactories("cpu"):
         assert torch.equal(torch.randn(3, generator=torch.Generator().manual_seed(5)), expected)
+
+
+def test_a_step_budget_for_an_unknown_step_or_without_seconds_is_refused_naming_the_flag(capsys):
+    for bad in ("x=10", "a=soon"):
+        with pytest.raises(SystemExit) as e:
+            gpu_check.main(["--dry-run", "--steps", "env", "--budget", bad])
+        assert e.value.code == 2 and f"--budget {bad}" in capsys.readouterr().err

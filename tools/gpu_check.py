@@ -9,9 +9,11 @@ Steps, in order (tools/gpu_check_steps.py has each one):
   b        the fused softmax (fp16/bf16, causal/padding, s = 512..8192): fwd+bwd vs eager and
            torch.compile, whole attention vs SDPA, against the copy (HBM) floor; which backend
            `--attention-backend auto` should take
+  calibrate  tune_parallelism.py calibrate: the profile `plan --profile` uses (one GPU: GEMM and copy only)
   c        a ~1.3B GPT (24 x 2048, 16 heads, seq 2048, vocabulary 50304, bf16, ZeRO 1) for 30
            iterations: tokens/s, TFLOP/s, MFU, peak memory vs our estimate; with each recompute
-           mode pretrain_gpt.py offers
+           mode pretrain_gpt.py offers; and the plan's predicted step of the no-recompute run, priced
+           by the calibrated profile and by the constants, over the measured one
   d        a small model's bf16 loss curve against its fp32 curve, 100 steps
 Every step has a time budget; a step that fails or runs out of time is recorded and the next one
 runs. The report (markdown, a summary table at the top, and JSON) is rewritten after every step
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default=os.path.join(REPO, "gpu_check_work"),
                         help="data, installed wheels and step scratch; kept between calls")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every step's budget")
+    parser.add_argument("--budget", action="append", default=[], metavar="STEP=SECONDS",
+                        help="this step's budget instead of its default (repeatable), e.g. --budget a=150")
     parser.add_argument("--total-budget", type=float, default=None,
                         help="seconds for this whole call: a step gets at most what is left, and steps that would "
                              "start with under 30 s left are recorded as skipped (fit a per-command time limit)")
@@ -137,7 +141,16 @@ def main(argv=None) -> int:
     unknown = sorted(set(wanted) - {key for key, *_ in STEPS})
     if unknown:
         parser.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(k for k, *_ in STEPS)}")
-    ctx = Context(dry_run=args.dry_run, work_dir=args.work_dir)
+    budgets = {}
+    for item in args.budget:
+        key, _, seconds = item.partition("=")
+        try:
+            budgets[key] = float(seconds)
+        except ValueError:
+            parser.error(f"--budget {item}: expected STEP=SECONDS, e.g. --budget a=150")
+        if key not in {k for k, *_ in STEPS}:
+            parser.error(f"--budget {item}: unknown step {key}; the steps are {', '.join(k for k, *_ in STEPS)}")
+    ctx = Context(dry_run=args.dry_run, work_dir=args.work_dir, report_dir=report_dir)
     os.makedirs(ctx.work_dir, exist_ok=True)
     wanted += missing_prerequisites(ctx, wanted)
     results = load_previous(args.previous or state_dir) if args.resume or args.previous else []
@@ -149,7 +162,8 @@ def main(argv=None) -> int:
     for key, title, budget, dry_budget, fn in STEPS:
         if key not in wanted:
             continue
-        budget = min((dry_budget if args.dry_run else budget) * args.time_scale, call_deadline - time.monotonic())
+        budget = budgets.get(key, (dry_budget if args.dry_run else budget) * args.time_scale)
+        budget = min(budget, call_deadline - time.monotonic())
         if budget < 30:
             result = Result(key, title, "skip", 0.0, 0.0, "not started: --total-budget spent; run it with --steps "
                             f"{key} --resume")

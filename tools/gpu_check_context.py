@@ -50,6 +50,8 @@ class Context:
     deadline: float = 0.0
     """The current step's deadline (time.monotonic)."""
     log: List[str] = field(default_factory=list)
+    report_dir: str = ""
+    """Where the report goes; steps put whole outputs there too (the log keeps tails only)."""
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

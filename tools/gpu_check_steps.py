@@ -115,9 +115,21 @@ def run_pytest(ctx: Context, args: List[str], env: Dict[str, str] = None, budget
     try:
         done = ctx.run(command, env=env, budget=budget)
     except OutOfTime as e:
+        keep_output(ctx, command, e.output)
         counts = pytest_counts(e.output)
         return counts, failed_tests(e.output), False, f"{e}; so far {counts}"
+    keep_output(ctx, command, done.output)
     return pytest_counts(done.output), failed_tests(done.output), done.returncode == 0, ""
+
+
+def keep_output(ctx: Context, command: List[str], output: str) -> None:
+    """The whole pytest output into gpu_check_tests.log in the report folder (the step log keeps a
+    tail; the first GPU run lost its failures' tracebacks that way)."""
+    if not ctx.report_dir:
+        return
+    os.makedirs(ctx.report_dir, exist_ok=True)
+    with open(os.path.join(ctx.report_dir, "gpu_check_tests.log"), "a") as f:
+        f.write(f"$ {' '.join(command)}\n{output}\n")
 
 
 def parallel_workers(ctx: Context) -> List[str]:
@@ -271,6 +283,57 @@ RECOMPUTE_MODES = [
 ]
 
 
+def gpu_count(ctx: Context) -> int:
+    probe = ctx.run([ctx.python, "-c", "import torch; print(torch.cuda.device_count())"], budget=60, check=True)
+    return int(last_line(probe.output))
+
+
+def calibrate(ctx: Context):
+    """tune_parallelism.py calibrate on this machine: the profile `plan --profile` prices layouts with
+    (issue 31). One GPU measures compute and memory only (NCCL takes one rank per GPU)."""
+    profile = os.path.join(ctx.work_dir, "profile.json")
+    if ctx.dry_run:
+        sizes = ["--device", "cpu", "--world-size", "2", "--gemm-tokens", "64", "256", "--gemm-hidden", "128",
+                 "--copy-megabytes", "16", "--message-bytes", "4096", "65536", "--iters", "3", "--min-seconds", "0.1"]
+    else:
+        gpus = gpu_count(ctx)
+        world = 1 << (gpus.bit_length() - 1) if gpus >= 2 else 1
+        sizes = ["--device", "cuda", "--world-size", str(world), "--gemm-tokens", "512", "2048", "8192",
+                 "--gemm-hidden", "2048", "--copy-megabytes", "1024", "--min-seconds", "0.5"]
+    if os.path.exists(profile):
+        os.remove(profile)
+    ctx.run([ctx.python, "tools/tune_parallelism.py", "calibrate", *sizes, "--output", profile], check=True)
+    with open(profile) as f:
+        measured = json.load(f)
+    gemm = ", ".join(f"m={g['tokens']} {g['flops_per_s'] / 1e12:.1f}" for g in measured["gemm"])
+    groups = sorted({int(g) for fits in measured["collectives"].values() for g in fits})
+    collectives = (f"collectives at {', '.join(map(str, groups))} ranks ({measured['backend']})" if groups
+                   else "no collectives (one GPU)")
+    k, n = measured["gemm"][0]["k"], measured["gemm"][0]["n"]
+    summary = (f"{measured['dtype']} GEMM TFLOP/s (k={k}, n={n}): {gemm}; copy {measured['memory_gbps']:.0f} GB/s; "
+               f"{collectives}; profile in the JSON report (numbers)")
+    details = "```\n" + json.dumps(measured, indent=1)[:6000] + "\n```\n"
+    return "pass", summary, details, measured
+
+
+def predicted_step(ctx: Context, model_argv: List[str], micro: int, profile: str = None) -> float:
+    """The plan's predicted step seconds for this machine (one GPU) at `micro` and no recompute, priced
+    by the calibrated profile, else by the constants (--peak-tflops of the GPU)."""
+    out = os.path.join(ctx.work_dir, "plan.json")
+    flags = ["--profile", profile] if profile else ["--peak-tflops", "989"]
+    memory = "8" if ctx.dry_run else "80"
+    ctx.run([ctx.python, "tools/tune_parallelism.py", "plan", "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb",
+             memory, "--max-micro-batch", str(micro), "--order", "throughput",
+             "--device", "cpu" if ctx.dry_run else "cuda", *flags, "--output", out, *model_argv], budget=120,
+            check=True)
+    with open(out) as f:
+        candidates = json.load(f)["candidates"]
+    for c in candidates:
+        if c["micro_batch_size"] == micro and not c["recompute_granularity"]:
+            return c["predicted_step_seconds"]
+    raise StepFailed(f"the plan has no micro batch {micro} candidate without recompute")
+
+
 def gpt_1_3b(ctx: Context):
     from synthetic_data import random_token_dataset
 
@@ -319,6 +382,22 @@ def gpt_1_3b(ctx: Context):
                         + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
                         f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
     summary = "; ".join(filter(None, [summary] + failures))
+    measured = numbers.get("none", {})
+    if measured.get("ms_per_iteration"):
+        # The planner's prediction of the no-recompute run, calibrated (when the calibrate step ran) and not.
+        step = measured["ms_per_iteration"] / 1000
+        profile = os.path.join(ctx.work_dir, "profile.json")
+        ratios = {}
+        for label, path in (("calibrated", profile if os.path.exists(profile) else None), ("constants", None)):
+            if label == "calibrated" and path is None:
+                continue
+            try:
+                ratios[label] = predicted_step(ctx, common, measured["micro_batch_size"], path) / step
+            except (StepFailed, OutOfTime) as e:
+                ratios[label] = f"not planned: {str(e)[:120]}"
+        numbers["predicted_over_measured"] = ratios
+        summary += "; plan's predicted / measured step (no recompute): " + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ratios.items())
     return ("fail" if failures else "pass"), summary, details, numbers
 
 
@@ -381,6 +460,7 @@ STEPS = (
     ("build", "megatron_lite._C with CUDA kernels", 480, 60, build),
     ("a", "CUDA-only tests; model/parallel tests on the GPU", 420, 240, tests),
     ("b", "fused softmax vs eager, torch.compile, SDPA, HBM floor", 420, 180, softmax),
+    ("calibrate", "tune_parallelism.py calibrate: GEMM, copy, collectives", 90, 90, calibrate),
     ("c", "~1.3B GPT, bf16, ZeRO 1, 30 iterations, each recompute mode", 540, 240, gpt_1_3b),
     ("d", "bf16 vs fp32 loss curve, 100 steps", 300, 180, bf16_vs_fp32),
 )

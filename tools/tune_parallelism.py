@@ -100,7 +100,9 @@ def _calibrate(argv) -> int:
                                                  "up to --world-size (gloo on CPU, NCCL on CUDA).")
     parser.add_argument("--output", required=True, help="the profile JSON to write")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--world-size", type=int, default=2, help="the largest collective group measured (2, 4, ...)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="the largest collective group measured (2, 4, ...); 1 measures compute and memory only "
+                             "(one GPU: NCCL takes one rank per GPU), and plans priced by it stay at one rank")
     parser.add_argument("--gemm-tokens", type=int, nargs="+", default=[128, 512, 2048],
                         help="GEMM rows m (tokens of a micro-batch on a rank) measured")
     parser.add_argument("--gemm-hidden", type=int, default=1024, help="h of the [m, h] x [h, 4h] GEMM")
@@ -112,8 +114,8 @@ def _calibrate(argv) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
     args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error(f"--world-size must be at least 2 (the smallest collective group), got {args.world_size}")
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1 (1: no collectives measured), got {args.world_size}")
     small = [v for v in args.gemm_tokens + [args.gemm_hidden, args.copy_megabytes, args.iters] if v < 1]
     if small or len(set(args.message_bytes)) < 2 or min(args.message_bytes) < 4:
         parser.error("--gemm-tokens, --gemm-hidden, --copy-megabytes, --iters must be positive and --message-bytes "

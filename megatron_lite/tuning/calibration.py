@@ -94,6 +94,11 @@ class Profile:
         if group <= 1:
             return 0.0
         fits = self.collectives[name]
+        if not fits:
+            raise ConfigError(f"this profile ({self.device_name}) has no {name} measurements (calibrated with "
+                              f"--world-size 1), so it cannot price a group of {group}; calibrate with --world-size "
+                              f"{group} on a machine with {group} devices, or plan without --profile",
+                              code="bad_profile")
         measured = min(fits, key=lambda g: (abs(math.log(g / group)), g))
         fit = fits[measured]
         if measured == group or name == "send_recv":
@@ -168,9 +173,8 @@ def load(path: str) -> Profile:
     collectives: Dict[str, Dict[int, LinkFit]] = {}
     table = _field(path, d, "collectives", dict)
     for name in COLLECTIVES:
+        # Empty: a compute-only profile (`calibrate --world-size 1`, one GPU); pricing a group then says so.
         fits = _field(path, table, name, dict, "collectives.")
-        if not fits:
-            raise ConfigError(f"profile {path}: field 'collectives.{name}' has no group sizes", code="bad_profile")
         collectives[name] = {}
         for group, fit in fits.items():
             where = f"collectives.{name}.{group}."

@@ -198,7 +198,8 @@ def measure(device: str = "cpu", world_size: int = 2, gemm_tokens: Sequence[int]
             gemm_hidden: int = 1024, copy_megabytes: int = 256, message_bytes: Sequence[int] = (
                 2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22), iters: int = 10, min_seconds: float = 0.3,
             threads: Optional[int] = None, progress: Callable[[str], None] = lambda line: None) -> Profile:
-    """The profile of this machine. world_size: collectives at group sizes 2, 4, ... up to it;
+    """The profile of this machine. world_size: collectives at group sizes 2, 4, ... up to it (1: none,
+    the compute-only profile of a one-GPU machine);
     threads: per process for the GEMMs and the copy (default 1 on CPU: a gloo rank's one thread)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device here")

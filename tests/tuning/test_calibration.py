@@ -92,6 +92,20 @@ def test_plan_with_a_profile_from_another_device_type_is_one_line_error(profile_
     assert f"profile {profile_path} was measured on cpu" in err and "--device cuda" in err
 
 
+def test_a_one_device_profile_plans_one_rank_and_refuses_a_group_naming_what_to_measure(profile_path, tmp_path,
+                                                                                      capsys):
+    # `calibrate --world-size 1` (one GPU: NCCL takes one rank per GPU) measures compute and memory only.
+    one = _rewrite(profile_path, tmp_path, lambda d: d.update(collectives={n: {} for n in calibration.COLLECTIVES}))
+    rc = tune_parallelism.main(["plan", "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb", "8",
+                                "--device", "cpu", "--profile", one, *MODEL])
+    assert rc == 0 and "tp1_cp1_pp1_dp1" in capsys.readouterr().out
+    rc = tune_parallelism.main(["plan", "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "8",
+                                "--device", "cpu", "--profile", one, *MODEL])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert "no all_reduce measurements (calibrated with --world-size 1)" in err and "--world-size 2" in err
+
+
 def _measured_step_seconds(argv, steps):
     import torch
 
