@@ -165,7 +165,7 @@ def skip_gradient_all_reduce(engine) -> None:
 
     Why: DeepSpeed still flattens every gradient into one buffer, all-reduces it over the group
     of one and copies it back (measured at TP = PP = DP = 1, 3.7M parameters on 2 CPU cores:
-    3-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; tools/bench_single_peers.py).
+    3-5 ms of a 300 ms step, and ~700 page faults for the fresh buffer; benchmarks/bench_single_peers.py).
     Its other effect is kept: a parameter without a gradient (the last stage's copy of the tied
     embedding module holds an unused position table) gets a zero gradient, so AdamW keeps moments
     for it and decays it exactly as at DP > 1, and checkpoints hold the same optimizer states.

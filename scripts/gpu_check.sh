@@ -13,4 +13,4 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
-exec "${PYTHON:-python3}" tools/gpu_check.py "$@"
+exec "${PYTHON:-python3}" benchmarks/gpu_check/run.py "$@"

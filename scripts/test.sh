@@ -28,5 +28,5 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e ".[test]"
-bash tools/check_cuda_compile.sh
+bash scripts/check_cuda_compile.sh
 run_tests "slow or not slow" "$@"

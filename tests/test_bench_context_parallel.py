@@ -1,4 +1,4 @@
-"""tools/bench_context_parallel.py runs end to end on a tiny model and prints what its docstring promises
+"""benchmarks/bench_context_parallel.py runs end to end on a tiny model and prints what its docstring promises
 (its numbers are for the README, not checked here: timings on a shared VM are not test material)."""
 import subprocess
 import sys
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_context_parallel_benchmark_prints_its_ratios_and_where_the_time_goes():
-    result = subprocess.run([sys.executable, "tools/bench_context_parallel.py", "--num-layers", "1", "--hidden-size",
+    result = subprocess.run([sys.executable, "benchmarks/bench_context_parallel.py", "--num-layers", "1", "--hidden-size",
                              "64", "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "128",
                              "--rounds", "1", "--steps", "1", "--profile"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1",

@@ -9,11 +9,9 @@ import pytest
 
 from tests.harness import REPO_ROOT
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "tools"))
-
-import gpu_check  # noqa: E402
-import gpu_check_context  # noqa: E402
-import gpu_check_steps  # noqa: E402
+from benchmarks.gpu_check import context as gpu_check_context
+from benchmarks.gpu_check import run as gpu_check
+from benchmarks.gpu_check import steps as gpu_check_steps
 
 
 @pytest.mark.slow

@@ -106,7 +106,7 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # is a few KiB). A tensor would travel as shared memory: one file descriptor per tensor, each
     # fetched from the worker's fd-server thread, four round trips per micro-batch through a
     # process that competes with the compute threads for the cores (measured on 2 cores:
-    # 2.5-3 ms per micro-batch against 0.5 ms; tools/bench_single_peers.py).
+    # 2.5-3 ms per micro-batch against 0.5 ms; benchmarks/bench_single_peers.py).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate_arrays if num_workers else
                                          functools.partial(collate, context_parallel=context_parallel),

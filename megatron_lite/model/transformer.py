@@ -104,7 +104,7 @@ class RotaryEmbedding(nn.Module):
 
 
 # What `--attention-backend auto` takes per kind of device; the one place that rule lives.
-#   cpu:  sdpa, measured faster in whole training steps (tools/bench_training.py --part single,
+#   cpu:  sdpa, measured faster in whole training steps (benchmarks/bench_training.py --part single,
 #         README "Benchmarks").
 #   cuda: sdpa until measured otherwise: the fused path writes the [b, heads, s, s] scores that SDPA's
 #         flash kernel never materialises (on CPU the fused path is already 0.61x of SDPA at seq 1024).

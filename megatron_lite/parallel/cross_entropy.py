@@ -15,7 +15,7 @@ In training (autograd on) the fp32 logits are consumed: shifted, exponentiated
 and normalised in place, then turned into the gradient in place, as
 Megatron-LM's does. At seq 1024 and vocabulary 4096 each [b, s, V] fp32 buffer
 is 64 MB; the out-of-place version allocated three more per micro-batch
-(measured: see tools/bench_training.py --part single). The logits feed nothing
+(measured: see benchmarks/bench_training.py --part single). The logits feed nothing
 else: the head's matmul saves its inputs, not its output. Without autograd
 (evaluation, where DeepSpeed may return the logits) they are left untouched.
 """

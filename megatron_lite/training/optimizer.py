@@ -13,7 +13,7 @@ parameter once over TP and PP, and DeepSpeed's own clipping is switched off.
 
 AdamW runs torch's fused kernel (one pass over each parameter, its gradient and moments) on
 CPU and CUDA parameters: on the 2-core CPU it took 2.2 ms per step for the 3.7M-parameter
-benchmark GPT against 8.0 ms for torch's default per-operator loop (tools/bench_single_peers.py).
+benchmark GPT against 8.0 ms for torch's default per-operator loop (benchmarks/bench_single_peers.py).
 """
 from __future__ import annotations
 

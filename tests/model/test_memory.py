@@ -231,7 +231,7 @@ def _layer_cases():
 @pytest.mark.parametrize("tp, backend, block", _layer_cases())
 def test_one_layers_activations_match_the_estimate_with_sequence_parallel_and_recompute(tp, backend, block):
     """Korthikanti et al.'s rows for our layer: TP x SP x recompute none / selective / full, per layer and
-    micro-batch, byte for byte (tools/activation_table.py prints them beside the paper's formula)."""
+    micro-batch, byte for byte (benchmarks/activation_table.py prints them beside the paper's formula)."""
     none, selective, full = _assert_layer_census_equals_the_estimate(tp, _layer_rows(tp, backend, block))[-3:]
     assert full < selective < none
 

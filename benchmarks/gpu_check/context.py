@@ -1,5 +1,5 @@
 """What every GPU-check step works with: the context (deadline-bound command runner, log), a step's
-result, and the ways a step ends early. tools/gpu_check.py runs the steps; tools/gpu_check_steps.py has them."""
+result, and the ways a step ends early. run.py runs the steps; steps.py has them."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass

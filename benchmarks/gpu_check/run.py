@@ -1,6 +1,6 @@
 """GPU validation in one command (scripts/gpu_check.sh runs this): install, build, check, report.
 
-Steps, in order (tools/gpu_check_steps.py has each one):
+Steps, in order (steps.py has each one):
   env      what the machine is: Python, torch, CUDA, the GPU, nvcc
   install  the wheels scripts/gpu_wheels.sh put in .whl/ (DeepSpeed, ...) into .gpu_site/ (PYTHONPATH)
   build    megatron_lite._C with its CUDA kernels (setup.py build_ext --inplace)
@@ -36,11 +36,11 @@ import time
 from dataclasses import asdict
 from typing import Callable, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-# The checkout too, for megatron_lite.training.records (stdlib only): runs' numbers come from their metrics.jsonl.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout, for this package and megatron_lite.training.records (stdlib only: runs' numbers come from their
+# metrics.jsonl), also when this file is run by its path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from gpu_check_context import REPO, Context, Result, StepFailed, tail  # noqa: E402
+from benchmarks.gpu_check.context import REPO, Context, Result, StepFailed, tail  # noqa: E402
 
 
 def run_step(ctx: Context, key: str, title: str, budget: float, fn: Callable[[Context], tuple]) -> Result:
@@ -97,7 +97,7 @@ EXTRA_WHAT = {"install": "installed wheels", "build": "CUDA build of megatron_li
 def missing_prerequisites(ctx: Context, wanted: List[str]) -> List[str]:
     """install and build, when a later step is wanted and a fresh machine lacks what they leave
     (a machine given back between calls keeps nothing)."""
-    from gpu_check_steps import extension_has_cuda
+    from benchmarks.gpu_check.steps import extension_has_cuda
 
     if ctx.dry_run or not set(wanted) & {"a", "b", "c", "d"}:
         return []
@@ -113,7 +113,7 @@ def missing_prerequisites(ctx: Context, wanted: List[str]) -> List[str]:
 
 
 def main(argv=None) -> int:
-    from gpu_check_steps import STEPS, environment_header
+    from benchmarks.gpu_check.steps import STEPS, environment_header
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="on the CPU with tiny sizes, installing nothing")
@@ -182,7 +182,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as the module `gpu_check`, the one gpu_check_steps imports (its StepFailed is this one).
-    import gpu_check
-
-    sys.exit(gpu_check.main())
+    sys.exit(main())

@@ -41,10 +41,10 @@ nanoGPT's model.py is not part of this repository: it is downloaded at a pinned 
 --cache-dir and checked against its SHA-256 (--nanogpt-model PATH or $NANOGPT_MODEL_PY gives a
 local copy instead, checked the same way).
 
-    python tools/bench_single_peers.py                     # 1 and 2 threads
-    python tools/bench_single_peers.py --threads 2 --rounds 9 --num-workers 0
-    python tools/bench_single_peers.py --breakdown
-    python tools/bench_single_peers.py --model llama       # ours vs HF LlamaForCausalLM
+    python benchmarks/bench_single_peers.py                     # 1 and 2 threads
+    python benchmarks/bench_single_peers.py --threads 2 --rounds 9 --num-workers 0
+    python benchmarks/bench_single_peers.py --breakdown
+    python benchmarks/bench_single_peers.py --model llama       # ours vs HF LlamaForCausalLM
 """
 from __future__ import annotations
 

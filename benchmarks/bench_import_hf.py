@@ -8,8 +8,8 @@ Each measurement is its own process. Its memory is the rise of its peak RSS (VmH
 and DeepSpeed, the same in every process, are left out; so is the code import_hf loads lazily (a first
 import of a tiny model in the same process loads it).
 
-    python tools/bench_import_hf.py                  # 10 layers, hidden 768, GQA 12/4, vocabulary 32000, untied
-    python tools/bench_import_hf.py --num-layers 2   # a quick check
+    python benchmarks/bench_import_hf.py                  # 10 layers, hidden 768, GQA 12/4, vocabulary 32000, untied
+    python benchmarks/bench_import_hf.py --num-layers 2   # a quick check
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ two ranks share each group, no biases, RoPE), which the paper's formula does not
 The model: 4 layers, hidden 64, 4 heads, seq 32, micro batch 2, dropout 0.1, fp32, --attention-backend fused
 (the paper's attention: the s x s softmax output, dropout mask and output are kept).
 
-    OMP_NUM_THREADS=1 python tools/activation_table.py [--block llama] [--backend sdpa] [--micro-batch-size 1] [--bf16]
+    OMP_NUM_THREADS=1 python benchmarks/activation_table.py [--block llama] [--backend sdpa] [--micro-batch-size 1] [--bf16]
 """
 import argparse
 import os

@@ -9,8 +9,8 @@
    their RSS, and of their PSS, which counts shared pages once), sampled while
    it runs, at each of --memory-sizes-mb. It must not grow with the input.
 
-    python tools/bench_preprocess_scale.py                              # 200 MB, memory at 50 and 200 MB
-    python tools/bench_preprocess_scale.py --size-mb 4 --memory-sizes-mb 2 4   # a quick check
+    python benchmarks/bench_preprocess_scale.py                              # 200 MB, memory at 50 and 200 MB
+    python benchmarks/bench_preprocess_scale.py --size-mb 4 --memory-sizes-mb 2 4   # a quick check
 
 The corpus is the Python standard library's sources (tools/make_corpus.py,
 about 30 MB), repeated to the size asked; the tokenizer is trained on it
@@ -30,8 +30,9 @@ import tempfile
 import threading
 import time
 
-TOOLS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TOOLS)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(REPO, "tools")
+sys.path.insert(0, TOOLS)  # make_corpus, train_tokenizer
 
 import make_corpus  # noqa: E402
 # The same bare-SentencePiece baselines as bench_preprocess.py.
@@ -170,7 +171,7 @@ def interpreter_start(model: str) -> float:
     """What a fresh tool process pays before reading input: interpreter, imports, tokenizer load."""
     code = ("import sys; sys.path.insert(0, %r); import numpy, sentencepiece; "
             "import megatron_lite.data.encode; sentencepiece.SentencePieceProcessor(model_file=%r)"
-            % (os.path.dirname(TOOLS), model))
+            % (REPO, model))
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()

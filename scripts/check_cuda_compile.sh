@@ -9,7 +9,7 @@
 # c10/cuda and the CUDA runtime, not ATen/cuda (whose CUDAContext.h needs the
 # cuBLAS/cuSPARSE headers a bare CUDA toolkit may lack).
 #
-# Usage: tools/check_cuda_compile.sh   (CUDA_ARCH=sm_80 by default, NVCC=nvcc)
+# Usage: scripts/check_cuda_compile.sh   (CUDA_ARCH=sm_80 by default, NVCC=nvcc)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

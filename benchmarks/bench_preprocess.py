@@ -6,7 +6,7 @@
 2. Building the sample index for 1B tokens (synthetic document lengths) with
    the C++ helper against the same computation in numpy.
 
-    python tools/bench_preprocess.py --workers 1 2
+    python benchmarks/bench_preprocess.py --workers 1 2
 
 Without --input / --tokenizer-model it makes a corpus from the Python standard
 library and trains a small tokenizer first (not timed).
@@ -22,8 +22,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOOLS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+TOOLS = os.path.join(REPO, "tools")  # the tools it measures
 sys.path.insert(0, TOOLS)
 
 import numpy as np  # noqa: E402

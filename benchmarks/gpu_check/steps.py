@@ -1,4 +1,4 @@
-"""The steps of tools/gpu_check.py. Each takes the Context and returns (status, summary, details,
+"""The steps of the GPU check (run.py runs them). Each takes the Context and returns (status, summary, details,
 numbers), or raises StepFailed / TimeoutError; each runs its work as subprocesses within the
 step's budget (Context.run). --dry-run sizes are tiny and run on the CPU."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shutil
 from statistics import mean
 from typing import Dict, List, Tuple
 
-from gpu_check_context import REPO, Context, OutOfTime, StepFailed, last_line
+from benchmarks.gpu_check.context import REPO, Context, OutOfTime, StepFailed, last_line
 
 TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
 
@@ -178,7 +178,7 @@ def softmax(ctx: Context):
         os.remove(out)
     timed_out = ""
     try:
-        output = ctx.run([ctx.python, "tools/bench_fused_softmax.py", *sizes, "--mask", "causal", "padding",
+        output = ctx.run([ctx.python, "benchmarks/bench_fused_softmax.py", *sizes, "--mask", "causal", "padding",
                           "--compile", "--attention", "--json", out]).output
     except OutOfTime as e:  # the rows measured so far are in the JSON (written after every row)
         timed_out, output = str(e), e.output
@@ -220,7 +220,7 @@ def softmax(ctx: Context):
 
 
 def softmax_table(rows: List[dict]) -> str:
-    """Milliseconds per row of tools/bench_fused_softmax.py's JSON, and the ratios that matter."""
+    """Milliseconds per row of benchmarks/bench_fused_softmax.py's JSON, and the ratios that matter."""
     lines = ["| s | dtype | mask | copy (floor) ms | copy GB/s | fused fwd ms | fwd / floor | fused fwd+bwd ms "
              "| eager fwd+bwd ms | torch.compile fwd+bwd ms | attention: fused ms | attention: SDPA ms | winner |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -335,11 +335,10 @@ def predicted_step(ctx: Context, model_argv: List[str], micro: int, profile: str
 
 
 def gpt_1_3b(ctx: Context):
-    from synthetic_data import random_token_dataset
-
     vocab = 512 if ctx.dry_run else 50304
-    data = random_token_dataset(os.path.join(ctx.work_dir, f"random-{vocab}"), vocab,
-                                200_000 if ctx.dry_run else 2_000_000)
+    made = ctx.run([ctx.python, "tools/synthetic_data.py", "--output-dir", os.path.join(ctx.work_dir, f"random-{vocab}"),
+                    "--vocab-size", str(vocab), "--num-tokens", str(200_000 if ctx.dry_run else 2_000_000)], check=True)
+    data = last_line(made.output)  # the tool prints the dataset prefix
     if ctx.dry_run:
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
         micro, iters, log_interval, warmup = 2, 4, 2, 1

@@ -3,7 +3,7 @@ one DataLoader worker per rank, --save with --exit-interval (every other run wit
 resume from the previous run's checkpoint. A run that has not ended within --timeout is a hang: every
 rank's Python stack is dumped with py-spy (when installed) into the report before the run is killed.
 
-    python tools/stress_startup.py --runs 100 --report stress.jsonl
+    python benchmarks/stress_startup.py --runs 100 --report stress.jsonl
 
 Prints one JSON line per run (index, seconds, exit code, hung, the stack dump file) and a summary line.
 """

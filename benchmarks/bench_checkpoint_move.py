@@ -22,8 +22,8 @@ every rank's RSS growth inside load()):
   universal   convert_checkpoint.py universal (the layout-free form on disk)
   reshard     convert_checkpoint.py reshard to TP 2 x PP 2 (fp32 layer files and AdamW states)
 
-    python tools/bench_checkpoint_move.py                   # 12 layers, hidden 768, vocabulary 32000 (~110M)
-    python tools/bench_checkpoint_move.py --num-layers 2 --rounds 1    # a quick check
+    python benchmarks/bench_checkpoint_move.py                   # 12 layers, hidden 768, vocabulary 32000 (~110M)
+    python benchmarks/bench_checkpoint_move.py --num-layers 2 --rounds 1    # a quick check
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ Measured on CPU with gloo, per layout of the tiny sweep model:
                            (saved_tensors_hooks; tests/model/activation_census.py).
 Prints one line per (layout, stage) with the ratio measured / predicted.
 
-    OMP_NUM_THREADS=1 python tools/bench_memory_estimate.py
+    OMP_NUM_THREADS=1 python benchmarks/bench_memory_estimate.py
 """
+import argparse
 import json
 import os
 import sys
@@ -30,7 +31,8 @@ def _activations(tp, pp, micro):
                                                          "--attention-dropout", "0.1"]))
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     from megatron_lite.model import memory
     from megatron_lite.deepspeed_config import deepspeed_config
     from tests.harness import run_distributed, shutdown_pools

@@ -10,9 +10,9 @@
    the efficiency predicted from stage costs measured on this machine, and each
    stage's time breakdown (forward, backward, blocked in recv, ...).
 
-    python tools/bench_training.py                 # both, CPU-sized model
-    python tools/bench_training.py --part single --seq-lengths 256 1024
-    python tools/bench_training.py --part pipeline --pipeline-sizes 2 --pipeline-vocab-sizes 2048
+    python benchmarks/bench_training.py                 # both, CPU-sized model
+    python benchmarks/bench_training.py --part single --seq-lengths 256 1024
+    python benchmarks/bench_training.py --part pipeline --pipeline-sizes 2 --pipeline-vocab-sizes 2048
 """
 from __future__ import annotations
 

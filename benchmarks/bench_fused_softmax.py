@@ -18,9 +18,9 @@ Options add, for the GPU check (scripts/gpu_check.sh):
   --json PATH  every row as JSON (tools exchange data, not log text). A configuration that fails
                (out of memory, say) is recorded with its error and the table goes on.
 
-  python tools/bench_fused_softmax.py                          # the full table
-  python tools/bench_fused_softmax.py --seq 1024 --dtype fp32 --mask causal --threads 2
-  python tools/bench_fused_softmax.py --device cuda --dtype fp16 bf16 --seq 512 1024 2048 4096 8192 \
+  python benchmarks/bench_fused_softmax.py                          # the full table
+  python benchmarks/bench_fused_softmax.py --seq 1024 --dtype fp32 --mask causal --threads 2
+  python benchmarks/bench_fused_softmax.py --device cuda --dtype fp16 bf16 --seq 512 1024 2048 4096 8192 \
       --batch 1 --compile --attention --json softmax.json
 """
 import argparse

@@ -11,8 +11,8 @@ per engine the median seconds per step, the median of the per-round ratios sp/tp
 selective/full (with their range), and the activation bytes per micro-batch model/memory.py
 expects on each rank. The slower rank's time counts (a step ends with a collective anyway).
 
-    OMP_NUM_THREADS=1 python tools/bench_sequence_parallel.py                # CPU-sized defaults
-    python tools/bench_sequence_parallel.py --seq-length 1024 --rounds 9 --attention-backend fused
+    OMP_NUM_THREADS=1 python benchmarks/bench_sequence_parallel.py                # CPU-sized defaults
+    python benchmarks/bench_sequence_parallel.py --seq-length 1024 --rounds 9 --attention-backend fused
 """
 from __future__ import annotations
 

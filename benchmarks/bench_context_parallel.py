@@ -13,8 +13,8 @@ cp2's time inside its all-to-alls (parallel/context_parallel.py counts it), and 
 profiled step per engine broken into matmuls, attention, collectives, copies and the rest (self CPU
 time; a collective's wait for its peer shows in the all-to-all counter, not always in the profile).
 
-    OMP_NUM_THREADS=1 python tools/bench_context_parallel.py                 # CPU-sized defaults
-    python tools/bench_context_parallel.py --seq-length 4096 --rounds 5 --profile
+    OMP_NUM_THREADS=1 python benchmarks/bench_context_parallel.py                 # CPU-sized defaults
+    python benchmarks/bench_context_parallel.py --seq-length 4096 --rounds 5 --profile
 """
 from __future__ import annotations
 
