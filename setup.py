@@ -28,14 +28,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def extension():
     cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     cu = sorted(glob.glob("csrc/**/*.cu", recursive=True))
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    # No -std here: torch's BuildExtension passes the standard torch's headers need (C++20 since torch 2.10);
+    # forcing -std=c++17, as this file did, compiles its headers in another dialect than libtorch was built in.
+    cxx = ["-O3", "-fopenmp"]
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("MEGATRON_LITE_NO_CUDA") != "1"
     include_dirs = [os.path.join(HERE, "csrc")]
     if with_cuda and cu:
         return CUDAExtension(
             "megatron_lite._C", cpp + cu, include_dirs=include_dirs,
             define_macros=[("MEGATRON_LITE_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--use_fast_math"]},
             extra_link_args=["-fopenmp"],
         )
     return CppExtension("megatron_lite._C", cpp, include_dirs=include_dirs,

@@ -272,6 +272,12 @@ class PrecisionConfig:
     """Steps without overflow before the dynamic scale grows."""
     hysteresis: int = option(2, "--hysteresis")
     """Overflows tolerated before the dynamic scale shrinks."""
+    accumulate_allreduce_grads_in_fp32: Optional[bool] = option(
+        None, "--accumulate-allreduce-grads-in-fp32", action="boolean_optional")
+    """With --bf16: accumulate gradients over micro-batches and all-reduce them in fp32 (DeepSpeed's
+    BF16_Optimizer with data_types.grad_accum_dtype and communication_data_type fp32). Default: on
+    for --bf16 at --zero-stage 1, as Megatron-LM does for bf16; DeepSpeed 0.19 offers it nowhere else
+    (docs/precision.md). --no-accumulate-allreduce-grads-in-fp32 keeps bf16 gradients."""
 
     @property
     def dtype_name(self) -> str:

@@ -22,6 +22,22 @@ def clips_in_optimizer(config: Config) -> bool:
     return config.optimizer.clip_grad > 0 and config.parallel.zero_stage == 0 and not config.precision.fp16
 
 
+def deepspeed_optimizer(config: Config) -> str:
+    """The optimizer DeepSpeed 0.19 wraps around our AdamW for this config (runtime/engine.py
+    `_do_optimizer_sanity_check`; docs/precision.md has the table): what the first screen names and
+    what the memory estimate books. tests/training/test_deepspeed_optimizer.py checks it against the
+    engine's own choice at every (precision, ZeRO) pair."""
+    precision, zero = config.precision, config.parallel.zero_stage
+    if zero == 3:
+        return "DeepSpeedZeroOptimizer_Stage3"
+    if zero == 0:
+        # Our GPT is always a PipelineModule: DeepSpeed's pipeline engine takes BF16_Optimizer for bf16.
+        return "BF16_Optimizer" if precision.bf16 else "FP16_Optimizer" if precision.fp16 else "AdamW"
+    if precision.bf16 and precision.accumulate_allreduce_grads_in_fp32:
+        return "BF16_Optimizer"
+    return "DeepSpeedZeroOptimizer"
+
+
 def _ours(config: Config) -> Dict[str, Any]:
     batch, precision = config.batch, config.precision
     zero: Dict[str, Any] = {"stage": config.parallel.zero_stage}
@@ -58,7 +74,17 @@ def _ours(config: Config) -> Dict[str, Any]:
         "wall_clock_breakdown": False,
         **offload,
         **_pipeline(config),
+        **_fp32_gradients(config),
     }
+
+
+def _fp32_gradients(config: Config) -> Dict[str, Any]:
+    """--accumulate-allreduce-grads-in-fp32 (validation resolved it: bf16 at ZeRO 1): DeepSpeed's
+    engine then takes BF16_Optimizer, whose per-micro-batch accumulators are fp32, and all-reduces them
+    in fp32 (without communication_data_type it would cast them to bf16 for the all-reduce)."""
+    if not (config.precision.bf16 and config.precision.accumulate_allreduce_grads_in_fp32):
+        return {}
+    return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 
 def _pipeline(config: Config) -> Dict[str, Any]:

@@ -39,7 +39,7 @@ fi
 failed=0
 for source in "${sources[@]}"; do
   start=$SECONDS
-  if "$NVCC" -c "$source" -o "$work/$(basename "$source").o" -arch="$ARCH" -O3 --use_fast_math -std=c++17 \
+  if "$NVCC" -c "$source" -o "$work/$(basename "$source").o" -arch="$ARCH" -O3 --use_fast_math -std=c++20 \
       "${torch_nvcc_flags[@]}" -DMEGATRON_LITE_WITH_CUDA=1 -I csrc -I "$work/shim" -I "$torch_include" \
       -I "$torch_include/torch/csrc/api/include" -diag-suppress 3306 -w; then
     echo "check_cuda_compile: ok     $source ($((SECONDS - start)) s)"

@@ -24,9 +24,10 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
   fp32      0     torch AdamW              4P          4P              8P (moments)
   fp32      1,2   DeepSpeedZeroOptimizer   4P          4P/N            8P/N (1)
   bf16      0     BF16_Optimizer           2P          2P (bf16 acc.)  12P/N (master + moments over DP)
-  bf16      1     BF16_Optimizer           2P          4P (fp32 acc.)  12P/N
+  bf16      1     BF16_Optimizer           2P          4P (fp32 acc.)  12P/N   (--accumulate-allreduce-grads-
+                                                                                in-fp32, the default for bf16)
   fp16      0     FP16_Optimizer           2P          2P + 4P         12P (fp32 master + moments)
-  16-bit    1,2   DeepSpeedZeroOptimizer   2P          6P/N            12P/N   (= DeepSpeed's 2P + 18P/N)
+  16-bit    1,2   DeepSpeedZeroOptimizer   2P          0 (2)           12P/N   (bf16 at ZeRO 1 with --no-accumulate-...)
   any       3     DeepSpeedZeRoOffload     w P/N + 2wL 4P/N            12P/N   (= DeepSpeed's 4L + 18P/N)
   + optimizer offload (ZeRO >= 1): gradients and optimizer states of the
     partition live in CPU memory (reported as cpu bytes); with ZeRO 3 and
@@ -34,6 +35,9 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
   (1) measured on this engine: at the step three partition-sized fp32 tensors
       are resident besides the flat weights (4P + 12P/N); the table books them
       as gradient + two moments.
+  (2) measured (benchmarks/memory_census.py): no gradients between steps; during the step the
+      parameters' 16-bit gradients (ZeRO 1: all of them; ZeRO 2: the rank's partition) are booked as
+      step_gradients, and the step's fp32 partitions as its transient.
   L = the largest layer's parameters (the gathered working set of ZeRO 3).
 
 Communication buffers: DeepSpeedZeroOptimizer (ZeRO 1/2, and bf16/fp32 with
@@ -48,15 +52,20 @@ engine runs at ZeRO 0 and under the bf16 optimizer, even at DP 1): it flattens t
 buckets of up to 5e8 elements and all-reduces each: a copy of min(P, 5e8) gradients (fp32 under the
 bf16 optimizer, whose gradients are its fp32 accumulators; measured on this engine). ZeRO 1/2's own
 buckets are the communication buffers above.
-Optimizer step (torch AdamW): on CUDA its foreach path makes one fp32 temporary of everything it
-steps (the sqrt of the second moments); on CPU the per-tensor path makes two of the largest tensor
-it steps (its parameters at ZeRO 0 fp32, the flat partition of a group under DeepSpeed's optimizers).
+Gradients during a step (`step_gradient_bytes`): at ZeRO 0 and 1 every parameter's own .grad, in the
+weights' dtype, from the first backward to the end of the optimizer step, and not between steps.
+Optimizer step (torch's fused AdamW): on the CPU no temporaries of its own (measured with
+benchmarks/memory_census.py); the fp32 cast of BF16_Optimizer's bf16 gradient partition at ZeRO 0 and
+one fp32 partition-sized tensor of DeepSpeedZeroOptimizer at ZeRO 1 (4P/N). On CUDA, not yet measured:
+one fp32 temporary of everything it steps is booked.
 
 Pipeline engine buffers (PP > 1), activation-sized (e bsh each, s = S / CP this rank's part of
 the sequence; e bsh / TP with sequence parallelism) and kept between steps: a later stage keeps its
 received inputs and their gradients for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3
 more (receive and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
-this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1.
+this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1. At TP > 1 without
+sequence parallelism (DeepSpeed's pipe_partitioned sends) stage 1 measured fewer bytes than that (442 KB of
+the 918 KB booked at TP 2, 409 KB at TP 4, benchmarks/memory_census.py), not modelled: the booking is high.
 The last stage's outputs (its [b, s, V/t] logits) would stay in the engine's pipe buffers after
 backward (DeepSpeed 0.19 clears them on the other stages only): deepspeed_compat frees them
 (`free_last_stage_outputs_after_backward`), so they are not counted.
@@ -77,8 +86,6 @@ from typing import Any, Dict, List, Optional
 from megatron_lite.config import Config
 from megatron_lite.model import activations
 from megatron_lite.model.arithmetic import (
-    mlp_in_width,
-    qkv_width,
     spec_parameters,
     stage_bounds,
     stage_parameters,
@@ -116,6 +123,10 @@ class StageMemory:
     the save step until its files are written, over the steps that run meanwhile."""
     snapshot_in_peak: bool = False
     """Whether the snapshot shares memory with training (a CPU run), so it counts in the peak."""
+    step_gradients: int = 0
+    """The parameters' own .grad tensors, alive from a step's first backward through its optimizer step and
+    freed after it (so not between steps): at ZeRO 0 and 1 every parameter's, in the weights' dtype
+    (`step_gradient_bytes`)."""
 
     @property
     def model_states(self) -> int:
@@ -124,11 +135,16 @@ class StageMemory:
     @property
     def peak(self) -> int:
         phases = (self.activations + self.transient, self.reduction_transient, self.step_transient)
-        return (self.model_states + self.communication_buffers + max(phases)
+        return (self.model_states + self.communication_buffers + self.step_gradients + max(phases)
                 + (self.snapshot if self.snapshot_in_peak else 0))
 
+    @property
+    def between_steps(self) -> int:
+        """What stays allocated between steps: model states and communication (and pipe) buffers."""
+        return self.model_states + self.communication_buffers
+
     def to_dict(self) -> Dict[str, Any]:
-        return dict(asdict(self), model_states=self.model_states, peak=self.peak)
+        return dict(asdict(self), model_states=self.model_states, peak=self.peak, between_steps=self.between_steps)
 
 
 def zero_partitions(config: Config) -> int:
@@ -151,9 +167,10 @@ def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precision: str,
                       cpu_offload: bool = False, offload_param: bool = False,
-                      largest_layer_parameters: int = 0) -> Dict[str, int]:
+                      largest_layer_parameters: int = 0, fp32_accumulation: bool = True) -> Dict[str, int]:
     """weights / gradients / optimizer_states on the device and cpu_bytes, per rank (see the table above);
-    partitions: N = DP x CP (`zero_partitions`)."""
+    partitions: N = DP x CP (`zero_partitions`); fp32_accumulation: --accumulate-allreduce-grads-in-fp32
+    (bf16 at ZeRO 1 then runs BF16_Optimizer, else DeepSpeedZeroOptimizer)."""
     p, n = parameters, partitions
     w = 4 if precision == "fp32" else 2
     shard = lambda bytes_per_param: int(bytes_per_param * p / n)  # noqa: E731
@@ -161,17 +178,17 @@ def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precisi
         weights = (0 if offload_param else shard(w)) + 2 * w * largest_layer_parameters
         grads, optim = shard(4), shard(12 if precision != "fp32" else 8)
     elif zero_stage == 0 and precision == "fp32":
-        weights, grads, optim = 4 * p, 4 * p, 8 * p
+        weights, grads, optim = 4 * p, 0, 8 * p  # the gradients live during the step only: step_gradients
     elif zero_stage == 0 and precision == "bf16":
         weights, grads, optim = 2 * p, 2 * p, shard(12)
     elif zero_stage == 0:  # fp16
         weights, grads, optim = 2 * p, 6 * p, 12 * p
-    elif zero_stage == 1 and precision == "bf16" and not cpu_offload:
+    elif _bf16_optimizer_at_zero_1(zero_stage, precision, cpu_offload, fp32_accumulation):
         weights, grads, optim = 2 * p, 4 * p, shard(12)
     elif precision == "fp32":
         weights, grads, optim = 4 * p, shard(4), shard(8)
-    else:
-        weights, grads, optim = 2 * p, shard(6), shard(12)
+    else:  # 16-bit under DeepSpeedZeroOptimizer: its gradient partitions live during the step only (census)
+        weights, grads, optim = 2 * p, 0, shard(12)
     # What a save writes, so what an --async-save snapshot copies: the weights (this rank's ZeRO 3 shard)
     # and the optimizer's fp32 masters and moments; gradients are not saved.
     # DeepSpeed 0.19 writes a bf16 ZeRO 0 optimizer's state twice: in the engine's model-states file and in
@@ -186,55 +203,79 @@ def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precisi
     return {"weights": weights, "gradients": grads, "optimizer_states": optim, "cpu_bytes": cpu, "saved": saved}
 
 
-def _uses_zero_optimizer(zero_stage: int, precision: str, cpu_offload: bool) -> bool:
+def _bf16_optimizer_at_zero_1(zero_stage: int, precision: str, cpu_offload: bool, fp32_accumulation: bool) -> bool:
+    """deepspeed_config.deepspeed_optimizer's BF16_Optimizer case at ZeRO 1, from the estimate's arguments."""
+    return zero_stage == 1 and precision == "bf16" and not cpu_offload and fp32_accumulation
+
+
+def _uses_zero_optimizer(zero_stage: int, precision: str, cpu_offload: bool, fp32_accumulation: bool = True) -> bool:
     """Whether DeepSpeedZeroOptimizer (with its gradient buckets) runs, rather than BF16/FP16_Optimizer or torch's."""
     if zero_stage in (1, 2):
-        return not (zero_stage == 1 and precision == "bf16" and not cpu_offload)
+        return not _bf16_optimizer_at_zero_1(zero_stage, precision, cpu_offload, fp32_accumulation)
     return False
+
+
+def _fp32_accumulation(config: Config) -> bool:
+    # None before validation resolves it: the default (on for bf16 where DeepSpeed can, which the rows test).
+    return config.precision.accumulate_allreduce_grads_in_fp32 is not False
 
 
 def communication_bytes(config: Config, ds_config: Optional[Dict[str, Any]]) -> int:
     zero, precision = config.parallel.zero_stage, config.precision.dtype_name
     settings = _zero_settings(ds_config)
-    if not _uses_zero_optimizer(zero, precision, config.parallel.cpu_offload):
+    if not _uses_zero_optimizer(zero, precision, config.parallel.cpu_offload, _fp32_accumulation(config)):
         return 0
     dtype_bytes = 4 if (zero == 1 or precision == "fp32") else 2
     buffers = (2 if settings["overlap_comm"] else 1) + (1 if zero == 1 else 0)
     return buffers * settings["reduce_bucket_size"] * dtype_bytes
 
 
-def reduction_transient_bytes(parameters: int, zero_stage: int, precision: str, cpu_offload: bool) -> int:
+def reduction_transient_bytes(parameters: int, zero_stage: int, precision: str, cpu_offload: bool,
+                              fp32_accumulation: bool = True) -> int:
     """The gradient reduction's temporary flat copy (see above); ZeRO 1/2 buckets are communication buffers."""
-    if _uses_zero_optimizer(zero_stage, precision, cpu_offload) or zero_stage >= 2:
+    if _uses_zero_optimizer(zero_stage, precision, cpu_offload, fp32_accumulation) or zero_stage >= 2:
         return 0
     return 4 * min(parameters, DEFAULT_BUCKET)  # fp32: ZeRO 0 fp32, or the bf16 optimizer's fp32 gradients
 
 
-def step_transient_bytes(config: Config, parameters: int, largest_tensor: int, device: str) -> int:
-    """torch AdamW's temporaries at the step (see above): fp32, of what it steps."""
+def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partitions: int = 1,
+                        cpu_offload: bool = False) -> int:
+    """The parameters' own gradients during a step (StageMemory.step_gradients). Measured with
+    benchmarks/memory_census.py (bytes alive at each pipeline instruction, P = the stage's parameters):
+    from the first micro-batch's backward to the end of the optimizer step every rank holds w P more
+    than between steps at ZeRO 0 (fp32: torch's .grad, freed by zero_grad; bf16: BF16_Optimizer's
+    bf16 .grad besides its flat accumulators) and at ZeRO 1 (DeepSpeedZeroOptimizer under the pipeline
+    engine keeps full gradients until its end-of-step reduction; BF16_Optimizer as at ZeRO 0); at ZeRO 2
+    the rank's 16-bit gradient partition, 2P/N, and in fp32 runs (which keep a 4P/N partition between
+    steps too, a model state) 8P/N more at the backward's peak: measured at DP 1 and 2 (4P/N through the
+    forward passes), not traced to the allocations that make it. ZeRO 3 books its gradient shard as a
+    model state."""
+    if zero_stage >= 3 or (zero_stage == 2 and cpu_offload):  # ZeRO-Offload moves the partition to the CPU
+        return 0
+    if zero_stage == 2:
+        return (8 if precision == "fp32" else 2) * parameters // partitions
+    return (4 if precision == "fp32" else 2) * parameters
+
+
+def step_transient_bytes(config: Config, parameters: int, device: str) -> int:
+    """The optimizer step's temporaries (see above), beyond step_gradients."""
     p, precision = config.parallel, config.precision.dtype_name
     if p.cpu_offload:
         return 0  # the step runs on the CPU copy
+    if device == "cpu":
+        # Measured (benchmarks/memory_census.py): torch's fused AdamW (training/optimizer.py) makes no
+        # temporaries; BF16_Optimizer with bf16 accumulators casts its gradient partition to fp32 for the
+        # step (4P/N); DeepSpeedZeroOptimizer at ZeRO 1 holds one more fp32 partition-sized tensor.
+        # At ZeRO 2 its step holds two fp32 partition-sized tensors (8P/N).
+        bf16_accumulators = precision == "bf16" and p.zero_stage == 0
+        zero_1 = p.zero_stage == 1 and _uses_zero_optimizer(1, precision, False, _fp32_accumulation(config))
+        per_partition = 4 if bf16_accumulators or zero_1 else 8 if p.zero_stage == 2 else 0
+        return per_partition * parameters // zero_partitions(config)
     # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
-    flat = _uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload) or p.zero_stage >= 2 or precision == "bf16"
-    stepped = parameters // zero_partitions(config) if flat else parameters
-    if device == "cuda":
-        return 4 * stepped
-    return 2 * 4 * (stepped if flat else largest_tensor)
-
-
-def largest_tensor(config: Config, first: bool, last: bool, layers: int) -> int:
-    """Elements of the largest parameter tensor on a stage (one TP rank): a norm's weight, the QKV
-    weight [(a + 2g) d / t, h], the MLP's first weight [f / t, h] (SwiGLU: [2f / t, h]), an embedding
-    or the head."""
-    m, t = config.model, config.parallel.tensor_model_parallel_size
-    h, vocab = m.hidden_size, m.padded_vocab_size * m.hidden_size // t
-    sizes = [h] + ([qkv_width(m) * h // t, mlp_in_width(m) * h // t] if layers else [])
-    if first:
-        sizes += [vocab] + ([m.max_position_embeddings * h] if m.position_embedding_type == "learned_absolute" else [])
-    if last:
-        sizes.append(vocab)
-    return max(sizes)
+    flat = (_uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload, _fp32_accumulation(config))
+            or p.zero_stage >= 2 or precision == "bf16")
+    # On CUDA (not yet measured there): one fp32 temporary of everything it steps.
+    return 4 * (parameters // zero_partitions(config) if flat else parameters)
 
 
 def pipeline_buffer_count(stage: int, pp: int, gas: int) -> int:
@@ -274,7 +315,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         layers, first, last = layers_per_stage[i], a == 0, b == num_specs
         states = model_state_bytes(params[i], par.zero_stage, zero_partitions(config), precision, par.cpu_offload,
-                                   settings["offload_param"], largest)
+                                   settings["offload_param"], largest, _fp32_accumulation(config))
         per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device)
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
@@ -291,10 +332,13 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             activations=per_mb * inflight,
             transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt,
                           activations.kv_gather_transient_bytes(config) if layers else 0),
-            reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload),
-            step_transient=step_transient_bytes(config, params[i], largest_tensor(config, first, last, layers), device),
+            reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload,
+                                                          _fp32_accumulation(config)),
+            step_transient=step_transient_bytes(config, params[i], device),
             cpu_bytes=states["cpu_bytes"],
             snapshot=states["saved"] if config.training.async_save else 0, snapshot_in_peak=device == "cpu",
+            step_gradients=step_gradient_bytes(params[i], par.zero_stage, precision, zero_partitions(config),
+                                               par.cpu_offload),
         ))
     return stages
 
@@ -311,15 +355,17 @@ def estimate_peak_bytes(config: Config, stage: int, ds_config: Optional[Dict[str
 
 
 def format_table(stages: List[StageMemory], gpu_memory_bytes: Optional[int] = None) -> str:
-    """A table per stage in GiB, and the peak."""
+    """A table per stage in GiB, and the peak: weights + grads + optim + comm stay between steps; step grads
+    during a step; then the largest of acts + transient, reduce and step."""
     cols = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer_states"),
-            ("comm", "communication_buffers"), ("act/mb", "activations_per_micro_batch"),
+            ("comm", "communication_buffers"), ("step grads", "step_gradients"),
+            ("act/mb", "activations_per_micro_batch"),
             ("in flight", "micro_batches_in_flight"), ("acts", "activations"), ("transient", "transient"),
             ("reduce", "reduction_transient"), ("step", "step_transient"), ("cpu", "cpu_bytes"), ("peak", "peak")]
-    lines = [f"{'stage':>5} {'layers':>6} {'params':>14} " + " ".join(f"{c:>9}" for c, _ in cols)]
+    lines = [f"{'stage':>5} {'layers':>6} {'params':>14} " + " ".join(f"{c:>10}" for c, _ in cols)]
     for st in stages:
         d = st.to_dict()
-        cells = [f"{d[k]:>9d}" if k == "micro_batches_in_flight" else f"{d[k] / GIB:>9.3f}" for _, k in cols]
+        cells = [f"{d[k]:>10d}" if k == "micro_batches_in_flight" else f"{d[k] / GIB:>10.3f}" for _, k in cols]
         lines.append(f"{st.stage:>5} {st.transformer_layers:>6} {st.parameters:>14,} " + " ".join(cells))
     worst = max(stages, key=lambda st: st.peak)
     summary = f"peak {worst.peak / GIB:.3f} GiB per rank on stage {worst.stage} (GiB = 2^30 bytes)"

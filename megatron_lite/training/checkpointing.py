@@ -56,6 +56,7 @@ from megatron_lite.checkpoint.lock import SaveFolderLock
 from megatron_lite.checkpoint.snapshot import snapshot
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_config import deepspeed_optimizer
 from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.parallel import state
 from megatron_lite.training.async_save import AsyncWriter, write_in_turn
@@ -140,7 +141,8 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
             "tokenizer_sha256": _tokenizer_sha256(config),
-            "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name},
+            "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name,
+                        "optimizer": deepspeed_optimizer(config)},
             "config": config.to_dict()}
 
 
@@ -296,7 +298,23 @@ def _same_layout(engine, config: Config, metadata: dict) -> bool:
     p = config.parallel
     return (_same_places(engine, config, metadata)
             and metadata["layout"].get("data_parallel_size") == p.data_parallel_size
-            and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name))
+            and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name)
+            and _saved_optimizer(metadata) in (None, deepspeed_optimizer(config)))
+
+
+def _saved_optimizer(metadata: dict) -> Optional[str]:
+    """The DeepSpeed optimizer whose files a saved checkpoint holds (bf16 at ZeRO 1: BF16_Optimizer or, with
+    --no-accumulate-allreduce-grads-in-fp32 and in checkpoints from before that flag, DeepSpeedZeroOptimizer;
+    their partition files differ). Saves record it; for a save from before they did, it follows from the saved
+    config (which then ran DeepSpeedZeroOptimizer at bf16 ZeRO 1); None for a resharded or imported folder,
+    whose `storage` (ZeRO stage, precision) differs from its source's config and says it all."""
+    storage, saved = metadata.get("storage") or {}, Config.from_dict(metadata["config"])
+    if storage.get("optimizer"):
+        return storage["optimizer"]
+    if storage and (storage["zero_stage"], storage["precision"]) != (saved.parallel.zero_stage,
+                                                                     saved.precision.dtype_name):
+        return None
+    return deepspeed_optimizer(saved)
 
 
 def load(engine, config: Config) -> Resumed:

@@ -10,6 +10,7 @@ import logging
 import os
 
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_config import deepspeed_optimizer
 from megatron_lite.model.arithmetic import total_parameters
 
 
@@ -43,11 +44,19 @@ def layout_summary(config: Config, backend: str, device: str) -> str:
     cp = f" x CP {p.context_parallel_size}" if p.context_parallel_size > 1 else ""
     return (f"megatron_lite: {p.world_size} processes = TP {p.tensor_model_parallel_size}{cp} x PP "
             f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size} ({backend}, {device}) | ZeRO {p.zero_stage}"
-            f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name} | global batch "
+            f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name}{_gradients(config)} | "
+            f"optimizer {deepspeed_optimizer(config)} | global batch "
             f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "
             f"x DP {p.data_parallel_size} | GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
             f"heads{_block(m)}, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, "
             f"{_count(total_parameters(config))} parameters")
+
+
+def _gradients(config: Config) -> str:
+    """bf16's gradient accumulation dtype (--accumulate-allreduce-grads-in-fp32); others have one choice."""
+    if not config.precision.bf16:
+        return ""
+    return ", fp32 gradients" if config.precision.accumulate_allreduce_grads_in_fp32 else ", bf16 gradients"
 
 
 def _block(m) -> str:

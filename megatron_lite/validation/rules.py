@@ -369,7 +369,29 @@ def precision_rules(config: Config, notes: List[str]) -> Config:
     if p.initial_loss_scale <= 0 or p.min_loss_scale <= 0:
         raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive, e.g. 4294967296 and 1")
     require_at_least_one(p, ("loss_scale_window", "hysteresis"))
-    return config
+    return _gradient_accumulation_dtype(config)
+
+
+def _gradient_accumulation_dtype(config: Config) -> Config:
+    """Resolve --accumulate-allreduce-grads-in-fp32: on by default where DeepSpeed 0.19 can do it
+    (bf16 at ZeRO 1 without offload: its BF16_Optimizer), refused where asked for and it cannot."""
+    p, zero = config.precision, config.parallel.zero_stage
+    asked = p.accumulate_allreduce_grads_in_fp32
+    possible = p.bf16 and zero == 1 and not config.parallel.cpu_offload
+    if asked and not p.bf16:
+        raise ConfigError(f"--accumulate-allreduce-grads-in-fp32 applies to --bf16 only: {p.dtype_name} runs "
+                          + ("accumulate and reduce in fp32 already" if p.dtype_name == "fp32" else
+                             "keep fp16 gradients in DeepSpeed 0.19's fp16 optimizers")
+                          + "; drop the flag", code="grad_accum_dtype")
+    if asked and not possible:
+        where = ("--zero-stage 0 (DeepSpeed 0.19 refuses bf16 weights with fp32 accumulation without ZeRO)"
+                 if zero == 0 else "--cpu-offload (DeepSpeed's ZeRO-Offload optimizer keeps bf16 gradients)"
+                 if zero == 1 else f"--zero-stage {zero} (DeepSpeed's ZeRO {zero} optimizer keeps bf16 gradient "
+                 "partitions)")
+        raise ConfigError(f"--accumulate-allreduce-grads-in-fp32 is not available with --bf16 at {where}; use "
+                          "--zero-stage 1 without --cpu-offload (DeepSpeed's BF16_Optimizer, fp32 accumulators), "
+                          "or --no-accumulate-allreduce-grads-in-fp32", code="grad_accum_dtype")
+    return config.replace(precision__accumulate_allreduce_grads_in_fp32=bool(possible if asked is None else asked))
 
 
 def training_rules(config: Config, notes: List[str]) -> Config:

@@ -103,6 +103,25 @@ def test_bf16_resumes_under_another_layout_within_the_layouts_own_difference(tmp
     assert f"(ZeRO {zero}, bf16) -> " in note
 
 
+@pytest.mark.parametrize("saved_with, resumed_with", [
+    ([], ["--no-accumulate-allreduce-grads-in-fp32"]),
+    (["--no-accumulate-allreduce-grads-in-fp32"], []),  # as a checkpoint from before the flag resumes today
+], ids=["bf16-optimizer-to-zero-optimizer", "zero-optimizer-to-bf16-optimizer"])
+def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layout_free_path(tmp_path, saved_with,
+                                                                                            resumed_with):
+    """bf16 at ZeRO 1 runs BF16_Optimizer (fp32 gradients, the default) or DeepSpeedZeroOptimizer; their partition
+    files differ, so a switch at the same layout cannot use DeepSpeed's own loader (it fails on the other's file)."""
+    extra = ["--bf16", "--zero-stage", "1"]
+    ckpt = str(tmp_path / "ckpt")
+    full, _ = run_distributed(_train, 2, 1, 1, 2, extra + saved_with, ckpt, None, BF16_STEPS, BF16_SAVE_AT)[0]
+    resumed, note = run_distributed(_train, 2, 1, 1, 2, extra + resumed_with, None, ckpt, BF16_STEPS)[0]
+    other, _ = run_distributed(_train, 2, 1, 1, 2, extra + resumed_with, None, None, BF16_STEPS)[0]
+    tolerance = 3 * max(_relative(other[s], full[s]) for s in full)
+    assert note and "(ZeRO 1, bf16) -> " in note
+    for step in resumed:
+        assert _relative(resumed[step], full[step]) <= tolerance, (step, resumed[step], full[step], tolerance)
+
+
 def _save_after_loading(tp, pp, dp, extra, load, save):
     """Load (under this layout), save at once: the optimizer state as this layout's engine holds it."""
     from megatron_lite.parallel import state

@@ -30,6 +30,7 @@ class StoragePeak(TorchDispatchMode):
         self.alive = {}  # storage address -> (weak reference, bytes)
         self.total = 0
         self.peak = 0
+        self.mark = 0  # the highest running sum since the last take_mark (a phase's peak)
 
     def collect(self) -> None:
         for key in [key for key, (ref, _) in self.alive.items() if ref.expired()]:
@@ -40,6 +41,12 @@ class StoragePeak(TorchDispatchMode):
         self.collect()
         self.peak = self.total
         return self.total
+
+    def take_mark(self) -> int:
+        """The highest running sum since the last call; starts the next phase's from here."""
+        self.collect()
+        mark, self.mark = max(self.mark, self.total), self.total
+        return mark
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.collect()
@@ -52,12 +59,15 @@ class StoragePeak(TorchDispatchMode):
                     self.alive[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
                     self.total += storage.nbytes()
         self.peak = max(self.peak, self.total)
+        self.mark = max(self.mark, self.total)
         return out
 
 
-def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1):
+def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1, phases=False):
     """This rank's peak over steps 3 and 4 (the higher of the two), and the bytes alive between steps.
-    cp: --context-parallel-size (the world is TP x CP x PP x DP)."""
+    cp: --context-parallel-size (the world is TP x CP x PP x DP). phases: also each pipeline instruction's
+    peak (ForwardPass, BackwardPass, ReduceGrads, OptimizerStep, ...) over those steps, as bytes alive
+    (the step's start included), under "phases"."""
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
@@ -71,14 +81,45 @@ def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1):
     data = micro_batches(config, global_batches(config, 4), state.get_data_parallel_rank(), dp,
                          cp=(state.get_context_parallel_rank(), cp))
     engine.train_step(data)
-    peaks, alive = [], []
-    with StoragePeak() as tracker:
+    peaks, alive, phase_peaks, measuring = [], [], {}, [False]
+    tracker = StoragePeak()
+    if phases and engine.pipelined:
+        from megatron_lite import deepspeed_compat
+
+        def record(name, seconds):
+            mark = tracker.take_mark()
+            if measuring[0]:
+                phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
+
+        start_of_step = [0]
+        deepspeed_compat.time_pipeline_instructions(engine.engine, record, lambda: None)
+    elif phases:  # ZeRO 2/3 at PP 1: DeepSpeed's plain engine, called forward, backward, step per micro-batch
+        def record(name, seconds):
+            mark = tracker.take_mark()
+            if measuring[0]:
+                phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
+
+        def after(name, method):
+            def run(*args, **kwargs):
+                result = method(*args, **kwargs)
+                record(name, 0.0)
+                return result
+            return run
+
+        start_of_step = [0]
+        ds = engine.engine
+        ds.forward, ds.backward, ds.step = (after("ForwardPass", ds.forward), after("BackwardPass", ds.backward),
+                                            after("OptimizerStep", ds.step))
+    with tracker:
         engine.train_step(data)
         for _ in range(2):
             gc.collect()
             alive.append(live_storage_bytes())
             start = tracker.restart_peak()
+            if phases:
+                start_of_step[0], measuring[0] = start, True
+                tracker.take_mark()
             engine.train_step(data)
             peaks.append(alive[-1] + tracker.peak - start)
     return {"rank": dist.get_rank(), "stage": state.get_pipeline_model_parallel_rank(), "config": config,
-            "between_steps": alive[-1], "peak": max(peaks)}
+            "between_steps": alive[-1], "peak": max(peaks), "phases": phase_peaks}

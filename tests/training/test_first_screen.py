@@ -38,7 +38,7 @@ def test_the_first_lines_are_ours_and_deepspeeds_start_up_lines_are_gone(short_r
     # Validation's warnings stay (stderr, rank 0), then the layout line, the stage table, the first iteration.
     assert lines[0].startswith("warning: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2")
     assert lines[1].startswith("megatron_lite: 2 processes = TP 1 x PP 2 x DP 1 (gloo, cpu) | ZeRO 0 | fp32 | "
-                               "global batch 4 = micro 1 x 4 accumulation x DP 1 | GPT 3 layers, hidden 32")
+                               "optimizer AdamW | global batch 4 = micro 1 x 4 accumulation x DP 1 | GPT 3 layers, hidden 32")
     assert lines[2] == "pipeline stages (cost):"
     assert lines[6].startswith("predicted pipeline efficiency") and lines[7].startswith("iteration       1/3 |")
     assert not [line for line in lines if any(noise in line for noise in NOISE)]

@@ -1,0 +1,28 @@
+"""The whole step against the estimate (issue 31): every rank's peak over a training step, and what stays
+alive between steps, measured on real DeepSpeed engines (benchmarks/memory_census.py's cells), within 10% of
+model/memory.py's booking, under each optimizer DeepSpeed runs at ZeRO 0 and 1."""
+import pytest
+
+from benchmarks.memory_census import census_cell
+
+# (precision, ZeRO, DP, TP, PP, block): the default bf16 layout (BF16_Optimizer with fp32 gradients) and fp32
+# ZeRO 1 (DeepSpeedZeroOptimizer, its step once 1.28x the estimate) in the fast tier; the rest in the full suite.
+CELLS = [
+    ("bf16", 1, 2, 1, 1, "gpt2"),
+    ("fp32", 1, 2, 1, 1, "gpt2"),
+    pytest.param("fp32", 0, 2, 1, 1, "gpt2", marks=pytest.mark.slow),
+    pytest.param("bf16", 0, 1, 1, 1, "gpt2", marks=pytest.mark.slow),
+    pytest.param("bf16", 1, 1, 2, 2, "llama", marks=pytest.mark.slow),
+    pytest.param("fp16", 1, 2, 1, 1, "gpt2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("precision, zero, dp, tp, pp, block", CELLS)
+def test_whole_step_peak_and_bytes_between_steps_are_within_10_percent_of_the_estimate(
+        precision, zero, dp, tp, pp, block, tmp_path):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"reduce_bucket_size": 2000}}')
+    cell = census_cell(precision, zero, dp, tp, pp, block, str(ds_json))
+    for r in cell["ranks"]:
+        assert 0.90 <= r["peak_ratio"] <= 1.10, (cell["optimizer"], r)
+        assert 0.90 <= r["between_ratio"] <= 1.10, (cell["optimizer"], r)
