@@ -81,24 +81,20 @@ def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1, 
     data = micro_batches(config, global_batches(config, 4), state.get_data_parallel_rank(), dp,
                          cp=(state.get_context_parallel_rank(), cp))
     engine.train_step(data)
-    peaks, alive, phase_peaks, measuring = [], [], {}, [False]
+    peaks, alive, phase_peaks, measuring, start_of_step = [], [], {}, [False], [0]
     tracker = StoragePeak()
+
+    def record(name, seconds):
+        """After each phase: its highest total, as bytes alive (the step's start included)."""
+        mark = tracker.take_mark()
+        if measuring[0]:
+            phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
+
     if phases and engine.pipelined:
         from megatron_lite import deepspeed_compat
 
-        def record(name, seconds):
-            mark = tracker.take_mark()
-            if measuring[0]:
-                phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
-
-        start_of_step = [0]
         deepspeed_compat.time_pipeline_instructions(engine.engine, record, lambda: None)
     elif phases:  # ZeRO 2/3 at PP 1: DeepSpeed's plain engine, called forward, backward, step per micro-batch
-        def record(name, seconds):
-            mark = tracker.take_mark()
-            if measuring[0]:
-                phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
-
         def after(name, method):
             def run(*args, **kwargs):
                 result = method(*args, **kwargs)
@@ -106,7 +102,6 @@ def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1, 
                 return result
             return run
 
-        start_of_step = [0]
         ds = engine.engine
         ds.forward, ds.backward, ds.step = (after("ForwardPass", ds.forward), after("BackwardPass", ds.backward),
                                             after("OptimizerStep", ds.step))
