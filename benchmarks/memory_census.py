@@ -102,6 +102,8 @@ def table(results) -> str:
 
 
 def main(argv=None) -> int:
+    from megatron_lite.atomic import write_text
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", nargs="+", choices=sorted(PRECISION), default=["fp32", "bf16", "fp16"],
                         help="bf16-gradients: --bf16 --no-accumulate-allreduce-grads-in-fp32 (ZeRO 1 only)")
@@ -124,9 +126,8 @@ def main(argv=None) -> int:
         worst = max(abs(r["peak_ratio"] - 1) for r in results[-1]["ranks"])
         print(f"census: {' '.join(map(str, cell))}: worst peak ratio off by {100 * worst:.1f}% "
               f"({time.time() - start:.0f}s)", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        if args.json:  # rewritten after every cell, whole or not at all
+            write_text(args.json, json.dumps(results, indent=1))
     print(table(results))
     return 0
 
