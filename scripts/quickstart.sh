@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${QUICKSTART_DIR:-quickstart}
-ITERS=${QUICKSTART_ITERS:-200}
+ITERS=${QUICKSTART_ITERS:-100}
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e .
 mkdir -p "$OUT"
@@ -24,6 +24,6 @@ OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node 2 pretrain_g
     --hidden-dropout 0.0 --attention-dropout 0.0 \
     --data-path "$OUT/corpus_text_document" --tokenizer-type SentencePieceTokenizer \
     --tokenizer-model "$OUT/spm.model" --split 98,2,0 --num-workers 0 \
-    --log-interval 10 --eval-interval 100 --eval-iters 4 \
-    --save "$OUT/ckpt" --save-interval 100 --tensorboard-dir "$OUT/tb"
+    --log-interval 10 --eval-interval 50 --eval-iters 4 \
+    --save "$OUT/ckpt" --save-interval 50 --tensorboard-dir "$OUT/tb"
 echo "quickstart done: checkpoints in $OUT/ckpt, TensorBoard logs in $OUT/tb (tensorboard --logdir $OUT/tb)"

@@ -8,7 +8,8 @@
         -- <fixed pretrain_gpt.py flags: --data-path, --tokenizer-*, ...>
     python tools/tune_parallelism.py report --results sweep/ [--sort-by tokens_per_s]
 
-calibrate: measures this machine (GEMM FLOP/s, copy GB/s, each collective's latency and bandwidth) into a
+calibrate: measures this machine (GEMM FLOP/s, copy GB/s, each collective's latency and bandwidth) and, given
+model flags after `--`, the model's own steps on CPU ranks at world sizes 2, 4, ... (tuning/measure_model.py) into a
 JSON profile that `plan --profile` prices layouts with instead of the --peak-tflops / --*-gbps constants.
 plan: the model is described with pretrain_gpt.py's own flags (no --data-path needed; give --vocab-size).
 sweep: launcher placeholders are listed by `sweep --help`. report: markdown, CSV, PNG plots, best command line.
@@ -54,6 +55,9 @@ def _plan(argv) -> int:
     parser.add_argument("--profile", default=None,
                         help="a profile from `tune_parallelism.py calibrate` (measured on --device): predict step "
                              "times from it instead of --peak-tflops and the --*-gbps constants")
+    parser.add_argument("--all-savers", action="store_true",
+                        help="keep every memory saver that fits a layout as its own candidate (sweep recompute and "
+                             "sequence parallelism too), not only the fastest")
     parser.add_argument("--output", default=None, help="plan JSON (default: print only)")
     parser.add_argument("--show", type=int, default=30, help="rows of the table to print")
     own, model_argv = parser.parse_known_args(argv)
@@ -78,7 +82,7 @@ def _plan(argv) -> int:
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
-                    max_context_parallel=own.max_context_parallel, profile=profile)
+                    max_context_parallel=own.max_context_parallel, profile=profile, all_savers=own.all_savers)
     print(recipe.format_plan(p, own.show))
     print(f"first: {recipe.first_choice_reason(p)}")
     if own.output:
@@ -113,6 +117,14 @@ def _calibrate(argv) -> int:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per GEMM size and on the copy")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4],
+                        help="with model flags after --: the micro batches the model is timed at")
+    parser.add_argument("--model-reps", type=int, default=3, help="with model flags: timed steps per run (the best)")
+    argv = list(argv)
+    model_argv = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, model_argv = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"--world-size must be at least 1 (1: no collectives measured), got {args.world_size}")
@@ -125,6 +137,18 @@ def _calibrate(argv) -> int:
         profile = measure(args.device, args.world_size, args.gemm_tokens, args.gemm_hidden, args.copy_megabytes,
                           args.message_bytes, args.iters, args.min_seconds, args.threads,
                           progress=lambda line: print(line, flush=True))
+        if model_argv:
+            if args.device != "cpu":
+                parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
+                             "collective fits price the step")
+            from megatron_lite.tuning.measure_model import measure_model
+
+            group = 1
+            while group * 2 <= args.world_size:
+                group *= 2
+            for world in sorted({2 ** k for k in range(1, group.bit_length())} | {group}) if group > 1 else [1]:
+                profile.models.append(measure_model(model_argv, world, args.micro_batches, args.model_reps,
+                                                    progress=lambda line: print(line, flush=True)))
     except RuntimeError as e:
         print(f"tune_parallelism.py calibrate: error: {e}", file=sys.stderr)
         return 1

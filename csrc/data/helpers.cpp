@@ -3,8 +3,13 @@
 // Python loops. Registered as torch.ops.megatron_lite.build_sample_index and
 // torch.ops.megatron_lite.build_blending_indices; numpy arrays cross via
 // torch.from_numpy / .numpy() without copies.
-#include <torch/extension.h>
+// ATen's tensor and op headers and torch/library.h only: torch/extension.h (all of torch's C++ API and its
+// Python bindings) took ~3x as long to compile, and nothing here needs Python.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -13,12 +18,12 @@ namespace {
 // document) where sample i starts. Sample i spans seq_length + 1 tokens, so
 // sample i + 1 starts on sample i's last token: neighbours share one token.
 // Rows: num_samples + 1 (the last row is where the final sample ends).
-torch::Tensor build_sample_index(const torch::Tensor& sequence_lengths, const torch::Tensor& document_index,
+at::Tensor build_sample_index(const at::Tensor& sequence_lengths, const at::Tensor& document_index,
                                  int64_t seq_length, int64_t num_samples) {
-  TORCH_CHECK(sequence_lengths.dtype() == torch::kInt32 && sequence_lengths.dim() == 1 &&
+  TORCH_CHECK(sequence_lengths.dtype() == at::kInt && sequence_lengths.dim() == 1 &&
                   sequence_lengths.is_contiguous(),
               "build_sample_index: sequence_lengths must be a contiguous 1-D int32 tensor");
-  TORCH_CHECK(document_index.dtype() == torch::kInt32 && document_index.dim() == 1 && document_index.is_contiguous(),
+  TORCH_CHECK(document_index.dtype() == at::kInt && document_index.dim() == 1 && document_index.is_contiguous(),
               "build_sample_index: document_index must be a contiguous 1-D int32 tensor");
   TORCH_CHECK(seq_length > 0 && num_samples >= 0, "build_sample_index: seq_length ", seq_length,
               " must be positive and num_samples ", num_samples, " non-negative");
@@ -27,7 +32,7 @@ torch::Tensor build_sample_index(const torch::Tensor& sequence_lengths, const to
   const int64_t num_sizes = sequence_lengths.size(0);
   const int64_t num_docs = document_index.size(0);
 
-  auto result = torch::empty({num_samples + 1, 2}, torch::kInt64);
+  auto result = at::empty({num_samples + 1, 2}, at::kLong);
   int64_t* out = result.data_ptr<int64_t>();
   int64_t doc_position = 0;
   int64_t doc_offset = 0;
@@ -59,16 +64,16 @@ torch::Tensor build_sample_index(const torch::Tensor& sequence_lengths, const to
 
 // Greedy interleaving: each next sample goes to the dataset furthest below
 // its target share, so every prefix of the result is close to the weights.
-std::tuple<torch::Tensor, torch::Tensor> build_blending_indices(const torch::Tensor& weights, int64_t size) {
-  TORCH_CHECK(weights.dtype() == torch::kFloat64 && weights.dim() == 1 && weights.is_contiguous(),
+std::tuple<at::Tensor, at::Tensor> build_blending_indices(const at::Tensor& weights, int64_t size) {
+  TORCH_CHECK(weights.dtype() == at::kDouble && weights.dim() == 1 && weights.is_contiguous(),
               "build_blending_indices: weights must be a contiguous 1-D float64 tensor");
   const int64_t num_datasets = weights.size(0);
   TORCH_CHECK(num_datasets > 0 && num_datasets < 32768, "build_blending_indices: 1 to 32767 datasets, got ",
               num_datasets);
   TORCH_CHECK(size >= 0, "build_blending_indices: size must be non-negative, got ", size);
   const double* w = weights.data_ptr<double>();
-  auto dataset_index = torch::empty({size}, torch::kInt16);
-  auto dataset_sample_index = torch::empty({size}, torch::kInt64);
+  auto dataset_index = at::empty({size}, at::kShort);
+  auto dataset_sample_index = at::empty({size}, at::kLong);
   int16_t* which = dataset_index.data_ptr<int16_t>();
   int64_t* position = dataset_sample_index.data_ptr<int64_t>();
   std::vector<int64_t> taken(num_datasets, 0);

@@ -12,6 +12,11 @@ fixed constants:
                one rank's tensor of an all-to-all, the tensor sent by send/recv (so the bandwidth is what
                the caller sees, ring factors included)
 
+model times (optional, `calibrate -- <model flags>`, tuning/measure_model.py): for one model shape and world
+               size, per TP degree and micro batch, the seconds of a layer and of the embedding + head +
+               loss per micro-batch, the per-step seconds (fixed and per layer), and what sequence
+               parallelism, selective and full recompute add per layer and micro-batch, from real engines
+
 A group size that was not measured is priced from the nearest measured one by the ring algorithm's
 scaling: latency x (g-1)/(g0-1), bytes x ((g-1)/g)/((g0-1)/g0). Loading checks every field and names the
 file and the field on bad input; the file is plain JSON, nothing in it is executed.
@@ -21,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from megatron_lite.atomic import write_text
 from megatron_lite.config import ConfigError
@@ -57,6 +62,37 @@ class LinkFit:
         return messages * self.latency_s + nbytes / (self.bandwidth_gbps * 1e9)
 
 
+MODEL_POINT_FIELDS = ("layer_s", "ends_s", "engine_per_micro_s", "optimizer_s", "optimizer_per_layer_s", "reduce_s",
+                      "reduce_per_layer_s", "engine_s")
+VARIANT_FIELDS = ("sp_extra_s", "selective_extra_s", "full_extra_s")
+
+
+@dataclass
+class ModelTimes:
+    world: int
+    """Ranks that stepped at once while measured (the world size the times hold for)."""
+    model_argv: List[str]
+    """The model flags calibrate was given."""
+    shape: Dict[str, Any]
+    """measure_model.shape_key of the model: a plan uses these times only for a model with the same key."""
+    points: List[Dict[str, Any]]
+    """Per (tp, micro): layer_s, ends_s, engine_per_micro_s per micro-batch; optimizer_s (+ optimizer_per_layer_s
+    x layers), reduce_s (+ reduce_per_layer_s x layers: the gradient reduction over world / tp ranks), engine_s per
+    step; the variants' sp_extra_s (TP > 1), selective_extra_s, full_extra_s per layer and micro-batch; runs, each
+    run's measured parts (tuning/measure_model.py)."""
+
+    def point(self, tp: int, micro: int) -> Optional[Dict[str, Any]]:
+        return next((p for p in self.points if p["tp"] == tp and p["micro"] == micro), None)
+
+
+def describe(world: int, p: Dict[str, Any]) -> str:
+    """One line of a model-times point, in ms."""
+    return (f"model x{world} tp {p['tp']} micro {p['micro']}: per micro-batch layer {p['layer_s'] * 1e3:.2f} ms, ends "
+            f"{p['ends_s'] * 1e3:.2f} ms, engine {p['engine_per_micro_s'] * 1e3:.2f} ms; per step optimizer "
+            f"{p['optimizer_s'] * 1e3:.2f} + {p['optimizer_per_layer_s'] * 1e3:.2f} ms/layer, reduction "
+            f"{p['reduce_s'] * 1e3:.2f} + {p['reduce_per_layer_s'] * 1e3:.2f} ms/layer, engine {p['engine_s'] * 1e3:.2f} ms")
+
+
 @dataclass
 class Profile:
     device: str
@@ -77,6 +113,12 @@ class Profile:
     collectives: Dict[str, Dict[int, LinkFit]]
     """collective name -> group size -> fit."""
     version: int = FORMAT_VERSION
+    models: List[ModelTimes] = field(default_factory=list)
+    """Model times (optional), one entry per (model shape, world size) calibrated."""
+
+    def model_times(self, shape: Dict[str, Any], world: int) -> Optional[ModelTimes]:
+        """The times measured for this model shape at this world size, if calibrate measured them."""
+        return next((m for m in self.models if m.world == world and m.shape == shape), None)
 
     def gemm_flops_per_s(self, tokens: float) -> float:
         """Achieved FLOP/s at `tokens` rows: log-linear between measured sizes, clamped outside them."""
@@ -117,6 +159,7 @@ class Profile:
             for group, fit in sorted(fits.items()):
                 lines.append(f"{name} x{group}: latency {fit.latency_s * 1e6:.0f} us, "
                              f"bandwidth {fit.bandwidth_gbps:.2f} GB/s")
+        lines += [describe(m.world, p) for m in self.models for p in m.points]
         return "\n".join(lines)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -188,12 +231,38 @@ def load(path: str) -> Profile:
             collectives[name][int(group)] = LinkFit(float(latency),
                                                     float(_field(path, fit, "bandwidth_gbps", number, where, True)),
                                                     list(fit.get("sizes_bytes", [])), list(fit.get("seconds", [])))
+    if not isinstance(d.get("models", []), list):
+        raise ConfigError(f"profile {path}: field 'models' is {d['models']!r}, expected a list of model times",
+                          code="bad_profile")
+    models = [_model_times(path, m, i) for i, m in enumerate(d.get("models", []))]
     return Profile(device=device, device_name=_field(path, d, "device_name", str),
                    backend=_field(path, d, "backend", str), torch_version=_field(path, d, "torch_version", str),
                    date=_field(path, d, "date", str), dtype=_field(path, d, "dtype", str),
                    threads=_field(path, d, "threads", int, positive=True), gemm=gemm,
                    memory_gbps=float(_field(path, d, "memory_gbps", number, positive=True)), collectives=collectives,
-                   version=version)
+                   version=version, models=models)
+
+
+def _model_times(path: str, d: Any, i: int) -> ModelTimes:
+    where = f"models[{i}]."
+    world = _field(path, d, "world", int, where, True)
+    argv = _field(path, d, "model_argv", list, where)
+    shape = _field(path, d, "shape", dict, where)
+    points = []
+    for j, p in enumerate(_field(path, d, "points", list, where)):
+        at = f"{where}points[{j}]."
+        point = {"tp": _field(path, p, "tp", int, at, True), "micro": _field(path, p, "micro", int, at, True)}
+        for key in MODEL_POINT_FIELDS + VARIANT_FIELDS:
+            if key in MODEL_POINT_FIELDS or key in p:
+                # A least-squares part may come out a little below 0 on a noisy machine: finite is what is checked.
+                value = _field(path, p, key, (int, float), at)
+                if not math.isfinite(value):
+                    raise ConfigError(f"profile {path}: field '{at}{key}' is {value!r}, expected a finite number",
+                                      code="bad_profile")
+                point[key] = float(value)
+        point["runs"] = dict(p.get("runs", {}))
+        points.append(point)
+    return ModelTimes(world=world, model_argv=[str(a) for a in argv], shape=shape, points=points)
 
 
 def check_device(profile: Profile, path: str, device: str) -> None:

@@ -60,6 +60,8 @@ from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.model import memory
 from megatron_lite.model.activations import context_parallel_all_to_all_bytes
 from megatron_lite.model.arithmetic import (
+    embedding_parameters,
+    layer_parameters,
     recompute_chunks,
     recompute_forward_flops_per_token,
     stage_bounds,
@@ -69,7 +71,8 @@ from megatron_lite.model.arithmetic import (
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.calibration import Profile
-from megatron_lite.tuning.throughput import Hardware, predict_step_seconds
+from megatron_lite.tuning.measure_model import shape_key
+from megatron_lite.tuning.throughput import Hardware, predict_from_model_times, predict_step_seconds
 from megatron_lite.validation import validate
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
@@ -189,6 +192,9 @@ class Candidate:
     predicted_pipeline_efficiency: float = 0.0
     predicted_step_seconds: float = 0.0
     predicted_tokens_per_s: float = 0.0
+    predicted_from: str = ""
+    """What priced the step: "model times" (the profile's measurements of this model), "profile" (its GEMM and
+    collective fits), "constants" (no profile)."""
     predicted_relative_throughput: float = 0.0
     argv: List[str] = field(default_factory=list)
     """The pretrain_gpt.py layout flags of this candidate."""
@@ -258,9 +264,11 @@ class Plan:
 
 
 def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], world: int, budget: int, device: str,
-                offload_param_json: str) -> Tuple[Optional[Candidate], Optional[Config], str, str]:
+                offload_param_json: str, fitting: Optional[List[Tuple[Candidate, Config]]] = None
+                ) -> Tuple[Optional[Candidate], Optional[Config], str, str]:
     """The first saver that fits, as (candidate, validated config, "", ""), or (None, None, reason, reason code).
-    model_fields: the fields (not layout) whose flags the candidate's command line spells out."""
+    model_fields: the fields (not layout) whose flags the candidate's command line spells out.
+    fitting: given, every saver that fits is appended to it as (candidate, config), not only the first."""
     pp, cp = base.pipeline_model_parallel_size, base.context_parallel_size
     last_error: Optional[ConfigError] = None
     smallest = None
@@ -288,7 +296,11 @@ def _try_savers(base: Candidate, model: Config, model_fields: Sequence[str], wor
             c.argv = layout_argv(c, planned)
             shown = [f for f in model_fields if not (c.offload_param and f == "deepspeed_config")]
             c.pretrain_argv = config_to_argv(planned, fields=shown, include_defaults=True) + c.argv
-            return c, config, "", ""
+            if fitting is None:
+                return c, config, "", ""
+            fitting.append((c, config))
+    if fitting:
+        return fitting[0][0], fitting[0][1], "", ""
     if smallest is None:
         return None, None, str(last_error), last_error.code
     worst = max(range(len(smallest[0])), key=lambda i: smallest[0][i])
@@ -304,18 +316,47 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     params = [st["parameters"] for st in c.stage_memory]
     again = [recompute_forward_flops_per_token(m, [n]) for n in layers]
     redone = [_recomputed_layers(m, n) for n in layers]
-    times = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
-                                 tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
-                                 dp=c.data_parallel_size, micro=c.micro_batch_size,
-                                 gas=c.gradient_accumulation_steps, zero_stage=c.zero_stage,
-                                 recompute_flops=again, cpu_offload=c.cpu_offload,
-                                 sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
-                                 cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
-                                 recomputed_layers=redone, profile=profile,
-                                 bytes_per_value=2 if config.precision.dtype_name != "fp32" else 4)
+    bytes_per_value = 2 if config.precision.dtype_name != "fp32" else 4
+    times = _predict_from_model_times(c, config, profile, layers, params, redone, bytes_per_value)
+    if times is not None:
+        c.predicted_from = "model times"
+    else:
+        c.predicted_from = "profile" if profile is not None else "constants"
+        times = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
+                                     tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
+                                     dp=c.data_parallel_size, micro=c.micro_batch_size,
+                                     gas=c.gradient_accumulation_steps, zero_stage=c.zero_stage,
+                                     recompute_flops=again, cpu_offload=c.cpu_offload,
+                                     sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
+                                     cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
+                                     recomputed_layers=redone, profile=profile, bytes_per_value=bytes_per_value)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
+
+
+def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Profile], layers: Sequence[int],
+                              params: Sequence[int], redone: Sequence[int], bytes_per_value: int):
+    """The step priced by the profile's measured times of this very model (tuning/measure_model.py), where it has
+    them: same shape, the plan's world size, this TP and micro batch; ZeRO 0, no CP, no offload, as they were
+    measured (ZeRO 1-3 and offload from the fits on top: throughput.predict_from_model_times). None otherwise,
+    and under context parallelism, which calibrate does not run (the GEMM + collectives model prices it)."""
+    if profile is None or not profile.models or c.context_parallel_size > 1:
+        return None
+    world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+    times = profile.model_times(shape_key(config), world)
+    point = times.point(c.tensor_model_parallel_size, c.micro_batch_size) if times else None
+    if point is None:
+        return None
+    m, tp = config.model, c.tensor_model_parallel_size
+    return predict_from_model_times(
+        point, profile, world=world, stage_layers=layers, stage_parameters=params,
+        calibration_parameters=lambda n: embedding_parameters(m, tp) + n * layer_parameters(m, tp),
+        tp=tp, pp=c.pipeline_model_parallel_size, dp=c.data_parallel_size, micro=c.micro_batch_size,
+        gas=c.gradient_accumulation_steps, hidden=m.hidden_size, seq=m.seq_length,
+        sequence_parallel=c.sequence_parallel, selective=m.recompute_granularity == "selective", recomputed_layers=redone,
+        tied_embedding_parameters=0 if m.untie_embeddings_and_output_weights else m.padded_vocab_size * m.hidden_size // tp,
+        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload)
 
 
 def _recomputed_layers(m, layers: int) -> int:
@@ -338,13 +379,16 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
          memory_margin: float = 0.1, max_micro_batch: int = 8, order: str = "shaden",
          hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
          micro_batch_probe: bool = False, probe_layers: int = 2, progress=None,
-         max_context_parallel: Optional[int] = None, profile: Optional[Profile] = None) -> Plan:
+         max_context_parallel: Optional[int] = None, profile: Optional[Profile] = None,
+         all_savers: bool = False) -> Plan:
     """Candidates for the cluster, validated, memory-checked, predicted and ordered.
 
     model_argv: pretrain_gpt.py flags describing the model and the batch (argparse exits 2 on an
     unknown one); the layout flags among them are replaced per candidate, which the plan's notes say.
     max_context_parallel: the largest CP tried (default: the heads per TP rank; 1 plans without CP).
-    profile: measured hardware (tuning/calibration.py) that prices the candidates instead of `hardware`."""
+    profile: measured hardware (tuning/calibration.py) that prices the candidates instead of `hardware`.
+    all_savers: keep every memory saver that fits a layout as a candidate of its own, not only the fastest (to
+    sweep them: recompute and sequence parallelism cost time a sweep can measure)."""
     if profile is not None and profile.device != device:
         raise ConfigError(f"the profile was measured on {profile.device}, the plan is for {device}", code="bad_profile")
     hw = hardware or Hardware(gpus_per_node=gpus_per_node)
@@ -377,16 +421,18 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
             for micro in micro_sizes:
                 base = Candidate(tp, pp, dp, micro, context_parallel_size=cp)
                 planned = model.replace(batch__global_batch_size=micro * dp) if micro_batch_probe else model
+                fitting: Optional[List[Tuple[Candidate, Config]]] = [] if all_savers else None
                 c, config, reason, code = _try_savers(base, planned, model_fields, world, budget, device,
-                                                      offload_param_json)
+                                                      offload_param_json, fitting)
                 if c is None:
                     rejected.append({"layout": base.layout, "tensor_model_parallel_size": tp,
                                      "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
                                      "data_parallel_size": dp, "micro_batch_size": micro, "reason": reason,
                                      "reason_code": code})
                     continue
-                _predict(c, config, hw, profile)
-                kept.append(c)
+                for c, config in fitting or [(c, config)]:
+                    _predict(c, config, hw, profile)
+                    kept.append(c)
                 if progress:
                     progress(len(kept), len(rejected))
     best = max((c.predicted_tokens_per_s for c in kept), default=1.0)
@@ -401,8 +447,10 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     for i, c in enumerate(kept, 1):
         c.rank = i
         c.name = f"{i:03d}_{c.layout}"
+        if all_savers:  # one layout, several candidates: the saver tells them apart
+            c.name += "_" + "".join(ch if ch.isalnum() else "-" for ch in c.saver.lower()).replace("---", "_")
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
-               "memory_margin": memory_margin, "order": order, "device": device, "hardware": asdict(hw),
+               "memory_margin": memory_margin, "order": order, "all_savers": all_savers, "device": device, "hardware": asdict(hw),
                "max_context_parallel": max_context_parallel}
     if profile is not None:
         cluster["profile"] = {"device": profile.device, "device_name": profile.device_name, "backend": profile.backend,

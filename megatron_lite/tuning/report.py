@@ -9,8 +9,13 @@ completed PP = 1 run with the same TP, CP and micro batch (one plan has one worl
 size, so this is the throughput per GPU lost to the pipeline); runs without
 such a baseline have none.
 
+Prediction check (`prediction_accuracy`): where the plan predicted step times, the
+Spearman rank correlation of predicted and measured tokens/s, how far the layout
+predicted fastest is from the measured fastest, and each run's predicted / measured
+step time (report.md lists them with the median and worst error).
+
 Plots (matplotlib, Agg backend): throughput per layout; predicted against
-measured peak memory (rank 0, i.e. stage 0, unless training logged per-stage
+measured step time; predicted against measured peak memory (rank 0, i.e. stage 0, unless training logged per-stage
 lines); predicted against measured pipeline efficiency.
 """
 from __future__ import annotations
@@ -26,7 +31,8 @@ from megatron_lite.atomic import atomic_file, write_text
 from megatron_lite.tuning.sweep import collect
 
 COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_rank", "mfu",
-           "ms_per_iteration", "gradient_accumulation_steps", "saver", "predicted_relative_throughput",
+           "ms_per_iteration", "predicted_ms_per_iteration", "predicted_over_measured", "predicted_from",
+           "gradient_accumulation_steps", "saver", "predicted_relative_throughput",
            "predicted_pipeline_efficiency", "measured_pipeline_efficiency", "predicted_peak_gib_stage0",
            "predicted_peak_gib_max", "peak_memory_gib", "name")
 
@@ -66,6 +72,58 @@ def rank_rows(rows: List[Dict[str, Any]], sort_by: str) -> List[Dict[str, Any]]:
     return done + rest
 
 
+def _ranks(values: Sequence[float]) -> List[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties get their mean rank)."""
+    rx, ry = _ranks(x), _ranks(y)
+    n = len(rx)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else float("nan")
+
+
+def prediction_accuracy(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """How the plan's predictions held for the completed runs that have one (None for fewer than 2): Spearman of
+    predicted and measured tokens/s, the measured tokens/s of the layout predicted fastest over the measured
+    best, and predicted / measured step time per run (also written into each row) with its median and worst
+    |error|."""
+    done = [r for r in rows if r["status"] == "completed" and r.get("tokens_per_s") and r.get("ms_per_iteration")
+            and r.get("predicted_step_seconds")]
+    for r in rows:
+        r["predicted_ms_per_iteration"] = 1e3 * r["predicted_step_seconds"] if r.get("predicted_step_seconds") else None
+        r["predicted_over_measured"] = (r["predicted_ms_per_iteration"] / r["ms_per_iteration"]
+                                        if r in done else None)
+    if len(done) < 2:
+        return None
+    predicted = [r["predicted_tokens_per_s"] for r in done]
+    measured = [r["tokens_per_s"] for r in done]
+    top = max(done, key=lambda r: r["predicted_tokens_per_s"])
+    errors = sorted(abs(r["predicted_over_measured"] - 1) for r in done)
+    mid = len(errors) // 2
+    median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+    return {"runs": len(done), "spearman": spearman(predicted, measured),
+            "predicted_best": top["layout"], "predicted_best_name": top.get("name"),
+            "predicted_best_over_measured_best": top["tokens_per_s"] / max(measured),
+            "median_step_error": median, "worst_step_error": errors[-1],
+            "predicted_from": sorted({r.get("predicted_from") or "" for r in done})}
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return ""
@@ -89,7 +147,7 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = {k: os.path.join(out_dir, f"{k}.png") for k in ("throughput", "memory", "efficiency")}
+    paths = {k: os.path.join(out_dir, f"{k}.png") for k in ("throughput", "speed", "memory", "efficiency")}
     series: Dict[str, List[str]] = {}
 
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(ranked) + 2), 4))
@@ -102,6 +160,22 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
         fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
     series[paths["throughput"]] = [r["layout"] for r in ranked]
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    timed = [r for r in rows if r.get("predicted_over_measured")]
+    for r in timed:
+        ax.scatter(r["predicted_ms_per_iteration"], r["ms_per_iteration"], label=r.get("name") or r["layout"])
+    if timed:
+        lo = min(min(r["predicted_ms_per_iteration"], r["ms_per_iteration"]) for r in timed) / 1.3
+        hi = max(max(r["predicted_ms_per_iteration"], r["ms_per_iteration"]) for r in timed) * 1.3
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
+        ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo * 1.25, hi * 1.25], color="0.9", label="within 25%")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("predicted step (ms)")
+    ax.set_ylabel("measured step (ms)")
+    ax.set_title("step time: predicted vs measured")
+    series[paths["speed"]] = _finish(plt, fig, ax, paths["speed"], timed)
 
     fig, ax = plt.subplots(figsize=(5, 5))
     mem = [r for r in rows if r.get("peak_memory_gib") and r.get("predicted_peak_gib_stage0")]
@@ -128,6 +202,7 @@ def _plots(rows: List[Dict[str, Any]], ranked: List[Dict[str, Any]], sort_by: st
 
 def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optional[str] = None) -> Dict[str, Any]:
     rows = rank_rows(collect(results_dir), sort_by)
+    accuracy = prediction_accuracy(rows)
     out_dir = out_dir or results_dir
     os.makedirs(out_dir, exist_ok=True)
     ranked = [r for r in rows if r["rank_by_metric"] is not None]
@@ -141,13 +216,20 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
     lines = [f"# Sweep report: {len(ranked)} completed of {len(rows)} runs, ranked by {sort_by}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r.get(k)) for k in COLUMNS) + " |" for r in rows]
+    if accuracy:
+        lines += ["", f"Predictions ({', '.join(accuracy['predicted_from'])}) against the {accuracy['runs']} completed "
+                      f"runs: Spearman rank correlation of tokens/s {accuracy['spearman']:.3f}; the layout predicted "
+                      f"fastest ({accuracy['predicted_best_name']}) measured "
+                      f"{accuracy['predicted_best_over_measured_best']:.3f} of the measured best; step time predicted / "
+                      f"measured: median error {accuracy['median_step_error']:.1%}, worst "
+                      f"{accuracy['worst_step_error']:.1%} (column predicted_over_measured)."]
     if command:
         lines += ["", "Best layout:", "", "```", command, "```"]
     paths, series = _plots(rows, ranked, sort_by, out_dir)
     lines += ["", *(f"![{k}]({os.path.basename(p)})" for k, p in paths.items())]
     write_text(md_path, "\n".join(lines) + "\n")
     return {"rows": rows, "markdown": md_path, "csv": csv_path, "best_command": command,
-            "plots": series, "plot_paths": paths}
+            "plots": series, "plot_paths": paths, "accuracy": accuracy}
 
 
 def main(argv: Sequence[str]) -> int:

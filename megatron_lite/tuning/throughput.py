@@ -149,3 +149,60 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
     step = pipeline + p2p + dp_comm + offload
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
             "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": max(per_stage)}
+
+
+def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world: int, stage_layers: Sequence[int],
+                             stage_parameters: Sequence[int], calibration_parameters, tp: int, pp: int, dp: int,
+                             micro: int, gas: int, hidden: int, seq: int, sequence_parallel: bool,
+                             selective: bool, recomputed_layers: Sequence[int], tied_embedding_parameters: int,
+                             bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False) -> Dict[str, float]:
+    """A step priced by the model's own measured times (tuning/measure_model.py) at this TP and micro batch:
+
+      stage_i  = L_i x (layer + sp_extra [SP] + selective_extra [selective]) + R_i x full_extra
+                 + ends [last stage] + engine_per_micro, per micro-batch (R_i: layers full recompute runs again)
+      pipeline = (g + p - 1) x max_i stage_i
+      fixed    = max_i (optimizer + L_i optimizer_per_layer + reduction_i) + engine
+                 reduction_i = (reduce + L_i reduce_per_layer) x AR(dp, P_i) / AR(world / tp, P_cal(L_i)):
+                 measured over the calibration's DP (world / tp) on its own model's parameters P_cal(L)
+                 (`calibration_parameters(L)`), scaled by the all-reduce fit to this layout's DP and the stage's
+                 parameters P_i (the fit alone where the calibration had one DP rank; 0 at DP 1)
+      p2p      = 2 (g + p - 1) sends of a micro-batch's activations (/ t with SP), as the fitted model
+      tied     = at PP > 1 the tied embedding's gradient all-reduce between the first and the last stage
+    AR = the profile's all-reduce fit. The times were measured at ZeRO 0; at ZeRO 1 and 2 the optimizer part is
+    divided by DP (each rank updates its partition) and the reduction is RS(dp, P_i) + AG(dp, P_i) from the
+    fits (reduce-scatter the gradients, all-gather the updated parameters); ZeRO 3 adds two all-gathers of the
+    parameters per micro-batch (forward and backward) to the stage; offload adds 16 bytes x P_i / DP over the
+    measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines."""
+    comm = profile.collective_seconds
+    sp = sequence_parallel and tp > 1
+    per_layer = point["layer_s"] + (point.get("sp_extra_s", 0.0) if sp else 0.0) + (
+        point.get("selective_extra_s", 0.0) if selective else 0.0)
+    stages = []
+    for i, (layers, redone) in enumerate(zip(stage_layers, recomputed_layers)):
+        ends = point["ends_s"] if i == len(stage_layers) - 1 else 0.0
+        gathers = 2 * comm("all_gather", dp, stage_parameters[i] * bytes_per_value) if zero_stage == 3 else 0.0
+        stages.append(layers * per_layer + redone * point.get("full_extra_s", 0.0) + ends + point["engine_per_micro_s"]
+                      + gathers)
+    calibration_dp = world // tp
+    fixed = []
+    for layers, params in zip(stage_layers, stage_parameters):
+        optimizer = point["optimizer_s"] + layers * point["optimizer_per_layer_s"]
+        nbytes = params * bytes_per_value
+        if zero_stage:
+            optimizer /= dp
+            reduction = comm("reduce_scatter", dp, nbytes) + comm("all_gather", dp, nbytes)
+        else:
+            wanted = comm("all_reduce", dp, nbytes)
+            measured_as = comm("all_reduce", calibration_dp, calibration_parameters(layers) * bytes_per_value)
+            reduction = wanted if measured_as <= 0 else (
+                (point["reduce_s"] + layers * point["reduce_per_layer_s"]) * wanted / measured_as)
+        offload = 16.0 * params / dp / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
+        fixed.append(optimizer + reduction + offload)
+    step_fixed = max(fixed) + point["engine_s"]
+    sent = micro * seq * hidden * bytes_per_value / (tp if sp else 1)
+    p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
+    tied = comm("all_reduce", 2, tied_embedding_parameters * bytes_per_value) if pp > 1 else 0.0
+    pipeline = (gas + pp - 1) * max(stages)
+    step = pipeline + step_fixed + p2p + tied
+    return {"step_seconds": step, "pipeline_seconds": pipeline, "fixed_seconds": step_fixed,
+            "p2p_seconds": p2p + tied, "offload_seconds": 0.0, "stage_seconds": max(stages)}

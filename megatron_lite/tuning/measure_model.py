@@ -1,0 +1,232 @@
+"""Measure the model itself for the throughput model: real engines, this model's shape, every TP degree.
+
+On a GPU the kernels of a layer are big enough that GEMM FLOP/s and collective fits price a step. On a
+CPU, and for any small model, most of a step is neither: per-operator overhead, the LayerNorms, softmax
+and dropout, the optimizer, the engine's own work per micro-batch and per step. So `calibrate -- <model
+flags>` also times the model's real training step (megatron_lite.training.engine.Engine: DeepSpeed's
+pipeline engine, ZeRO 0, PP 1) on `world` spawned ranks, all stepping at once as in a real run (on a
+machine with fewer cores than ranks they share them, as the real run's ranks will), at each TP degree t
+(DP = world / t) and micro batch b. Every pipeline instruction is timed
+(deepspeed_compat.time_pipeline_instructions), so one run splits its step into
+
+    per micro-batch: forward + backward (LoadMicroBatch, ForwardPass, BackwardPass)
+    per step:        the gradient all-reduce over DP (ReduceGrads, ReduceTiedGrads), the optimizer
+                     (OptimizerStep), and the engine's own time between instructions (the rest)
+
+Runs at 1 and 3 layers (gas 4) split forward + backward into `layer` and `ends` (embedding, final norm,
+head, loss) and the optimizer into per-layer and fixed parts; a run at 3 layers and gas 1 splits the
+engine's rest into per-step and per-micro-batch parts, and three more at 3 layers and gas 1 price the
+variants per layer and micro-batch: sequence parallelism (t > 1), selective and full recompute (each
+against the plain run). Each run: 2 steps of warm-up, then `reps` steps; each quantity is the slowest
+rank's, from the median step (a barrier before each).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_lite.tuning.calibration import ModelTimes, describe
+
+RUNS = (("l1g4", 1, 4, {}), ("l3g4", 3, 4, {}), ("l3g1", 3, 1, {}),
+        ("sp", 3, 1, {"parallel__sequence_parallel": True}),
+        ("selective", 3, 1, {"model__recompute_granularity": "selective"}),
+        ("full", 3, 1, {"model__recompute_granularity": "full", "model__recompute_method": "uniform",
+                        "model__recompute_num_layers": 1}))
+"""(name, layers, gas, config fields): the runs of one (TP, micro batch) point."""
+PARTS = ("step", "micro", "reduce", "optimizer", "rest")
+"""What one timed step is split into: its seconds, forward + backward per micro-batch, the gradient
+reduction, the optimizer step, the rest (the engine between instructions)."""
+PER_MICRO = ("LoadMicroBatch", "ForwardPass", "BackwardPass")
+REDUCE = ("ReduceGrads", "ReduceTiedGrads")
+WARMUP = 2
+
+
+def model_base(model_argv: Sequence[str]):
+    """The Config the flags describe (unvalidated; the layout fields are set per run)."""
+    from megatron_lite.arguments import build_parser, given_fields
+    from megatron_lite.config import Config
+
+    return Config().replace(**given_fields(build_parser().parse_args(list(model_argv))))
+
+
+def shape_key(config) -> Dict[str, Any]:
+    """What a profile's model times depend on besides the layout: the model's fields but its layer count and
+    recompute settings, and the training dtype. A plan uses the times only for a model with the same key."""
+    model = asdict(config.model)
+    for name in ("num_layers", "recompute_activations", "recompute_granularity", "recompute_method",
+                 "recompute_num_layers", "padded_vocab_size"):
+        model.pop(name, None)
+    model["dtype"] = config.precision.dtype_name
+    return model
+
+
+def run_config(base, world: int, tp: int, micro: int, layers: int, gas: int, fields: Dict[str, Any]):
+    """The validated config of one calibration run."""
+    from megatron_lite.validation import validate
+
+    dp = world // tp
+    config = base.replace(
+        model__num_layers=layers, parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=1,
+        parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
+        parallel__sequence_parallel=False, batch__micro_batch_size=micro, batch__global_batch_size=micro * gas * dp,
+        batch__gradient_accumulation_steps=None, model__recompute_activations=False,
+        model__recompute_granularity=None, model__recompute_method=None, model__recompute_num_layers=None)
+    return validate(config.replace(**fields), world)[0]
+
+
+def solve(runs: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    """The point's parts from its runs' PARTS (module docstring): layer_s, ends_s per micro-batch; optimizer_s +
+    optimizer_per_layer_s, engine_s + engine_per_micro_s, reduce_s + reduce_per_layer_s per step (the reduction
+    over the calibration's DP); and each variant's extra seconds per layer and micro-batch."""
+    one, three, single = runs["l1g4"], runs["l3g4"], runs["l3g1"]
+    layer = (three["micro"] - one["micro"]) / 2
+    out = {"layer_s": layer, "ends_s": one["micro"] - layer}
+    for part in ("optimizer", "reduce"):
+        per_layer = (three[part] - one[part]) / 2
+        out[f"{part}_per_layer_s"] = per_layer
+        out[f"{part}_s"] = one[part] - per_layer
+    per_micro = (three["rest"] - single["rest"]) / 3
+    out["engine_per_micro_s"] = per_micro
+    out["engine_s"] = single["rest"] - per_micro
+    for name in ("sp", "selective", "full"):
+        if name in runs:
+            out[f"{name}_extra_s"] = (runs[name]["micro"] - single["micro"]) / 3
+    return out
+
+
+def _batches(config, seed: int):
+    """Endless random micro-batches ((tokens, positions), (labels, loss mask)) of the config's shape."""
+    g = torch.Generator().manual_seed(seed)
+    micro, seq = config.batch.micro_batch_size, config.model.seq_length
+    positions = torch.arange(seq).expand(micro, seq).contiguous()
+    while True:
+        sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
+        yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
+
+
+def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
+    """PARTS of the median of `reps` steps (by step time), each the slowest rank's: a training run's time is its
+    steps' mean, which the odd slow step of a shared machine moves less than it moves the mean of a few."""
+    import torch.distributed as dist
+
+    from megatron_lite import deepspeed_compat
+
+    seconds: Dict[str, float] = {}
+    deepspeed_compat.time_pipeline_instructions(
+        engine.engine, lambda name, s: seconds.__setitem__(name, seconds.get(name, 0.0) + s), lambda: None)
+    for _ in range(WARMUP):
+        engine.train_step(data)
+    gas = engine.config.batch.gradient_accumulation_steps
+    steps = []
+    for _ in range(reps):
+        dist.barrier()
+        seconds.clear()
+        start = time.perf_counter()
+        engine.train_step(data)
+        step = time.perf_counter() - start
+        parts = [step, sum(seconds.get(n, 0.0) for n in PER_MICRO) / gas, sum(seconds.get(n, 0.0) for n in REDUCE),
+                 seconds.get("OptimizerStep", 0.0)]
+        parts.append(step - sum(seconds.values()))
+        slowest = torch.tensor(parts, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        steps.append(slowest.tolist())
+    steps.sort(key=lambda parts: parts[0])
+    return dict(zip(PARTS, steps[len(steps) // 2]))
+
+
+def _worker(rank: int, port: int, world: int, model_argv: List[str], points: List[Tuple[int, int]], reps: int,
+            results) -> None:
+    import gc
+    import logging
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # The engines print their partition tables and DeepSpeed its banners: calibrate prints its own lines.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+
+    base = model_base(model_argv)
+    out = []
+    try:
+        for tp in sorted({t for t, _ in points}):
+            state.initialize(tp, 1)
+            for t, micro in points:
+                if t != tp:
+                    continue
+                runs = {}
+                for name, layers, gas, fields in RUNS:
+                    if name == "sp" and tp == 1:
+                        continue
+                    config = run_config(base, world, tp, micro, layers, gas, fields)
+                    engine = Engine(config, with_scheduler=False)
+                    runs[name] = _timed_parts(engine, _batches(config, rank), reps)
+                    del engine
+                    gc.collect()
+                out.append({"tp": tp, "micro": micro, "runs": runs, **solve(runs)})
+            state.destroy()
+        results.put((rank, out, None))
+    except Exception as e:  # reported by the parent, which would otherwise wait for the queue
+        import traceback
+
+        results.put((rank, None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_degrees(base, world: int) -> List[int]:
+    """TP degrees 1, 2, 4, ... up to world that the model's heads, groups and FFN allow (validation decides)."""
+    from megatron_lite.config import ConfigError
+
+    out = []
+    for tp in (2 ** k for k in range(world.bit_length())):
+        if world % tp:
+            continue
+        try:
+            run_config(base, world, tp, 1, 1, 1, {})
+        except ConfigError:
+            continue
+        out.append(tp)
+    return out
+
+
+def measure_model(model_argv: Sequence[str], world: int, micro_batches: Sequence[int], reps: int = 3,
+                  timeout: float = 1800.0, progress=lambda line: None) -> ModelTimes:
+    """The model's times on `world` spawned gloo ranks (CPU) at every TP degree it allows and each micro batch."""
+    from megatron_lite.training.distributed import free_port
+
+    base = model_base(model_argv)
+    tps = tp_degrees(base, world)
+    points = [(t, b) for t in tps for b in micro_batches]
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, world, list(model_argv), points, reps, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        out = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [f"rank {rank}: {error}" for rank, _, error in out if error]
+    if errors:
+        raise RuntimeError(f"model calibration at world size {world} failed: " + "; ".join(errors))
+    points_out = out[0][1]
+    for p in points_out:
+        progress(describe(world, p))
+    return ModelTimes(world=world, model_argv=list(model_argv), shape=shape_key(run_config(base, world, 1, 1, 1, 1, {})),
+                      points=points_out)

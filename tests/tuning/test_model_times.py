@@ -1,0 +1,187 @@
+"""The model's own measured times in a profile (`calibrate -- <model flags>`): how they are split, stored, checked,
+and how a plan prices a layout with them; the report's check of predictions against a sweep."""
+import json
+
+import pytest
+
+from megatron_lite.config import ConfigError
+from megatron_lite.tuning import calibration, recipe, report
+from megatron_lite.tuning.measure_model import solve
+from megatron_lite.tuning.throughput import predict_from_model_times
+from tools import tune_parallelism
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "256", "--make-vocab-size-divisible-by", "16", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--global-batch-size", "8"]
+
+PARTS = {"layer_s": 0.010, "ends_s": 0.004, "engine_per_micro_s": 0.001, "optimizer_s": 0.002,
+         "optimizer_per_layer_s": 0.003, "reduce_s": 0.0015, "reduce_per_layer_s": 0.0005, "engine_s": 0.006,
+         "sp_extra_s": 0.0007, "selective_extra_s": 0.002, "full_extra_s": 0.004}
+
+
+def _run(layers, gas, micro_extra=0.0):
+    """The parts measure_model records for a run of an engine that costs PARTS."""
+    p = PARTS
+    micro = p["ends_s"] + layers * (p["layer_s"] + micro_extra)
+    reduce = p["reduce_s"] + layers * p["reduce_per_layer_s"]
+    optimizer = p["optimizer_s"] + layers * p["optimizer_per_layer_s"]
+    rest = p["engine_s"] + gas * p["engine_per_micro_s"]
+    return {"step": gas * micro + reduce + optimizer + rest, "micro": micro, "reduce": reduce,
+            "optimizer": optimizer, "rest": rest}
+
+
+def test_the_runs_of_a_point_split_into_per_layer_per_micro_batch_and_per_step_parts():
+    runs = {"l1g4": _run(1, 4), "l3g4": _run(3, 4), "l3g1": _run(3, 1),
+            "sp": _run(3, 1, PARTS["sp_extra_s"]), "selective": _run(3, 1, PARTS["selective_extra_s"]),
+            "full": _run(3, 1, PARTS["full_extra_s"])}
+    assert solve(runs) == pytest.approx(PARTS, rel=1e-9)
+    del runs["sp"]  # TP 1 has no sequence parallelism
+    assert "sp_extra_s" not in solve(runs)
+
+
+def _profile(world=2, tp=1, micro=1, collectives=True):
+    fit = calibration.LinkFit(1e-4, 1.0, [4096, 65536], [1e-4, 1e-4])
+    return calibration.Profile(
+        "cpu", "x", "gloo", "2", "now", "float32", 1, [calibration.GemmPoint(128, 8, 8, 1e9)], 10.0,
+        {name: ({2: fit, 4: fit} if collectives else {}) for name in calibration.COLLECTIVES},
+        models=[calibration.ModelTimes(world, [], {}, [dict(PARTS, tp=tp, micro=micro)])])
+
+
+def _predict(profile, **kw):
+    args = dict(world=2, stage_layers=[4], stage_parameters=[1000], calibration_parameters=lambda n: 100 + 200 * n,
+                tp=1, pp=1, dp=2, micro=1, gas=4, hidden=64, seq=32, sequence_parallel=False, selective=False,
+                recomputed_layers=[0], tied_embedding_parameters=500, bytes_per_value=4)
+    args.update(kw)
+    return predict_from_model_times(dict(PARTS, tp=args["tp"], micro=args["micro"]), profile, **args)
+
+
+def test_a_step_priced_by_model_times_is_gas_micro_batches_of_its_stage_plus_the_per_step_parts():
+    profile, p = _profile(), PARTS
+    comm = profile.collective_seconds
+    base = _predict(profile)
+    micro = 4 * p["layer_s"] + p["ends_s"] + p["engine_per_micro_s"]
+    # Calibrated at DP 2 (world 2, TP 1) on 100 + 200 x 4 parameters; this stage has 1000: the all-reduce fit scales it.
+    reduction = (p["reduce_s"] + 4 * p["reduce_per_layer_s"]) * comm("all_reduce", 2, 4000) / comm("all_reduce", 2, 3600)
+    fixed = p["optimizer_s"] + 4 * p["optimizer_per_layer_s"] + reduction + p["engine_s"]
+    assert base["step_seconds"] == pytest.approx(4 * micro + fixed)
+    # One DP rank reduces nothing; recompute adds its extra per layer recomputed and micro-batch.
+    one = _predict(profile, dp=1)
+    assert base["step_seconds"] - one["step_seconds"] == pytest.approx(reduction)
+    full = _predict(profile, recomputed_layers=[4])
+    assert full["step_seconds"] - base["step_seconds"] == pytest.approx(4 * 4 * p["full_extra_s"])
+    selective = _predict(profile, selective=True)
+    assert selective["step_seconds"] - base["step_seconds"] == pytest.approx(4 * 4 * p["selective_extra_s"])
+
+
+def test_two_stages_pay_the_bubble_on_the_slower_stage_the_sends_and_the_tied_embedding_reduction():
+    profile, p = _profile(), PARTS
+    comm = profile.collective_seconds
+    two = _predict(profile, pp=2, dp=1, stage_layers=[2, 2], stage_parameters=[600, 600], recomputed_layers=[0, 0])
+    last = 2 * p["layer_s"] + p["ends_s"] + p["engine_per_micro_s"]  # the head and loss sit on the last stage
+    sends = 2 * (4 + 1) * comm("send_recv", 2, 1 * 32 * 64 * 4) + comm("all_reduce", 2, 500 * 4)
+    fixed = p["optimizer_s"] + 2 * p["optimizer_per_layer_s"] + p["engine_s"]
+    assert two["step_seconds"] == pytest.approx((4 + 1) * last + sends + fixed)
+    sp = _predict(profile, tp=2, dp=1, sequence_parallel=True)
+    assert sp["step_seconds"] - _predict(profile, tp=2, dp=1)["step_seconds"] == pytest.approx(
+        4 * 4 * p["sp_extra_s"])
+
+
+def test_zero_1_divides_the_optimizer_over_dp_and_reduces_by_reduce_scatter_and_all_gather():
+    profile, p = _profile(), PARTS
+    comm = profile.collective_seconds
+    zero1 = _predict(profile, zero_stage=1)
+    micro = 4 * p["layer_s"] + p["ends_s"] + p["engine_per_micro_s"]
+    fixed = ((p["optimizer_s"] + 4 * p["optimizer_per_layer_s"]) / 2 + comm("reduce_scatter", 2, 4000)
+             + comm("all_gather", 2, 4000) + p["engine_s"])
+    assert zero1["step_seconds"] == pytest.approx(4 * micro + fixed)
+
+
+def test_a_profile_with_model_times_round_trips_and_a_bad_point_is_named(tmp_path):
+    path = str(tmp_path / "p.json")
+    _profile().save(path)
+    loaded = calibration.load(path)
+    assert loaded.models[0].point(1, 1)["layer_s"] == PARTS["layer_s"] and loaded.models[0].point(2, 1) is None
+    d = json.loads(open(path).read())
+    del d["models"][0]["points"][0]["ends_s"]
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=r"bad.json: field 'models\[0\].points\[0\].ends_s' is missing"):
+        calibration.load(str(tmp_path / "bad.json"))
+    d["models"] = {"layer_s": 1}
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match=r"bad.json: field 'models' is .*expected a list"):
+        calibration.load(str(tmp_path / "bad.json"))
+
+
+def test_a_plan_prices_with_model_times_only_the_model_and_world_they_were_measured_for(tmp_path):
+    from megatron_lite.tuning.measure_model import model_base, run_config, shape_key
+
+    shape = shape_key(run_config(model_base(MODEL), 2, 1, 1, 1, 1, {}))
+    profile = _profile()
+    profile.models[0].shape = shape
+    kw = dict(nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=2, device="cpu", workdir=str(tmp_path),
+              max_context_parallel=1, order="throughput")
+    plan = recipe.plan(MODEL, profile=profile, **kw)
+    by = {c.layout: c for c in plan.candidates}
+    assert by["tp1_cp1_pp1_dp2_mb1"].predicted_from == "model times"
+    assert by["tp2_cp1_pp1_dp1_mb1"].predicted_from == "profile"  # TP 2 was not measured in this profile
+    wider = recipe.plan(["--num-layers", "8", *MODEL[2:]], profile=profile, **kw)  # 8 layers: the same shape
+    assert {c.predicted_from for c in wider.candidates if c.layout == "tp1_cp1_pp1_dp2_mb1"} == {"model times"}
+    other = recipe.plan([a if a != "64" else "128" for a in MODEL], profile=profile, **kw)  # hidden 128
+    assert {c.predicted_from for c in other.candidates} == {"profile"}
+    assert {c.predicted_from for c in recipe.plan(MODEL, **kw).candidates} == {"constants"}
+
+
+def test_all_savers_keeps_every_saver_that_fits_with_the_fastest_first_as_the_plan_without(tmp_path):
+    kw = dict(nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=2, device="cpu", workdir=str(tmp_path),
+              max_context_parallel=1)
+    one = recipe.plan(MODEL, **kw)
+    every = recipe.plan(MODEL, all_savers=True, **kw)
+    assert len({c.name for c in every.candidates}) == len(every.candidates) > len(one.candidates)
+    for c in one.candidates:
+        savers = [e for e in every.candidates if e.layout == c.layout]
+        assert min(savers, key=lambda e: e.saver_order).saver == c.saver
+        names = {e.saver for e in savers}
+        assert "none" in names and any(n.endswith("selective recompute") for n in names), names
+        assert any(n.endswith("full recompute") for n in names), names
+
+
+def test_spearman_matches_the_textbook_value_with_ties():
+    # scipy.stats.spearmanr's documented example: 0.8207826816681233.
+    assert report.spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(0.8207826816681233, rel=1e-12)
+    assert report.spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1.0)
+
+
+def test_prediction_accuracy_scores_rank_the_fastest_prediction_and_each_step_error():
+    def row(name, measured_ms, predicted_ms, status="completed"):
+        return {"name": name, "layout": name, "status": status, "ms_per_iteration": measured_ms,
+                "tokens_per_s": 1e3 / measured_ms, "predicted_step_seconds": predicted_ms / 1e3,
+                "predicted_tokens_per_s": 1e3 / predicted_ms, "predicted_from": "model times"}
+
+    rows = [row("a", 100, 110), row("b", 200, 180), row("c", 120, 100), row("d", 50, 40, status="failed")]
+    acc = report.prediction_accuracy(rows)
+    # measured a > c > b, predicted c > a > b: rank differences 1, 0, 1 -> 1 - 6 x 2 / (3 x 8) = 0.5
+    assert acc["runs"] == 3 and acc["spearman"] == pytest.approx(0.5)
+    assert acc["predicted_best"] == "c" and acc["predicted_best_over_measured_best"] == pytest.approx(100 / 120)
+    assert acc["median_step_error"] == pytest.approx(0.1) and acc["worst_step_error"] == pytest.approx(1 - 100 / 120)
+    assert rows[1]["predicted_over_measured"] == pytest.approx(0.9) and rows[3]["predicted_over_measured"] is None
+
+
+@pytest.mark.slow
+def test_calibrate_with_model_flags_times_the_model_at_each_tp_and_the_plan_uses_them(tmp_path, capsys):
+    path = str(tmp_path / "profile.json")
+    rc = tune_parallelism.main(["calibrate", "--output", path, "--gemm-tokens", "128", "--gemm-hidden", "64",
+                                "--copy-megabytes", "8", "--message-bytes", "4096", "65536", "--iters", "2",
+                                "--min-seconds", "0.05", "--micro-batches", "1", "--model-reps", "1", "--", *MODEL])
+    assert rc == 0
+    profile = calibration.load(path)
+    (times,) = profile.models
+    assert times.world == 2 and sorted((p["tp"], p["micro"]) for p in times.points) == [(1, 1), (2, 1)]
+    for p in times.points:  # steps took time; each run's parts are at most its step
+        for run in p["runs"].values():
+            assert run["step"] > 0 and run["micro"] > 0 and run["micro"] <= run["step"]
+        assert ("sp_extra_s" in p) == (p["tp"] == 2)
+    assert "model x2 tp 2 micro 1: per micro-batch layer" in capsys.readouterr().out
+    plan = recipe.plan(MODEL, nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=1, device="cpu",
+                       workdir=str(tmp_path), max_context_parallel=1, profile=profile)
+    assert {c.predicted_from for c in plan.candidates} == {"model times"}
+    assert all(c.predicted_step_seconds > 0 for c in plan.candidates)
