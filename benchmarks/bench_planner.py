@@ -12,7 +12,7 @@ Printed per round and world size: the runs, Spearman rank correlation of predict
 the measured tokens/s of the layout predicted fastest over the measured best, predicted / measured step
 time (median and worst error), calibrated and from the constants; --json writes every row.
 
-    python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~30 min here)
+    python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~25 min here)
     python benchmarks/bench_planner.py --rounds 1 --worlds 2 --max-runs 4 --train-iters 4
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def pick(candidates, max_runs: int):
     swept = [c for c in candidates if c.zero_stage == 0 and not c.cpu_offload and c.saver in SAVERS]
     plain = [c for c in swept if c.saver == "none"]
     others = [c for c in swept if c.saver != "none"]
-    with_saver = min(len(others), max(2, max_runs // 4))
-    chosen = _spread(plain, max_runs - with_saver) + _spread(others, with_saver)
+    without = min(len(plain), max_runs - min(len(others), max(2, max_runs // 4)))
+    chosen = _spread(plain, without) + _spread(others, min(len(others), max_runs - without))
     if swept and swept[0] not in chosen:
         chosen[0] = swept[0]
     return sorted(chosen, key=candidates.index)
@@ -139,12 +139,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="separate calibrate + sweep rounds")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes swept")
-    parser.add_argument("--max-runs", type=int, default=12, help="candidates swept per world size")
-    parser.add_argument("--train-iters", type=int, default=8)
+    parser.add_argument("--max-runs", type=int, default=11, help="candidates swept per world size")
+    parser.add_argument("--train-iters", type=int, default=12)
     parser.add_argument("--warmup-iters", type=int, default=3)
-    parser.add_argument("--max-micro-batch", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4], help="calibrated micro batches")
-    parser.add_argument("--model-reps", type=int, default=3)
+    parser.add_argument("--max-micro-batch", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2], help="calibrated micro batches")
+    parser.add_argument("--model-reps", type=int, default=5)
     parser.add_argument("--gemm-hidden", type=int, default=128)
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory per rank the plan may use")
     parser.add_argument("--output", default=None, help="folder for profiles, sweeps and reports (default: temporary)")

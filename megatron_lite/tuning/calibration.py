@@ -64,7 +64,7 @@ class LinkFit:
 
 MODEL_POINT_FIELDS = ("layer_s", "ends_s", "engine_per_micro_s", "optimizer_s", "optimizer_per_layer_s", "reduce_s",
                       "reduce_per_layer_s", "engine_s")
-VARIANT_FIELDS = ("sp_extra_s", "selective_extra_s", "full_extra_s")
+VARIANT_FIELDS = ("sp_extra_s", "selective_extra_s", "full_extra_s", "sp_selective_extra_s", "sp_full_extra_s")
 
 
 @dataclass
@@ -78,7 +78,8 @@ class ModelTimes:
     points: List[Dict[str, Any]]
     """Per (tp, micro): layer_s, ends_s, engine_per_micro_s per micro-batch; optimizer_s (+ optimizer_per_layer_s
     x layers), reduce_s (+ reduce_per_layer_s x layers: the gradient reduction over world / tp ranks), engine_s per
-    step; the variants' sp_extra_s (TP > 1), selective_extra_s, full_extra_s per layer and micro-batch; runs, each
+    step; the variants' sp_extra_s, sp_selective_extra_s, sp_full_extra_s (TP > 1), selective_extra_s, full_extra_s
+    per layer and micro-batch; runs, each
     run's measured parts (tuning/measure_model.py)."""
 
     def point(self, tp: int, micro: int) -> Optional[Dict[str, Any]]:
@@ -261,6 +262,7 @@ def _model_times(path: str, d: Any, i: int) -> ModelTimes:
                                       code="bad_profile")
                 point[key] = float(value)
         point["runs"] = dict(p.get("runs", {}))
+        point["measured"] = dict(p.get("measured", {}))
         points.append(point)
     return ModelTimes(world=world, model_argv=[str(a) for a in argv], shape=shape, points=points)
 

@@ -16,16 +16,18 @@ machine with fewer cores than ranks they share them, as the real run's ranks wil
 Runs at 1 and 3 layers (gas 4) split forward + backward into `layer` and `ends` (embedding, final norm,
 head, loss) and the optimizer into per-layer and fixed parts; a run at 3 layers and gas 1 splits the
 engine's rest into per-step and per-micro-batch parts, and three more at 3 layers and gas 1 price the
-variants per layer and micro-batch: sequence parallelism (t > 1), selective and full recompute (each
-against the plain run). Each run: 2 steps of warm-up, then `reps` steps; each quantity is the slowest
-rank's, from the median step (a barrier before each).
+variants per layer and micro-batch: sequence parallelism (t > 1), selective and full recompute, and each
+recompute with sequence parallelism (t > 1) (each against the plain run). Each run: 2 steps of warm-up, then `reps` steps; each quantity is the slowest
+rank's (a barrier before each step), its median over the steps. Then `smooth` fits each per-micro-batch part
+linearly in the micro batch and averages each per-step part over the micro batches of a TP degree.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -35,8 +37,13 @@ RUNS = (("l1g4", 1, 4, {}), ("l3g4", 3, 4, {}), ("l3g1", 3, 1, {}),
         ("sp", 3, 1, {"parallel__sequence_parallel": True}),
         ("selective", 3, 1, {"model__recompute_granularity": "selective"}),
         ("full", 3, 1, {"model__recompute_granularity": "full", "model__recompute_method": "uniform",
-                        "model__recompute_num_layers": 1}))
-"""(name, layers, gas, config fields): the runs of one (TP, micro batch) point."""
+                        "model__recompute_num_layers": 1}),
+        ("sp_selective", 3, 1, {"parallel__sequence_parallel": True, "model__recompute_granularity": "selective"}),
+        ("sp_full", 3, 1, {"parallel__sequence_parallel": True, "model__recompute_granularity": "full",
+                           "model__recompute_method": "uniform", "model__recompute_num_layers": 1}))
+"""(name, layers, gas, config fields): the runs of one (TP, micro batch) point; the sp* runs at TP > 1 only.
+Sequence parallelism and recompute are measured together too: their costs do not add (at TP 2, micro batch
+1, SP + full recompute measured 36 ms a layer where SP's and full recompute's extras added up to 50)."""
 PARTS = ("step", "micro", "reduce", "optimizer", "rest")
 """What one timed step is split into: its seconds, forward + backward per micro-batch, the gradient
 reduction, the optimizer step, the rest (the engine between instructions)."""
@@ -92,9 +99,43 @@ def solve(runs: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     per_micro = (three["rest"] - single["rest"]) / 3
     out["engine_per_micro_s"] = per_micro
     out["engine_s"] = single["rest"] - per_micro
-    for name in ("sp", "selective", "full"):
+    for name in VARIANTS:
         if name in runs:
             out[f"{name}_extra_s"] = (runs[name]["micro"] - single["micro"]) / 3
+    return out
+
+
+VARIANTS = ("sp", "selective", "full", "sp_selective", "sp_full")
+PER_MICRO_PARTS = ("layer_s", "ends_s", "engine_per_micro_s") + tuple(f"{v}_extra_s" for v in VARIANTS)
+PER_STEP_PARTS = ("optimizer_s", "optimizer_per_layer_s", "reduce_s", "reduce_per_layer_s", "engine_s")
+
+
+def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The points of one TP degree made consistent with each other, which halves the scatter a 2-core machine
+    leaves in single runs: a per-micro-batch part is a + b x micro (least squares over the micro batches: a
+    micro-batch's work grows with its tokens, plus a fixed cost per call), a per-step part (optimizer,
+    reduction, engine) does not depend on the micro batch (their mean). Each point keeps its own solve() as
+    `measured`."""
+    out = []
+    for tp in sorted({p["tp"] for p in points}):
+        group = [p for p in points if p["tp"] == tp]
+        micros = [p["micro"] for p in group]
+        for p in group:
+            q = {k: v for k, v in p.items() if k not in PER_MICRO_PARTS + PER_STEP_PARTS}
+            q["measured"] = {k: p[k] for k in PER_MICRO_PARTS + PER_STEP_PARTS if k in p}
+            for key in PER_STEP_PARTS:
+                q[key] = statistics.fmean(g[key] for g in group)
+            for key in PER_MICRO_PARTS:
+                if key not in p:
+                    continue
+                if len(set(micros)) < 2:
+                    q[key] = p[key]
+                    continue
+                mx, my = statistics.fmean(micros), statistics.fmean(g[key] for g in group)
+                slope = (sum((m - mx) * (g[key] - my) for m, g in zip(micros, group))
+                         / sum((m - mx) ** 2 for m in micros))
+                q[key] = my + slope * (p["micro"] - mx)
+            out.append(q)
     return out
 
 
@@ -109,8 +150,8 @@ def _batches(config, seed: int):
 
 
 def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
-    """PARTS of the median of `reps` steps (by step time), each the slowest rank's: a training run's time is its
-    steps' mean, which the odd slow step of a shared machine moves less than it moves the mean of a few."""
+    """Each of PARTS as its median over `reps` steps, each step's the slowest rank's (the odd slow step of a
+    shared machine moves a median of a few steps less than their mean)."""
     import torch.distributed as dist
 
     from megatron_lite import deepspeed_compat
@@ -134,12 +175,14 @@ def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
         slowest = torch.tensor(parts, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         steps.append(slowest.tolist())
-    steps.sort(key=lambda parts: parts[0])
-    return dict(zip(PARTS, steps[len(steps) // 2]))
+    return {part: statistics.median(step[i] for step in steps) for i, part in enumerate(PARTS)}
 
 
-def _worker(rank: int, port: int, world: int, model_argv: List[str], points: List[Tuple[int, int]], reps: int,
+def _worker(rank: int, port: int, world: int, model_argv: List[str], tp: int, micro: int, reps: int,
             results) -> None:
+    """One (TP, micro batch) point's runs on this rank. Fresh processes per point: every engine leaves gloo
+    groups behind whose threads keep waking up, and a process that had built a dozen engines measured later
+    points up to 1.5x slow (the TP 2 layer at micro batch 2: 35.6 ms there, the real run's 18)."""
     import gc
     import logging
 
@@ -157,25 +200,19 @@ def _worker(rank: int, port: int, world: int, model_argv: List[str], points: Lis
     from megatron_lite.training.engine import Engine
 
     base = model_base(model_argv)
-    out = []
     try:
-        for tp in sorted({t for t, _ in points}):
-            state.initialize(tp, 1)
-            for t, micro in points:
-                if t != tp:
-                    continue
-                runs = {}
-                for name, layers, gas, fields in RUNS:
-                    if name == "sp" and tp == 1:
-                        continue
-                    config = run_config(base, world, tp, micro, layers, gas, fields)
-                    engine = Engine(config, with_scheduler=False)
-                    runs[name] = _timed_parts(engine, _batches(config, rank), reps)
-                    del engine
-                    gc.collect()
-                out.append({"tp": tp, "micro": micro, "runs": runs, **solve(runs)})
-            state.destroy()
-        results.put((rank, out, None))
+        state.initialize(tp, 1)
+        runs = {}
+        for name, layers, gas, fields in RUNS:
+            if name.startswith("sp") and tp == 1:
+                continue
+            config = run_config(base, world, tp, micro, layers, gas, fields)
+            engine = Engine(config, with_scheduler=False)
+            runs[name] = _timed_parts(engine, _batches(config, rank), reps)
+            del engine
+            gc.collect()
+        state.destroy()
+        results.put((rank, {"tp": tp, "micro": micro, "runs": runs, **solve(runs)}, None))
     except Exception as e:  # reported by the parent, which would otherwise wait for the queue
         import traceback
 
@@ -207,25 +244,29 @@ def measure_model(model_argv: Sequence[str], world: int, micro_batches: Sequence
 
     base = model_base(model_argv)
     tps = tp_degrees(base, world)
-    points = [(t, b) for t in tps for b in micro_batches]
     ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, world, list(model_argv), points, reps, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        out = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    errors = [f"rank {rank}: {error}" for rank, _, error in out if error]
-    if errors:
-        raise RuntimeError(f"model calibration at world size {world} failed: " + "; ".join(errors))
-    points_out = out[0][1]
+    measured = []
+    for tp in tps:
+        for micro in micro_batches:
+            results = ctx.Queue()
+            port = free_port()
+            procs = [ctx.Process(target=_worker, args=(r, port, world, list(model_argv), tp, micro, reps, results))
+                     for r in range(world)]
+            for p in procs:
+                p.start()
+            try:
+                out = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
+            finally:
+                for p in procs:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+            errors = [f"rank {rank}: {error}" for rank, _, error in out if error]
+            if errors:
+                raise RuntimeError(f"model calibration at world size {world}, TP {tp}, micro batch {micro} failed: "
+                                   + "; ".join(errors))
+            measured.append(out[0][1])
+    points_out = smooth(measured)
     for p in points_out:
         progress(describe(world, p))
     return ModelTimes(world=world, model_argv=list(model_argv), shape=shape_key(run_config(base, world, 1, 1, 1, 1, {})),

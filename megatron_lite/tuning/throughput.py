@@ -158,8 +158,10 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
                              bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False) -> Dict[str, float]:
     """A step priced by the model's own measured times (tuning/measure_model.py) at this TP and micro batch:
 
-      stage_i  = L_i x (layer + sp_extra [SP] + selective_extra [selective]) + R_i x full_extra
-                 + ends [last stage] + engine_per_micro, per micro-batch (R_i: layers full recompute runs again)
+      stage_i  = L_i x layer + (L_i - R_i) x extra + R_i x full_extra + ends [last stage] + engine_per_micro,
+                 per micro-batch (R_i: layers full recompute runs again; extra: sp_extra with SP, selective_extra
+                 or sp_selective_extra with selective recompute; full_extra is sp_full_extra with SP: the two
+                 were measured together, their costs do not add)
       pipeline = (g + p - 1) x max_i stage_i
       fixed    = max_i (optimizer + L_i optimizer_per_layer + reduction_i) + engine
                  reduction_i = (reduce + L_i reduce_per_layer) x AR(dp, P_i) / AR(world / tp, P_cal(L_i)):
@@ -175,14 +177,15 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
     measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines."""
     comm = profile.collective_seconds
     sp = sequence_parallel and tp > 1
-    per_layer = point["layer_s"] + (point.get("sp_extra_s", 0.0) if sp else 0.0) + (
-        point.get("selective_extra_s", 0.0) if selective else 0.0)
+    prefix = "sp_" if sp else ""
+    extra = point.get(f"{prefix}selective_extra_s", 0.0) if selective else point.get("sp_extra_s", 0.0) if sp else 0.0
+    again = point.get(f"{prefix}full_extra_s", 0.0)  # a recomputed layer's extra, SP's included
     stages = []
     for i, (layers, redone) in enumerate(zip(stage_layers, recomputed_layers)):
         ends = point["ends_s"] if i == len(stage_layers) - 1 else 0.0
         gathers = 2 * comm("all_gather", dp, stage_parameters[i] * bytes_per_value) if zero_stage == 3 else 0.0
-        stages.append(layers * per_layer + redone * point.get("full_extra_s", 0.0) + ends + point["engine_per_micro_s"]
-                      + gathers)
+        stages.append(layers * point["layer_s"] + (layers - redone) * extra + redone * again + ends
+                      + point["engine_per_micro_s"] + gathers)
     calibration_dp = world // tp
     fixed = []
     for layers, params in zip(stage_layers, stage_parameters):
