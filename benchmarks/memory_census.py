@@ -82,7 +82,8 @@ def census_cell(precision, zero, dp, tp, pp, block, ds_json):
                      "between_steps": r["between_steps"], "estimated_between_steps": booked,
                      "peak_ratio": r["peak"] / s.peak, "between_ratio": r["between_steps"] / booked,
                      "measured_phases": r["phases"],
-                     "estimated_phases": {"backward": booked + s.step_gradients + s.activations + s.transient,
+                     "estimated_phases": {"backward": booked + s.step_gradients + s.activations + s.transient
+                                                       + s.gathered,
                                           "reduction": booked + s.step_gradients + s.reduction_transient,
                                           "step": booked + s.step_gradients + s.step_transient}})
     return {"precision": precision, "zero": zero, "dp": dp, "tp": tp, "pp": pp, "block": block,

@@ -51,41 +51,61 @@ def qkv_width(model: ModelConfig) -> int:
     return (a + 2 * (model.num_query_groups or a)) * (h // a)
 
 
+def norm_tensors(model: ModelConfig) -> List[int]:
+    """One norm's tensors: LayerNorm's weight and bias (h each) or RMSNorm's weight (h)."""
+    return [model.hidden_size] * (1 if model.normalization == "RMSNorm" else 2)
+
+
 def norm_parameters(model: ModelConfig) -> int:
     """One norm: LayerNorm's weight and bias (2h) or RMSNorm's weight (h)."""
-    return model.hidden_size * (1 if model.normalization == "RMSNorm" else 2)
+    return sum(norm_tensors(model))
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
-    """One transformer layer on one TP rank (the layout in the module docstring). Validation makes
-    every split part (a d, g d, f) divisible by TP; a rank sharing a key/value group with others
+def layer_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
+    """Elements of each parameter tensor of one transformer layer on one TP rank (the layout in the
+    module docstring): what DeepSpeed's ZeRO 3 partitions or keeps whole tensor by tensor. Validation
+    makes every split part (a d, g d, f) divisible by TP; a rank sharing a key/value group with others
     (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     qkv, mlp_in = qkv_width(model), mlp_in_width(model)
-    split = qkv * h + h * h + mlp_in * h + h * f
-    whole = 2 * norm_parameters(model)
+    split = [qkv * h, h * h, mlp_in * h, h * f]
+    whole = norm_tensors(model) * 2
     if model.add_bias_linear:
-        split += qkv + mlp_in
-        whole += 2 * h  # the row-parallel biases, added after the reduction
-    return split // tp + whole
+        split += [qkv, mlp_in]
+        whole += [h, h]  # the row-parallel biases, added after the reduction
+    return [n // tp for n in split] + whole
+
+
+def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+    """One transformer layer on one TP rank (`layer_tensors`)."""
+    return sum(layer_tensors(model, tp))
+
+
+def embedding_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
+    """Word embedding [V/t, h] plus the learned position table [P, h] (rotary has none)."""
+    learned = model.position_embedding_type == "learned_absolute"
+    positions = [model.max_position_embeddings * model.hidden_size] if learned else []
+    return [model.padded_vocab_size * model.hidden_size // tp] + positions
 
 
 def embedding_parameters(model: ModelConfig, tp: int = 1) -> int:
-    """Word embedding [V/t, h] plus the learned position table [P, h] (rotary has none)."""
-    learned = model.position_embedding_type == "learned_absolute"
-    positions = model.max_position_embeddings * model.hidden_size if learned else 0
-    return model.padded_vocab_size * model.hidden_size // tp + positions
+    """Word embedding and learned positions on one TP rank (`embedding_tensors`)."""
+    return sum(embedding_tensors(model, tp))
+
+
+def spec_tensors(config: Config, tp: Optional[int] = None) -> List[List[int]]:
+    """Elements of each parameter tensor each spec holds on one TP rank (TP of the config unless `tp`),
+    in spec order. The tied head reports the embedding module it uses: a full copy when on another stage."""
+    m = require_vocab(config)
+    t = config.parallel.tensor_model_parallel_size if tp is None else tp
+    embedding = embedding_tensors(m, t)
+    head = [m.padded_vocab_size * m.hidden_size // t] if m.untie_embeddings_and_output_weights else embedding
+    return [embedding] + [layer_tensors(m, t) for _ in range(m.num_layers)] + [norm_tensors(m), head]
 
 
 def spec_parameters(config: Config, tp: Optional[int] = None) -> List[int]:
-    """Parameters each spec holds on one TP rank (TP of the config unless `tp`), in spec order.
-    The tied head reports the embedding module it uses: a full copy when on another stage."""
-    m = require_vocab(config)
-    t = config.parallel.tensor_model_parallel_size if tp is None else tp
-    embedding = embedding_parameters(m, t)
-    head = m.padded_vocab_size * m.hidden_size // t if m.untie_embeddings_and_output_weights else embedding
-    layers = [layer_parameters(m, t)] * m.num_layers
-    return [embedding] + layers + [norm_parameters(m), head]
+    """Parameters each spec holds on one TP rank (`spec_tensors`, summed)."""
+    return [sum(tensors) for tensors in spec_tensors(config, tp)]
 
 
 def total_parameters(config: Config) -> int:

@@ -28,23 +28,40 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
                                                                                 in-fp32, the default for bf16)
   fp16      0     FP16_Optimizer           2P          2P + 4P         12P (fp32 master + moments)
   16-bit    1,2   DeepSpeedZeroOptimizer   2P          0 (2)           12P/N   (bf16 at ZeRO 1 with --no-accumulate-...)
-  any       3     DeepSpeedZeRoOffload     w P/N + 2wL 4P/N            12P/N   (= DeepSpeed's 4L + 18P/N)
+  any       3     DeepSpeedZeroOptimizer_  w P/N + w K   w' P/N (3)      12P/N (fp32 master + moments) (3)
+                  Stage3
   + optimizer offload (ZeRO >= 1): gradients and optimizer states of the
     partition live in CPU memory (reported as cpu bytes); with ZeRO 3 and
-    parameter offload the device keeps only the 2wL working set.
+    parameter offload the device keeps only the whole (persistent) tensors
+    and, during forward and backward, the gathered working set.
   (1) measured on this engine: at the step three partition-sized fp32 tensors
       are resident besides the flat weights (4P + 12P/N); the table books them
       as gradient + two moments.
   (2) measured (benchmarks/memory_census.py): no gradients between steps; during the step the
       parameters' 16-bit gradients (ZeRO 1: all of them; ZeRO 2: the rank's partition) are booked as
       step_gradients, and the step's fp32 partitions as its transient.
-  L = the largest layer's parameters (the gathered working set of ZeRO 3).
+  (3) measured (benchmarks/memory_census.py, P = 1,063,680, K = 801,536, the word embedding the one
+      partitioned tensor): between steps 20P (fp32) and 16P (bf16) at DP 1, 20P/2 + 4K (fp32) at DP 2,
+      each plus 0.12 MB the estimate does not book. K = the parameters in tensors of at most
+      `stage3_param_persistence_threshold` elements (DeepSpeed's default 1e5, read from the DeepSpeed config):
+      ZeRO 3 keeps them whole on every rank besides their partition, a second copy only at N > 1 (at N = 1
+      DeepSpeed gathers nothing: the parameter is its partition). w' = the weights' dtype: at ZeRO 3 the
+      gradient partitions are kept in it (DeepSpeed's grad_accum_dtype, which validation leaves unset there).
+      fp32 too keeps an fp32 master copy: stage3.py's test for reusing the weights compares a torch.device
+      with a string, which is never equal, so it copies on the CPU and on CUDA alike (20P, not 16P, at DP 1).
+  ZeRO 3 during forward and backward (`zero3_gathered_bytes`): the gathered working set, w x the two
+  largest modules' partitioned parameters (the one running and the one prefetched; nothing at N = 1), plus
+  the largest tensor's full gradient before its reduction. Measured at fp32: the forward holds 4 x the word
+  embedding more at DP 2 than at DP 1 (the gathered embedding), the backward 4 x the embedding more than
+  the forward (its gradient); at bf16 the backward's peak equals the forward's (the gradient fits in what
+  the head's backward freed), booked all the same.
 
 Communication buffers: DeepSpeedZeroOptimizer (ZeRO 1/2, and bf16/fp32 with
 offload) allocates `reduce_bucket_size` elements (default 5e8) for gradient
 reduction in its reduction dtype (fp32 at ZeRO 1, the weight dtype at ZeRO 2),
 twice with `overlap_comm`, and once more at ZeRO 1 under the pipeline engine
-(`reduce_gradients(pipeline_parallel=True)`). Bucket sizes are read from the
+(`reduce_gradients(pipeline_parallel=True)`); ZeRO 3 one bucket in the weights' dtype
+(stage3.py's contiguous_gradients ipg buffer). Bucket sizes are read from the
 DeepSpeed config our engine will pass (user JSON included).
 
 Gradient reduction (DeepSpeed 0.19 engine.py `buffered_allreduce_fallback`, which the pipeline
@@ -56,8 +73,10 @@ Gradients during a step (`step_gradient_bytes`): at ZeRO 0 and 1 every parameter
 weights' dtype, from the first backward to the end of the optimizer step, and not between steps.
 Optimizer step (torch's fused AdamW): on the CPU no temporaries of its own (measured with
 benchmarks/memory_census.py); the fp32 cast of BF16_Optimizer's bf16 gradient partition at ZeRO 0 and
-one fp32 partition-sized tensor of DeepSpeedZeroOptimizer at ZeRO 1 (4P/N). On CUDA, not yet measured:
-one fp32 temporary of everything it steps is booked.
+one fp32 partition-sized tensor of DeepSpeedZeroOptimizer at ZeRO 1 (4P/N); at ZeRO 3 the flattened
+gradient partition cast to fp32 (stage3.py `_prepare_fp32_grad_for_sub_group`: 4P/N at fp32, 2P/N + 4P/N
+in 16-bit; measured at DP 1: +4.23 MB at fp32, +6.34 MB at bf16, P = 1,063,680). On CUDA, not yet
+measured: one fp32 temporary of everything it steps is booked.
 
 Pipeline engine buffers (PP > 1), activation-sized (e bsh each, s = S / CP this rank's part of
 the sequence; e bsh / TP with sequence parallelism) and kept between steps: a later stage keeps its
@@ -86,7 +105,7 @@ from typing import Any, Dict, List, Optional
 from megatron_lite.config import Config
 from megatron_lite.model import activations
 from megatron_lite.model.arithmetic import (
-    spec_parameters,
+    spec_tensors,
     stage_bounds,
     stage_parameters,
     transformer_layers_per_stage,
@@ -94,6 +113,7 @@ from megatron_lite.model.arithmetic import (
 
 GIB = 1024 ** 3
 DEFAULT_BUCKET = int(5e8)
+DEFAULT_PERSISTENCE = int(1e5)  # DeepSpeed 0.19 zero/config.py stage3_param_persistence_threshold
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,9 @@ class StageMemory:
     """The parameters' own .grad tensors, alive from a step's first backward through its optimizer step and
     freed after it (so not between steps): at ZeRO 0 and 1 every parameter's, in the weights' dtype
     (`step_gradient_bytes`)."""
+    gathered: int = 0
+    """ZeRO 3 during forward and backward: the gathered parameters and the largest tensor's full gradient
+    before its reduction (`zero3_gathered_bytes`)."""
 
     @property
     def model_states(self) -> int:
@@ -134,7 +157,7 @@ class StageMemory:
 
     @property
     def peak(self) -> int:
-        phases = (self.activations + self.transient, self.reduction_transient, self.step_transient)
+        phases = (self.activations + self.transient + self.gathered, self.reduction_transient, self.step_transient)
         return (self.model_states + self.communication_buffers + self.step_gradients + max(phases)
                 + (self.snapshot if self.snapshot_in_peak else 0))
 
@@ -162,21 +185,24 @@ def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         "reduce_bucket_size": int(float(zero.get("reduce_bucket_size", DEFAULT_BUCKET))),
         "overlap_comm": bool(overlap) if overlap is not None else stage == 3,
         "offload_param": (zero.get("offload_param") or {}).get("device", "none") == "cpu",
+        "persistence_threshold": int(float(zero.get("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE))),
     }
 
 
 def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precision: str,
                       cpu_offload: bool = False, offload_param: bool = False,
-                      largest_layer_parameters: int = 0, fp32_accumulation: bool = True) -> Dict[str, int]:
+                      persistent_parameters: int = 0, fp32_accumulation: bool = True) -> Dict[str, int]:
     """weights / gradients / optimizer_states on the device and cpu_bytes, per rank (see the table above);
     partitions: N = DP x CP (`zero_partitions`); fp32_accumulation: --accumulate-allreduce-grads-in-fp32
-    (bf16 at ZeRO 1 then runs BF16_Optimizer, else DeepSpeedZeroOptimizer)."""
+    (bf16 at ZeRO 1 then runs BF16_Optimizer, else DeepSpeedZeroOptimizer; at ZeRO 3 fp32 gradient
+    partitions); persistent_parameters: K, ZeRO 3's parameters kept whole (`zero3_persistent_parameters`)."""
     p, n = parameters, partitions
     w = 4 if precision == "fp32" else 2
     shard = lambda bytes_per_param: int(bytes_per_param * p / n)  # noqa: E731
     if zero_stage == 3:
-        weights = (0 if offload_param else shard(w)) + 2 * w * largest_layer_parameters
-        grads, optim = shard(4), shard(12 if precision != "fp32" else 8)
+        whole = w * persistent_parameters if n > 1 else 0  # at N = 1 the whole tensor is its partition
+        weights = (0 if offload_param else shard(w)) + whole
+        grads, optim = shard(4 if precision == "fp32" or fp32_accumulation else 2), shard(12)
     elif zero_stage == 0 and precision == "fp32":
         weights, grads, optim = 4 * p, 0, 8 * p  # the gradients live during the step only: step_gradients
     elif zero_stage == 0 and precision == "bf16":
@@ -203,6 +229,24 @@ def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precisi
     return {"weights": weights, "gradients": grads, "optimizer_states": optim, "cpu_bytes": cpu, "saved": saved}
 
 
+def zero3_persistent_parameters(tensors: List[int], threshold: int = DEFAULT_PERSISTENCE) -> int:
+    """K: the parameters in tensors of at most `threshold` elements (stage3_param_persistence_threshold),
+    which ZeRO 3 keeps whole on every rank (DeepSpeed 0.19 parameter_offload.py mark_persistent_parameters)."""
+    return sum(n for n in tensors if n <= threshold)
+
+
+def zero3_gathered_bytes(module_tensors: List[List[int]], precision: str, partitions: int,
+                         threshold: int = DEFAULT_PERSISTENCE) -> int:
+    """ZeRO 3 during forward and backward (StageMemory.gathered): w x the two largest modules' partitioned
+    parameters, gathered (the running one and the prefetched one; none at N = 1, where a parameter is its
+    partition), plus the largest tensor's full gradient before its reduction. module_tensors: each module's
+    tensors on this rank (a tied head is the embedding's module, listed once)."""
+    w = 4 if precision == "fp32" else 2
+    partitioned = sorted((sum(n for n in tensors if n > threshold) for tensors in module_tensors), reverse=True)
+    gathered = sum(partitioned[:2]) if partitions > 1 else 0
+    return w * (gathered + max((n for tensors in module_tensors for n in tensors), default=0))
+
+
 def _bf16_optimizer_at_zero_1(zero_stage: int, precision: str, cpu_offload: bool, fp32_accumulation: bool) -> bool:
     """deepspeed_config.deepspeed_optimizer's BF16_Optimizer case at ZeRO 1, from the estimate's arguments."""
     return zero_stage == 1 and precision == "bf16" and not cpu_offload and fp32_accumulation
@@ -223,6 +267,8 @@ def _fp32_accumulation(config: Config) -> bool:
 def communication_bytes(config: Config, ds_config: Optional[Dict[str, Any]]) -> int:
     zero, precision = config.parallel.zero_stage, config.precision.dtype_name
     settings = _zero_settings(ds_config)
+    if zero == 3:  # one contiguous_gradients bucket in the weights' dtype (stage3.py ipg_buckets)
+        return settings["reduce_bucket_size"] * (4 if precision == "fp32" or _fp32_accumulation(config) else 2)
     if not _uses_zero_optimizer(zero, precision, config.parallel.cpu_offload, _fp32_accumulation(config)):
         return 0
     dtype_bytes = 4 if (zero == 1 or precision == "fp32") else 2
@@ -267,9 +313,12 @@ def step_transient_bytes(config: Config, parameters: int, device: str) -> int:
         # temporaries; BF16_Optimizer with bf16 accumulators casts its gradient partition to fp32 for the
         # step (4P/N); DeepSpeedZeroOptimizer at ZeRO 1 holds one more fp32 partition-sized tensor.
         # At ZeRO 2 its step holds two fp32 partition-sized tensors (8P/N).
+        # At ZeRO 3 the flattened gradient partition, cast to fp32 (16-bit: the flat copy and its cast).
         bf16_accumulators = precision == "bf16" and p.zero_stage == 0
         zero_1 = p.zero_stage == 1 and _uses_zero_optimizer(1, precision, False, _fp32_accumulation(config))
-        per_partition = 4 if bf16_accumulators or zero_1 else 8 if p.zero_stage == 2 else 0
+        zero_3 = 4 if precision == "fp32" or _fp32_accumulation(config) else 6
+        per_partition = (4 if bf16_accumulators or zero_1 else 8 if p.zero_stage == 2
+                         else zero_3 if p.zero_stage == 3 else 0)
         return per_partition * parameters // zero_partitions(config)
     # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
     flat = (_uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload, _fp32_accumulation(config))
@@ -303,19 +352,23 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     precision = config.precision.dtype_name
     bounds = stage_bounds(config, estimate=True)
     params = stage_parameters(config, bounds)
-    per_spec = spec_parameters(config)
-    largest = max(per_spec)
+    tensors = spec_tensors(config)
+    tied = not config.model.untie_embeddings_and_output_weights
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
     pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
-    num_specs = len(per_spec)
+    num_specs = len(tensors)
     layers_per_stage = transformer_layers_per_stage(config, bounds)
     boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         layers, first, last = layers_per_stage[i], a == 0, b == num_specs
+        # One module per spec, the tied head being the embedding's when this stage holds both (PP 1).
+        modules = tensors[a:b - 1] if tied and first and last else tensors[a:b]
+        threshold = settings["persistence_threshold"]
+        persistent = zero3_persistent_parameters([n for module in modules for n in module], threshold)
         states = model_state_bytes(params[i], par.zero_stage, zero_partitions(config), precision, par.cpu_offload,
-                                   settings["offload_param"], largest, _fp32_accumulation(config))
+                                   settings["offload_param"], persistent, _fp32_accumulation(config))
         per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device)
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
@@ -339,6 +392,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             snapshot=states["saved"] if config.training.async_save else 0, snapshot_in_peak=device == "cpu",
             step_gradients=step_gradient_bytes(params[i], par.zero_stage, precision, zero_partitions(config),
                                                par.cpu_offload),
+            gathered=(zero3_gathered_bytes(modules, precision, zero_partitions(config), threshold)
+                      if par.zero_stage == 3 else 0),
         ))
     return stages
 
@@ -358,7 +413,7 @@ def format_table(stages: List[StageMemory], gpu_memory_bytes: Optional[int] = No
     """A table per stage in GiB, and the peak: weights + grads + optim + comm stay between steps; step grads
     during a step; then the largest of acts + transient, reduce and step."""
     cols = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer_states"),
-            ("comm", "communication_buffers"), ("step grads", "step_gradients"),
+            ("comm", "communication_buffers"), ("step grads", "step_gradients"), ("gathered", "gathered"),
             ("act/mb", "activations_per_micro_batch"),
             ("in flight", "micro_batches_in_flight"), ("acts", "activations"), ("transient", "transient"),
             ("reduce", "reduction_transient"), ("step", "step_transient"), ("cpu", "cpu_bytes"), ("peak", "peak")]

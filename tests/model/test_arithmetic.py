@@ -72,6 +72,9 @@ def test_total_parameters_and_each_spec_match_the_dense_model(variant):
     per_spec = arithmetic.spec_parameters(config)
     # model.layers holds the tied embedding once: every spec but a tied head has its own module.
     assert built == (per_spec if "--untie-embeddings-and-output-weights" in VARIANTS[variant] else per_spec[:-1])
+    # Tensor by tensor too (what ZeRO 3 partitions or keeps whole, memory.py).
+    tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
     assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
     # `type:<regex>` partitioning matches the costs' names against the built classes.
     names = [c.name for c in arithmetic.spec_costs(config)]

@@ -1,15 +1,18 @@
 """The whole step against the estimate (issue 31): every rank's peak over a training step, and what stays
 alive between steps, measured on real DeepSpeed engines (benchmarks/memory_census.py's cells), within 10% of
-model/memory.py's booking, under each optimizer DeepSpeed runs at ZeRO 0 and 1."""
+model/memory.py's booking, under each optimizer DeepSpeed runs at ZeRO 0, 1 and 3."""
 import pytest
 
 from benchmarks.memory_census import census_cell
 
 # (precision, ZeRO, DP, TP, PP, block): the default bf16 layout (BF16_Optimizer with fp32 gradients) and fp32
-# ZeRO 1 (DeepSpeedZeroOptimizer, its step once 1.28x the estimate) in the fast tier; the rest in the full suite.
+# ZeRO 1 (DeepSpeedZeroOptimizer, its step once 1.28x the estimate) and fp32 ZeRO 3 at DP 2 (its whole tensors
+# and fp32 master copy once 1.31x the estimate between steps) in the fast tier; the rest in the full suite.
 CELLS = [
     ("bf16", 1, 2, 1, 1, "gpt2"),
     ("fp32", 1, 2, 1, 1, "gpt2"),
+    ("fp32", 3, 2, 1, 1, "gpt2"),
+    pytest.param("bf16", 3, 1, 1, 1, "gpt2", marks=pytest.mark.slow),  # once 0.85x between steps
     pytest.param("fp32", 0, 2, 1, 1, "gpt2", marks=pytest.mark.slow),
     pytest.param("bf16", 0, 1, 1, 1, "gpt2", marks=pytest.mark.slow),
     pytest.param("bf16", 1, 1, 2, 2, "llama", marks=pytest.mark.slow),
