@@ -132,7 +132,8 @@ def line(world: int, label: str, a) -> str:
         return f"world {world} {label:>10}: fewer than 2 completed runs"
     return (f"world {world} {label:>10}: {a['runs']} runs, Spearman {a['spearman']:.3f}, predicted best "
             f"{a['predicted_best_name']} at {a['predicted_best_over_measured_best']:.3f} of the measured best, step "
-            f"predicted/measured median error {a['median_step_error']:.1%}, worst {a['worst_step_error']:.1%}")
+            f"predicted/measured median {a['median_predicted_over_measured']:.3g}, median error "
+            f"{a['median_step_error']:.1%}, worst {a['worst_step_error']:.1%}")
 
 
 def main() -> int:

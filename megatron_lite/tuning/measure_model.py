@@ -15,10 +15,10 @@ machine with fewer cores than ranks they share them, as the real run's ranks wil
 
 Runs at 1 and 3 layers (gas 4) split forward + backward into `layer` and `ends` (embedding, final norm,
 head, loss) and the optimizer into per-layer and fixed parts; a run at 3 layers and gas 1 splits the
-engine's rest into per-step and per-micro-batch parts, and three more at 3 layers and gas 1 price the
+engine's rest into per-step and per-micro-batch parts, and more at 3 layers and gas 4 price the
 variants per layer and micro-batch: sequence parallelism (t > 1), selective and full recompute, and each
-recompute with sequence parallelism (t > 1) (each against the plain run). Each run: 2 steps of warm-up, then `reps` steps; each quantity is the slowest
-rank's (a barrier before each step), its median over the steps. Then `smooth` fits each per-micro-batch part
+recompute with sequence parallelism (t > 1) (each against the plain 3-layer gas-4 run). Each run: 2 steps
+of warm-up, then `reps` steps; each quantity is the slowest rank's (a barrier before each step), its median over the steps. Then `smooth` fits each per-micro-batch part
 linearly in the micro batch and averages each per-step part over the micro batches of a TP degree.
 """
 from __future__ import annotations
@@ -34,14 +34,16 @@ import torch
 from megatron_lite.tuning.calibration import ModelTimes, describe
 
 RUNS = (("l1g4", 1, 4, {}), ("l3g4", 3, 4, {}), ("l3g1", 3, 1, {}),
-        ("sp", 3, 1, {"parallel__sequence_parallel": True}),
-        ("selective", 3, 1, {"model__recompute_granularity": "selective"}),
-        ("full", 3, 1, {"model__recompute_granularity": "full", "model__recompute_method": "uniform",
+        ("sp", 3, 4, {"parallel__sequence_parallel": True}),
+        ("selective", 3, 4, {"model__recompute_granularity": "selective"}),
+        ("full", 3, 4, {"model__recompute_granularity": "full", "model__recompute_method": "uniform",
                         "model__recompute_num_layers": 1}),
-        ("sp_selective", 3, 1, {"parallel__sequence_parallel": True, "model__recompute_granularity": "selective"}),
-        ("sp_full", 3, 1, {"parallel__sequence_parallel": True, "model__recompute_granularity": "full",
+        ("sp_selective", 3, 4, {"parallel__sequence_parallel": True, "model__recompute_granularity": "selective"}),
+        ("sp_full", 3, 4, {"parallel__sequence_parallel": True, "model__recompute_granularity": "full",
                            "model__recompute_method": "uniform", "model__recompute_num_layers": 1}))
 """(name, layers, gas, config fields): the runs of one (TP, micro batch) point; the sp* runs at TP > 1 only.
+The variants run at gas 4 against the plain gas-4 run: at gas 1 their extra (a difference of two runs' 5-step
+medians) scattered by up to 2x between micro batches (selective recompute at TP 1: +0 ms and +71 ms a step).
 Sequence parallelism and recompute are measured together too: their costs do not add (at TP 2, micro batch
 1, SP + full recompute measured 36 ms a layer where SP's and full recompute's extras added up to 50)."""
 PARTS = ("step", "micro", "reduce", "optimizer", "rest")
@@ -101,7 +103,7 @@ def solve(runs: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     out["engine_s"] = single["rest"] - per_micro
     for name in VARIANTS:
         if name in runs:
-            out[f"{name}_extra_s"] = (runs[name]["micro"] - single["micro"]) / 3
+            out[f"{name}_extra_s"] = (runs[name]["micro"] - three["micro"]) / 3
     return out
 
 

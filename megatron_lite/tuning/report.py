@@ -24,6 +24,7 @@ import argparse
 import csv
 import os
 import shlex
+import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -115,12 +116,12 @@ def prediction_accuracy(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     measured = [r["tokens_per_s"] for r in done]
     top = max(done, key=lambda r: r["predicted_tokens_per_s"])
     errors = sorted(abs(r["predicted_over_measured"] - 1) for r in done)
-    mid = len(errors) // 2
-    median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+    median = statistics.median(errors)
     return {"runs": len(done), "spearman": spearman(predicted, measured),
             "predicted_best": top["layout"], "predicted_best_name": top.get("name"),
             "predicted_best_over_measured_best": top["tokens_per_s"] / max(measured),
             "median_step_error": median, "worst_step_error": errors[-1],
+            "median_predicted_over_measured": statistics.median(r["predicted_over_measured"] for r in done),
             "predicted_from": sorted({r.get("predicted_from") or "" for r in done})}
 
 
@@ -221,8 +222,9 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
                       f"runs: Spearman rank correlation of tokens/s {accuracy['spearman']:.3f}; the layout predicted "
                       f"fastest ({accuracy['predicted_best_name']}) measured "
                       f"{accuracy['predicted_best_over_measured_best']:.3f} of the measured best; step time predicted / "
-                      f"measured: median error {accuracy['median_step_error']:.1%}, worst "
-                      f"{accuracy['worst_step_error']:.1%} (column predicted_over_measured)."]
+                      f"measured: median {accuracy['median_predicted_over_measured']:.3g}, median error "
+                      f"{accuracy['median_step_error']:.1%}, worst {accuracy['worst_step_error']:.1%} (column "
+                      f"predicted_over_measured)."]
     if command:
         lines += ["", "Best layout:", "", "```", command, "```"]
     paths, series = _plots(rows, ranked, sort_by, out_dir)

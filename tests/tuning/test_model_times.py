@@ -16,7 +16,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 
 PARTS = {"layer_s": 0.010, "ends_s": 0.004, "engine_per_micro_s": 0.001, "optimizer_s": 0.002,
          "optimizer_per_layer_s": 0.003, "reduce_s": 0.0015, "reduce_per_layer_s": 0.0005, "engine_s": 0.006,
-         "sp_extra_s": 0.0007, "selective_extra_s": 0.002, "full_extra_s": 0.004}
+         "sp_extra_s": 0.0007, "selective_extra_s": 0.002, "full_extra_s": 0.004, "sp_selective_extra_s": 0.0025,
+         "sp_full_extra_s": 0.0041}
 
 
 def _run(layers, gas, micro_extra=0.0):
@@ -31,12 +32,13 @@ def _run(layers, gas, micro_extra=0.0):
 
 
 def test_the_runs_of_a_point_split_into_per_layer_per_micro_batch_and_per_step_parts():
-    runs = {"l1g4": _run(1, 4), "l3g4": _run(3, 4), "l3g1": _run(3, 1),
-            "sp": _run(3, 1, PARTS["sp_extra_s"]), "selective": _run(3, 1, PARTS["selective_extra_s"]),
-            "full": _run(3, 1, PARTS["full_extra_s"])}
+    runs = {"l1g4": _run(1, 4), "l3g4": _run(3, 4), "l3g1": _run(3, 1)}
+    for variant in ("sp", "selective", "full", "sp_selective", "sp_full"):
+        runs[variant] = _run(3, 4, PARTS[f"{variant}_extra_s"])
     assert solve(runs) == pytest.approx(PARTS, rel=1e-9)
-    del runs["sp"]  # TP 1 has no sequence parallelism
-    assert "sp_extra_s" not in solve(runs)
+    for variant in ("sp", "sp_selective", "sp_full"):  # TP 1 has no sequence parallelism
+        del runs[variant]
+    assert not {"sp_extra_s", "sp_selective_extra_s", "sp_full_extra_s"} & set(solve(runs))
 
 
 def _profile(world=2, tp=1, micro=1, collectives=True):
@@ -81,9 +83,19 @@ def test_two_stages_pay_the_bubble_on_the_slower_stage_the_sends_and_the_tied_em
     sends = 2 * (4 + 1) * comm("send_recv", 2, 1 * 32 * 64 * 4) + comm("all_reduce", 2, 500 * 4)
     fixed = p["optimizer_s"] + 2 * p["optimizer_per_layer_s"] + p["engine_s"]
     assert two["step_seconds"] == pytest.approx((4 + 1) * last + sends + fixed)
+    plain = _predict(profile, tp=2, dp=1)["step_seconds"]
     sp = _predict(profile, tp=2, dp=1, sequence_parallel=True)
-    assert sp["step_seconds"] - _predict(profile, tp=2, dp=1)["step_seconds"] == pytest.approx(
-        4 * 4 * p["sp_extra_s"])
+    assert sp["step_seconds"] - plain == pytest.approx(4 * 4 * p["sp_extra_s"])
+
+
+def test_sequence_parallelism_with_recompute_is_priced_by_the_combination_measured_not_a_sum():
+    profile, p = _profile(), PARTS
+    plain = _predict(profile, tp=2, dp=1)["step_seconds"]
+    both = _predict(profile, tp=2, dp=1, sequence_parallel=True, selective=True)["step_seconds"]
+    assert both - plain == pytest.approx(4 * 4 * p["sp_selective_extra_s"])
+    # Two of four layers recomputed whole (block): those cost sp_full_extra, the others SP's own extra.
+    block = _predict(profile, tp=2, dp=1, sequence_parallel=True, recomputed_layers=[2])["step_seconds"]
+    assert block - plain == pytest.approx(4 * (2 * p["sp_full_extra_s"] + 2 * p["sp_extra_s"]))
 
 
 def test_zero_1_divides_the_optimizer_over_dp_and_reduces_by_reduce_scatter_and_all_gather():
