@@ -58,4 +58,5 @@ def test_the_sweep_runs_every_planned_layout_across_both_nodes_resumes_and_repor
                        timeout=300)
     assert len(open(tmp_path / "sweep" / "results.jsonl").read().splitlines()) == len(results)
     assert f"sweep: {len(candidates)} skipped" in second
-    assert (tmp_path / "sweep" / "report.md").exists() and len(list((tmp_path / "sweep").glob("*.png"))) == 3
+    # throughput, speed (predicted vs measured step), memory and pipeline efficiency
+    assert (tmp_path / "sweep" / "report.md").exists() and len(list((tmp_path / "sweep").glob("*.png"))) == 4
