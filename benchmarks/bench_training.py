@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from megatron_lite.tuning.measure_model import random_batches  # noqa: E402
 
 
 class PlainBlock(nn.Module):
@@ -72,15 +73,6 @@ def model_argv(args, tp=1, pp=1, micro=None, gas=None, dp=1, num_layers=None, se
             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--clip-grad", "1.0", "--lr", "1e-4", "--attention-backend", backend,
             "--pipeline-partition-method", partition]
-
-
-def random_batches(config, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    micro, seq = config.batch.micro_batch_size, config.model.seq_length
-    positions = torch.arange(seq).expand(micro, seq).contiguous()
-    while True:
-        sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
-        yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
 
 
 def time_steps(step, warmup, iters, rounds=2):

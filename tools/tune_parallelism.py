@@ -132,15 +132,15 @@ def _calibrate(argv) -> int:
     if small or len(set(args.message_bytes)) < 2 or min(args.message_bytes) < 4:
         parser.error("--gemm-tokens, --gemm-hidden, --copy-megabytes, --iters must be positive and --message-bytes "
                      "needs two different sizes of at least 4 bytes (the fit has two unknowns)")
+    if model_argv and args.device != "cpu":
+        parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
+                     "collective fits price the step")
     start = time.time()
     try:
         profile = measure(args.device, args.world_size, args.gemm_tokens, args.gemm_hidden, args.copy_megabytes,
                           args.message_bytes, args.iters, args.min_seconds, args.threads,
                           progress=lambda line: print(line, flush=True))
         if model_argv:
-            if args.device != "cpu":
-                parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
-                             "collective fits price the step")
             from megatron_lite.tuning.measure_model import measure_model
 
             group = 1

@@ -12,7 +12,7 @@ import datetime
 import os
 import platform
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -151,16 +151,16 @@ def _collective_worker(rank: int, port: int, world: int, device: str, sizes: Seq
         dist.destroy_process_group()
 
 
-def measure_collectives(device: str, group: int, sizes: Sequence[int], iters: int,
-                        timeout: float = 600.0) -> Dict[str, LinkFit]:
-    """Each collective's fit at one group size, from `group` spawned processes."""
+def spawn_ranks(target: Callable, world: int, args: tuple, timeout: float, what: str) -> List[Any]:
+    """Run target(rank, port, world, *args, results) on `world` spawned processes (one gloo/NCCL world on a free
+    port); each puts (rank, value, error or None) on results. The values in rank order; RuntimeError naming
+    `what` and every failing rank's error."""
     from megatron_lite.training.distributed import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, port, group, device, list(sizes), iters, results))
-             for r in range(group)]
+    procs = [ctx.Process(target=target, args=(r, port, world, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -172,8 +172,15 @@ def measure_collectives(device: str, group: int, sizes: Sequence[int], iters: in
                 p.kill()
     errors = [f"rank {rank}: {error}" for rank, _, error in out if error]
     if errors:
-        raise RuntimeError(f"collectives at group size {group} failed: " + "; ".join(errors))
-    times = out[0][1]
+        raise RuntimeError(f"{what} failed: " + "; ".join(errors))
+    return [value for _, value, _ in out]
+
+
+def measure_collectives(device: str, group: int, sizes: Sequence[int], iters: int,
+                        timeout: float = 600.0) -> Dict[str, LinkFit]:
+    """Each collective's fit at one group size, from `group` spawned processes."""
+    times = spawn_ranks(_collective_worker, group, (device, list(sizes), iters), timeout,
+                        f"collectives at group size {group}")[0]
     fits = {}
     for name in COLLECTIVES:
         latency, gbps = fit_latency_bandwidth(sizes, times[name])

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from megatron_lite.tuning.calibration import ModelTimes, describe
+from megatron_lite.tuning.measure import spawn_ranks
 
 RUNS = (("l1g4", 1, 4, {}), ("l3g4", 3, 4, {}), ("l3g1", 3, 1, {}),
         ("sp", 3, 4, {"parallel__sequence_parallel": True}),
@@ -141,7 +142,7 @@ def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def _batches(config, seed: int):
+def random_batches(config, seed: int = 0):
     """Endless random micro-batches ((tokens, positions), (labels, loss mask)) of the config's shape."""
     g = torch.Generator().manual_seed(seed)
     micro, seq = config.batch.micro_batch_size, config.model.seq_length
@@ -210,7 +211,7 @@ def _worker(rank: int, port: int, world: int, model_argv: List[str], tp: int, mi
                 continue
             config = run_config(base, world, tp, micro, layers, gas, fields)
             engine = Engine(config, with_scheduler=False)
-            runs[name] = _timed_parts(engine, _batches(config, rank), reps)
+            runs[name] = _timed_parts(engine, random_batches(config, rank), reps)
             del engine
             gc.collect()
         state.destroy()
@@ -242,32 +243,11 @@ def tp_degrees(base, world: int) -> List[int]:
 def measure_model(model_argv: Sequence[str], world: int, micro_batches: Sequence[int], reps: int = 3,
                   timeout: float = 1800.0, progress=lambda line: None) -> ModelTimes:
     """The model's times on `world` spawned gloo ranks (CPU) at every TP degree it allows and each micro batch."""
-    from megatron_lite.training.distributed import free_port
-
     base = model_base(model_argv)
     tps = tp_degrees(base, world)
-    ctx = torch.multiprocessing.get_context("spawn")
-    measured = []
-    for tp in tps:
-        for micro in micro_batches:
-            results = ctx.Queue()
-            port = free_port()
-            procs = [ctx.Process(target=_worker, args=(r, port, world, list(model_argv), tp, micro, reps, results))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            try:
-                out = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r[0])
-            finally:
-                for p in procs:
-                    p.join(timeout=30)
-                    if p.is_alive():
-                        p.kill()
-            errors = [f"rank {rank}: {error}" for rank, _, error in out if error]
-            if errors:
-                raise RuntimeError(f"model calibration at world size {world}, TP {tp}, micro batch {micro} failed: "
-                                   + "; ".join(errors))
-            measured.append(out[0][1])
+    measured = [spawn_ranks(_worker, world, (list(model_argv), tp, micro, reps), timeout,
+                            f"model calibration at world size {world}, TP {tp}, micro batch {micro}")[0]
+                for tp in tps for micro in micro_batches]
     points_out = smooth(measured)
     for p in points_out:
         progress(describe(world, p))

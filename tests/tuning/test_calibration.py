@@ -107,25 +107,15 @@ def test_a_one_device_profile_plans_one_rank_and_refuses_a_group_naming_what_to_
 
 
 def _measured_step_seconds(argv, steps):
-    import torch
-
     from megatron_lite.arguments import parse_args
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
+    from megatron_lite.tuning.measure_model import random_batches
 
     config = parse_args(argv, world_size=2)[0]
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
     engine = Engine(config, with_scheduler=False)
-    g = torch.Generator().manual_seed(0)
-    micro, seq = config.batch.micro_batch_size, config.model.seq_length
-
-    def batches():
-        positions = torch.arange(seq).expand(micro, seq).contiguous()
-        while True:
-            sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
-            yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
-
-    data = batches()
+    data = random_batches(config)
     engine.train_step(data)  # warm-up
     best = float("inf")
     for _ in range(steps):
