@@ -9,6 +9,7 @@ so the build uses the torch already installed instead of fetching another
 (pyproject.toml deliberately does not list torch as a build requirement).
 """
 import glob
+import importlib.util
 import os
 
 from setuptools import setup
@@ -23,6 +24,31 @@ except ImportError as e:  # pragma: no cover - only reached when torch is missin
     ) from e
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cpp_runtime():
+    """megatron_lite/cpp_runtime.py by its path (stdlib only; the package is not installed yet)."""
+    spec = importlib.util.spec_from_file_location("_cpp_runtime", os.path.join(HERE, "megatron_lite", "cpp_runtime.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildChecked(BuildExtension.with_options(use_ninja=True)):
+    """torch's BuildExtension, then: the built module must load the shared C++ runtime torch loads
+    (megatron_lite/cpp_runtime.py says what happened on a GPU image where it did not). A module that
+    fails the check is removed, so that nothing imports it."""
+
+    def build_extensions(self):
+        super().build_extensions()
+        check = _cpp_runtime().check_shared_cpp_runtime
+        for ext in self.extensions:
+            path = self.get_ext_fullpath(ext.name)
+            try:
+                check(path)
+            except RuntimeError as e:
+                os.remove(path)
+                raise SystemExit(f"setup.py: error: {e}") from None
 
 
 def extension():
@@ -47,6 +73,6 @@ def extension():
 # Name, version, packages, dependencies and extras are in pyproject.toml; only the extension is built here.
 setup(
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildChecked},
     zip_safe=False,
 )

@@ -27,6 +27,14 @@ def test_device() -> Optional[str]:
     return os.environ.get(VARIABLE) or None
 
 
+def census_device() -> str:
+    """The device the memory estimates are asked for when a test compares them with what it measured:
+    the test device's kernels are what the census saw (CUDA's dropout keeps a bool mask, the CPU's
+    one in the input's dtype; SDPA picks other kernels). Asked for "cpu" under CUDA, the GPU check's
+    activation censuses compared the CPU's bytes with the GPU's."""
+    return "cuda" if (test_device() or "").startswith("cuda") else "cpu"
+
+
 class DeviceFactories(TorchFunctionMode):
     def __init__(self, device: str):
         super().__init__()
@@ -40,7 +48,11 @@ class DeviceFactories(TorchFunctionMode):
         if func in self.constructors and kwargs.get("device") is None:
             generator = kwargs.get("generator")
             if generator is not None and generator.device != self.device:
-                return func(*args, **kwargs).to(self.device)
+                # Drawn where the generator is, then moved; a tensor asked for with requires_grad must stay
+                # a leaf (its .grad is what tests read), so the flag goes on the moved copy. Before this,
+                # the GPU check's CP attention tests read x.grad as None.
+                requires_grad = kwargs.pop("requires_grad", False)
+                return func(*args, **kwargs).to(self.device).requires_grad_(requires_grad)
             kwargs["device"] = self.device
         return func(*args, **kwargs)
 
@@ -53,6 +65,60 @@ def local_rank_for(rank: int) -> int:
     return rank
 
 
+class _CopyBackWork:
+    """irecv's work for a CUDA tensor received into a CPU buffer: wait() also copies it over."""
+
+    def __init__(self, work, buffer: torch.Tensor, tensor: torch.Tensor):
+        self.work, self.buffer, self.tensor = work, buffer, tensor
+
+    def wait(self, *args, **kwargs):
+        result = self.work.wait(*args, **kwargs)
+        self.tensor.copy_(self.buffer)
+        return result
+
+    def is_completed(self):
+        return self.work.is_completed()
+
+
+def stage_point_to_point_through_cpu() -> None:
+    """Point-to-point of CUDA tensors through CPU buffers, for ranks that share one GPU over gloo.
+
+    Gloo has CUDA all-reduce, broadcast and all-gather but no CUDA send/recv: on the H100 every
+    pipeline test hung in DeepSpeed's first stage-to-stage handshake (rank 0's send of a CUDA
+    tensor never completed), and NCCL refuses two ranks on one GPU. DeepSpeed's comm layer looks
+    torch.distributed.send/recv/isend/irecv up at each call, so replacing them here moves only the
+    bytes between stages through the CPU; the stages' compute stays on the GPU."""
+    import torch.distributed as dist
+
+    if getattr(dist.send, "stages_through_cpu", False):
+        return
+    send, recv, isend, irecv = dist.send, dist.recv, dist.isend, dist.irecv
+
+    def cpu_send(tensor, *args, **kwargs):
+        return send(tensor.cpu() if tensor.is_cuda else tensor, *args, **kwargs)
+
+    def cpu_isend(tensor, *args, **kwargs):
+        return isend(tensor.cpu() if tensor.is_cuda else tensor, *args, **kwargs)
+
+    def cpu_recv(tensor, *args, **kwargs):
+        if not tensor.is_cuda:
+            return recv(tensor, *args, **kwargs)
+        buffer = torch.empty_like(tensor, device="cpu")
+        source = recv(buffer, *args, **kwargs)
+        tensor.copy_(buffer)
+        return source
+
+    def cpu_irecv(tensor, *args, **kwargs):
+        if not tensor.is_cuda:
+            return irecv(tensor, *args, **kwargs)
+        buffer = torch.empty_like(tensor, device="cpu")
+        return _CopyBackWork(irecv(buffer, *args, **kwargs), buffer, tensor)
+
+    for name, fn in (("send", cpu_send), ("recv", cpu_recv), ("isend", cpu_isend), ("irecv", cpu_irecv)):
+        fn.stages_through_cpu = True
+        setattr(dist, name, fn)
+
+
 def enter_test_device() -> None:
     """Called once per process (conftest, harness workers); a no-op without the variable."""
     device = test_device()
@@ -60,5 +126,6 @@ def enter_test_device() -> None:
         return
     if device.startswith("cuda"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        stage_point_to_point_through_cpu()
         device = f"cuda:{torch.cuda.current_device()}"
     DeviceFactories(device).__enter__()  # for the life of the process

@@ -94,6 +94,18 @@ def test_device_factories_put_new_tensors_on_the_test_device_and_keep_cpu_genera
         assert torch.equal(torch.randn(3, generator=torch.Generator().manual_seed(5)), expected)
 
 
+def test_a_cpu_generator_draw_asked_for_with_requires_grad_is_a_leaf_on_the_test_device():
+    """Moved to the test device, such a tensor must still collect its own .grad (the GPU check's
+    context-parallel attention tests read x.grad, which was None: the leaf had stayed on the CPU)."""
+    import torch
+
+    from tests.device import DeviceFactories
+
+    with DeviceFactories("meta"):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    assert x.device.type == "meta" and x.is_leaf and x.requires_grad
+
+
 def test_a_step_budget_for_an_unknown_step_or_without_seconds_is_refused_naming_the_flag(capsys):
     for bad in ("x=10", "a=soon"):
         with pytest.raises(SystemExit) as e:

@@ -12,6 +12,7 @@ from statistics import mean
 from typing import Dict, List, Tuple
 
 from benchmarks.gpu_check.context import REPO, Context, OutOfTime, StepFailed, last_line
+from megatron_lite.cpp_runtime import MARKER
 
 TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
 
@@ -83,11 +84,20 @@ def build(ctx: Context):
         return "pass", f"dry run: the CPU build from scripts/test.sh imports (CUDA kernels: {with_cuda})", "", {}
     # setup.py builds the CUDA sources when torch has CUDA and nvcc is found; for the visible GPU's
     # architecture unless TORCH_CUDA_ARCH_LIST says otherwise.
-    done = ctx.run([ctx.python, "setup.py", "build_ext", "--inplace"],
-                   env={"MAX_JOBS": str(os.cpu_count() or 4)}, check=True)
+    command, env = [ctx.python, "setup.py", "build_ext", "--inplace"], {"MAX_JOBS": str(os.cpu_count() or 4)}
+    done = ctx.run(command, env=env)
+    compiler_note = ""
+    if done.returncode != 0 and MARKER in done.output and os.path.exists("/usr/bin/g++"):
+        # The H100 image's CXX (a wrapper) linked libstdc++ statically, which setup.py refuses
+        # (megatron_lite/cpp_runtime.py); the system compiler links the shared one.
+        compiler_note = f" (CXX={os.environ.get('CXX')} linked libstdc++ statically: built with /usr/bin/g++)"
+        done = ctx.run(command, env={**env, "CXX": "/usr/bin/g++", "CC": "/usr/bin/gcc"})
+    if done.returncode != 0:
+        raise StepFailed(f"`{' '.join(command[:4])} ...` exited {done.returncode}: {last_line(done.output)}")
     if last_line(ctx.run(probe, check=True).output) != "True":
         raise StepFailed("megatron_lite._C was built without CUDA kernels (is nvcc on PATH? CUDA_HOME?)")
-    return "pass", f"megatron_lite._C with CUDA kernels in {done.seconds:.0f}s", "", {"build_seconds": done.seconds}
+    return ("pass", f"megatron_lite._C with CUDA kernels in {done.seconds:.0f}s{compiler_note}", "",
+            {"build_seconds": done.seconds})
 
 
 def pytest_counts(output: str) -> Dict[str, int]:

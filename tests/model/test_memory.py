@@ -7,6 +7,7 @@ import pytest
 
 from megatron_lite.model import memory
 from megatron_lite.deepspeed_config import deepspeed_config
+from tests.device import census_device
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
 from tests.model.activation_census import saved_bytes_per_stage
@@ -152,7 +153,8 @@ def _measured_peaks(tp, pp, extra, tmp_path, free_last_stage_outputs=True):
 def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_at_pp2(tp, extra, tmp_path):
     results = _measured_peaks(tp, 2, extra, tmp_path)
     config = results[0]["config"]
-    stages = memory.estimate(config, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}}, device="cpu")
+    stages = memory.estimate(config, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}},
+                             device=census_device())
     for r in results:
         assert r["peak"] == pytest.approx(stages[r["stage"]].peak, rel=0.10), (r["rank"], r["stage"], r["peak"])
 
@@ -197,7 +199,7 @@ def _stage_census_cases():
 def test_saved_activations_per_micro_batch_match_the_estimate(tp, sp, pp, recompute, dropout, block, micro, bf16):
     measured = run_distributed(_census, tp, tp, pp, recompute, dropout, sp, block, micro, bf16)[0]
     config = _activation_config(tp, pp, recompute, dropout, sp, block=block, micro=micro, bf16=bf16)
-    stages = memory.estimate(config, deepspeed_config(config), device="cpu")
+    stages = memory.estimate(config, deepspeed_config(config), device=census_device())
     assert measured == [st.activations_per_micro_batch for st in stages]
 
 
@@ -222,7 +224,7 @@ def _assert_layer_census_equals_the_estimate(tp, rows):
 
     measured = run_distributed(_layer_census, tp, tp, [config for _, _, config in rows])
     for (sp, recompute, config), *per_rank in zip(rows, *measured):
-        want = activations.stage_layer_bytes(config, 1, "cpu")[0]
+        want = activations.stage_layer_bytes(config, 1, census_device())[0]
         for got in per_rank:
             assert got == want, f"SP {sp}, {recompute}: measured {got}, estimate {want}"
     return measured[0]

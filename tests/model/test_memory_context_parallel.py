@@ -9,6 +9,7 @@ import pytest
 
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.model import activations, memory
+from tests.device import census_device
 from tests.harness import REPO_ROOT, run_distributed
 from tests.model.activation_census import saved_bytes_per_stage
 from tests.model.gpt_layouts import tiny_config
@@ -110,7 +111,8 @@ def _census_cases():
 def test_every_cp_ranks_saved_activations_at_seq_2048_match_the_estimate(cp, tp, pp, extra, micro):
     measured = run_distributed(_census, tp * cp, cp, tp, pp, extra, micro)
     config = _config(cp, extra, tp=tp, pp=pp, micro=micro)
-    want = [st.activations_per_micro_batch for st in memory.estimate(config, deepspeed_config(config), device="cpu")]
+    want = [st.activations_per_micro_batch
+            for st in memory.estimate(config, deepspeed_config(config), device=census_device())]
     for rank, got in enumerate(measured):
         assert got == want, f"rank {rank}: measured {got}, estimate {want}"
 
@@ -166,6 +168,7 @@ def test_a_real_engines_peak_at_seq_4096_is_within_10_percent_of_the_estimate(cp
                               str(ds_json), True, cp)
     shutdown_pools()
     config = results[0]["config"]
-    peak = memory.estimate(config, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}}, device="cpu")[0].peak
+    peak = memory.estimate(config, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2000}},
+                           device=census_device())[0].peak
     for r in results:
         assert r["peak"] == pytest.approx(peak, rel=0.10), (r["rank"], r["peak"], peak)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.parallel.reference import assert_matches
+from tests.parallel.reference import assert_matches, master_weights
 
 SEED = 99
 SEQ, BATCH, HIDDEN, FFN, VOCAB = 4, 2, 8, 16, 16
@@ -50,8 +50,7 @@ def _dense_norm():
     """The same model as plain torch modules and F.cross_entropy."""
     ids, target, loss_mask = _data()
     torch.manual_seed(SEED)
-    table, w1, w2 = (nn.init.normal_(torch.empty(shape), 0.0, 0.02)
-                     for shape in ((VOCAB, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN)))
+    table, w1, w2 = master_weights((VOCAB, HIDDEN), (FFN, HIDDEN), (HIDDEN, FFN))
     embedding, norm = nn.Embedding(VOCAB, HIDDEN), nn.LayerNorm(HIDDEN)
     fc1, fc2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.parallel.reference import assert_matches, rank_slice
+from tests.parallel.reference import assert_matches, master_weights, rank_slice
 
 TPS = [1, 2, pytest.param(4, marks=pytest.mark.slow)]  # TP 4 in the full suite only (scripts/test.sh --fast leaves it out)
 SEED = 1234
@@ -18,7 +18,7 @@ HEADS = 4
 def _masters(*shapes):
     """The TP = 1 weights: normal(0, 0.02) drawn in order from the caller's seed."""
     torch.manual_seed(SEED)
-    return [nn.init.normal_(torch.empty(shape), 0.0, 0.02) for shape in shapes]
+    return master_weights(*shapes)
 
 
 def _randn(*shape):

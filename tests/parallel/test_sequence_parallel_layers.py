@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.parallel.reference import assert_matches, rank_slice
+from tests.parallel.reference import assert_matches, master_weights, rank_slice
 
 TPS = [2, pytest.param(4, marks=pytest.mark.slow)]
 B, S, H, OUT = 2, 8, 6, 12  # b > 1: the collectives copy through a [tp, b, s/tp, h] buffer
@@ -52,7 +52,7 @@ def _dense(in_features, out_features, seed):
     layer = nn.Linear(in_features, out_features)
     torch.manual_seed(seed)
     with torch.no_grad():
-        layer.weight.copy_(nn.init.normal_(torch.empty(out_features, in_features), 0.0, 0.02))
+        layer.weight.copy_(master_weights((out_features, in_features))[0])
         layer.bias.copy_(_randn(out_features, seed=seed + 1))
     return layer
 
@@ -77,7 +77,7 @@ def _sequence_parallel_layers(tp, kind, x_shards, grad_outputs, bias):
         with torch.no_grad():
             layer.bias.copy_(bias)
     else:  # the tied head: logits of every position against a vocab-split weight
-        weight = nn.Parameter(rank_slice(init(torch.empty(OUT, H)), rank, tp, 0).clone())
+        weight = nn.Parameter(rank_slice(master_weights((OUT, H))[0], rank, tp, 0).clone())
         layer = lambda x: parallel_lm_logits(x, weight, sequence_parallel=True)  # noqa: E731
         layer.named_parameters = lambda: [("weight", weight)]
     x = x_shards[rank].clone().requires_grad_()
