@@ -3,7 +3,8 @@
 Bytes on one rank of stage i at its peak = weights + gradients + optimizer
 states (model states) + communication buffers + the largest of three phases:
   backward   activations (per micro-batch x micro-batches in flight) + the
-             largest short-lived peak (head logits / cross entropy, what
+             largest short-lived peak (head logits / cross entropy and the head
+             weight's gradient before it is added to .grad, what
              recompute rebuilds at once, or with fewer key/value groups than
              TP ranks the gathered K/V weight rows);
   reduction  the gradient reduction's temporary copy (below);
@@ -79,12 +80,16 @@ in 16-bit; measured at DP 1: +4.23 MB at fp32, +6.34 MB at bf16, P = 1,063,680).
 measured: one fp32 temporary of everything it steps is booked.
 
 Pipeline engine buffers (PP > 1), activation-sized (e bsh each, s = S / CP this rank's part of
-the sequence; e bsh / TP with sequence parallelism) and kept between steps: a later stage keeps its
-received inputs and their gradients for num_pipe_buffers = max(2, min(PP - i, gas)) slots plus 3
-more (receive and gradient buffers); the first stage keeps 1 (its send buffer). Counted on
-this engine with DeepSpeed 0.19.8 at PP 2, gas 4: 1 on stage 0, 7 on stage 1. At TP > 1 without
-sequence parallelism (DeepSpeed's pipe_partitioned sends) stage 1 measured fewer bytes than that (442 KB of
-the 918 KB booked at TP 2, 409 KB at TP 4, benchmarks/memory_census.py), not modelled: the booking is high.
+the sequence; e bsh / TP with sequence parallelism) and kept between steps, counted tensor by tensor
+on this engine (DeepSpeed 0.19.8, gas 4: TP 1/2/4 x PP 2, TP 1 x PP 4, TP 2 x PP 3): every stage but
+the first keeps its receive buffer, the first its gradient-receive buffer, and the last stage two
+more whole activations (found among the live tensors, not reachable by name from the engine's
+attributes). At TP > 1 without sequence parallelism
+DeepSpeed partitions what it sends (pipe_partitioned, grad_partitioned: each rank sends 1/TP and
+the receiver gathers), so the receive and gradient-receive buffers are 1/TP of an activation while
+the last stage's two stay whole. This replaced a booking of 2 x num_pipe_buffers + 3
+activations on later stages (7 at PP 2) that the census measured high: 3.1 / 3.6 / 3.9 activations
+too many at TP 1 / 2 / 4 (between steps 0.94 / 0.87 / 0.79 of the estimate, fp32 ZeRO 0 PP 2).
 The last stage's outputs (its [b, s, V/t] logits) would stay in the engine's pipe buffers after
 backward (DeepSpeed 0.19 clears them on the other stages only): deepspeed_compat frees them
 (`free_last_stage_outputs_after_backward`), so they are not counted.
@@ -327,11 +332,20 @@ def step_transient_bytes(config: Config, parameters: int, device: str) -> int:
     return 4 * (parameters // zero_partitions(config) if flat else parameters)
 
 
-def pipeline_buffer_count(stage: int, pp: int, gas: int) -> int:
-    """Activation-sized buffers the pipeline engine keeps between steps on a stage (see above)."""
+def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int) -> int:
+    """Bytes of the pipeline engine's buffers kept between steps on a stage (see above): `boundary` is an
+    activation's bytes, `partitions` the TP degree DeepSpeed cuts its sends into (1 when it sends whole)."""
     if pp == 1:
         return 0
-    return 1 if stage == 0 else 2 * max(2, min(pp - stage, gas)) + 3
+    receive = boundary // partitions
+    return receive + (2 * boundary if stage == pp - 1 else 0)
+
+
+def pipe_partitions(config: Config) -> int:
+    """DeepSpeed's pipe_partitioned sends cut an activation into TP parts, except under sequence parallelism
+    (deepspeed_config.py turns them off: each rank's shard is already 1/TP)."""
+    p = config.parallel
+    return p.tensor_model_parallel_size if p.tensor_model_parallel_size > 1 and not p.sequence_parallel else 1
 
 
 def micro_batches_in_flight(config: Config, stage: int) -> int:
@@ -356,7 +370,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     tied = not config.model.untie_embeddings_and_output_weights
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
-    pp, gas = par.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
+    pp = par.pipeline_model_parallel_size
     num_specs = len(tensors)
     layers_per_stage = transformer_layers_per_stage(config, bounds)
     boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
@@ -380,7 +394,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
         stages.append(StageMemory(
             stage=i, transformer_layers=layers, parameters=params[i], weights=states["weights"],
             gradients=states["gradients"], optimizer_states=states["optimizer_states"],
-            communication_buffers=comm + pipeline_buffer_count(i, pp, gas) * boundary,
+            communication_buffers=comm + pipeline_buffer_bytes(i, pp, boundary, pipe_partitions(config)),
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
             activations=per_mb * inflight,
             transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt,

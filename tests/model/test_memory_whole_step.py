@@ -17,6 +17,9 @@ CELLS = [
     pytest.param("bf16", 0, 1, 1, 1, "gpt2", marks=pytest.mark.slow),
     pytest.param("bf16", 1, 1, 2, 2, "llama", marks=pytest.mark.slow),
     pytest.param("fp16", 1, 2, 1, 1, "gpt2", marks=pytest.mark.slow),
+    # the later stage's pipe buffers under DeepSpeed's partitioned sends (once 0.87x between steps) and its
+    # head's weight gradient in backward (1.07x at the peak once the buffers were right)
+    pytest.param("fp32", 0, 1, 2, 2, "gpt2", marks=pytest.mark.slow),
 ]
 
 
