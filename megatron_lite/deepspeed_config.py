@@ -87,12 +87,18 @@ def _fp32_gradients(config: Config) -> Dict[str, Any]:
     return {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
 
 
+def sends_partitioned(config: Config) -> bool:
+    """Whether DeepSpeed's pipeline engine cuts a stage's output (and its gradient) into TP parts for the send
+    and gathers them on the next stage (pipe_partitioned / grad_partitioned, on by default, apply at TP > 1):
+    not under sequence parallelism, where _pipeline turns them off. model/memory.py sizes the pipe buffers by it."""
+    return config.parallel.tensor_model_parallel_size > 1 and not config.parallel.sequence_parallel
+
+
 def _pipeline(config: Config) -> Dict[str, Any]:
     if not config.parallel.sequence_parallel:
         return {}
-    # DeepSpeed's pipeline engine cuts a stage's output (and its gradient) into TP parts for the send and
-    # gathers them on the next stage, assuming every TP rank holds the same tensor. Under sequence
-    # parallelism each rank holds its own sequence shard, already 1/TP of the activation: send it whole.
+    # DeepSpeed's partitioned sends assume every TP rank holds the same tensor. Under sequence parallelism each
+    # rank holds its own sequence shard, already 1/TP of the activation: send it whole.
     return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
 
 

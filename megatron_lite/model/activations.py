@@ -317,19 +317,8 @@ def head_activation_bytes(config: Config, device: str = "cuda") -> int:
 
 
 def head_transient_bytes(config: Config) -> int:
-    """The head's short-lived peak in backward: the fp32 copy of 16-bit logits, plus the gradient of the
-    head's weight [V/t, h] (in the weights' dtype) that autograd makes before adding it to .grad. Traced
-    tensor by tensor on the last stage (benchmarks/memory_census.py, PP 2, fp32): at the stage's peak
-    that gradient was the one storage not booked (1 MB at TP 1, 0.5 at TP 2, 0.25 at TP 4, vocabulary
-    2048 x hidden 128), once the pipe buffers were no longer booked 3-4 activations too high; at PP 1
-    the ZeRO 0/1 peaks went from 1.04-1.07 to 1.02-1.03 of the estimate. Not at ZeRO 2/3, whose bookings
-    already hold it (ZeRO 2's gradients during backward, ZeRO 3's gathered working set: the largest tensor's
-    full gradient); added there too, their peaks measured 0.93-0.98 where they had been 0.97-1.02."""
     d = dims(config, "cuda")
-    logits = (d.e if d.e < 4 else 0) * d.bs * config.model.padded_vocab_size // d.t
-    if config.parallel.zero_stage >= 2:
-        return logits
-    return logits + d.e * config.model.padded_vocab_size // d.t * config.model.hidden_size
+    return (d.e if d.e < 4 else 0) * d.bs * config.model.padded_vocab_size // d.t
 
 
 def stage_output_bytes(config: Config) -> int:

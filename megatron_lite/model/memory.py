@@ -108,8 +108,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_config import sends_partitioned
 from megatron_lite.model import activations
 from megatron_lite.model.arithmetic import (
+    embedding_tensors,
     spec_tensors,
     stage_bounds,
     stage_parameters,
@@ -342,10 +344,23 @@ def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int) -
 
 
 def pipe_partitions(config: Config) -> int:
-    """DeepSpeed's pipe_partitioned sends cut an activation into TP parts, except under sequence parallelism
-    (deepspeed_config.py turns them off: each rank's shard is already 1/TP)."""
-    p = config.parallel
-    return p.tensor_model_parallel_size if p.tensor_model_parallel_size > 1 and not p.sequence_parallel else 1
+    """The parts DeepSpeed cuts an activation into for a send between stages (deepspeed_config.sends_partitioned)."""
+    return config.parallel.tensor_model_parallel_size if sends_partitioned(config) else 1
+
+
+def head_gradient_bytes(config: Config) -> int:
+    """The gradient of the head's weight [V/t, h] (in the weights' dtype) that autograd makes in backward
+    before adding it to .grad: part of the last stage's short-lived peak at ZeRO 0/1. Traced tensor by tensor
+    (benchmarks/memory_census.py, PP 2, fp32): at that stage's peak it was the one storage not booked (1 MB at
+    TP 1, 0.5 at TP 2, 0.25 at TP 4, vocabulary 2048 x hidden 128), once the pipe buffers were no longer booked
+    3-4 activations too high; at PP 1 the ZeRO 0/1 peaks went from 1.04-1.07 to 1.02-1.03 of the estimate.
+    None at ZeRO 2/3, whose bookings already hold it (ZeRO 2's gradients during backward, ZeRO 3's gathered
+    working set: the largest tensor's full gradient); added there too, their peaks measured 0.93-0.98 where
+    they had been 0.97-1.02."""
+    if config.parallel.zero_stage >= 2:
+        return 0
+    weight_bytes = 4 if config.precision.dtype_name == "fp32" else 2
+    return weight_bytes * embedding_tensors(config.model, config.parallel.tensor_model_parallel_size)[0]
 
 
 def micro_batches_in_flight(config: Config, stage: int) -> int:
@@ -397,7 +412,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             communication_buffers=comm + pipeline_buffer_bytes(i, pp, boundary, pipe_partitions(config)),
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
             activations=per_mb * inflight,
-            transient=max(activations.head_transient_bytes(config) if last else 0, rebuilt,
+            transient=max(activations.head_transient_bytes(config) + head_gradient_bytes(config) if last else 0,
+                          rebuilt,
                           activations.kv_gather_transient_bytes(config) if layers else 0),
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload,
                                                           _fp32_accumulation(config)),
