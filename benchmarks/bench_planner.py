@@ -1,19 +1,25 @@
 """Does the planner's speed prediction hold? Calibrate, plan, sweep and report on this machine, and score it.
 
 One round: `calibrate` measures this machine (GEMMs, copy, collectives) and the model's own steps at each
-world size (tuning/measure_model.py); then at each world size `plan --all-savers` prices every layout and
-memory saver with that profile, and once more from the constants (no profile); the ZeRO 0 candidates with
-no saver, sequence parallelism, selective or full recompute (at most --max-runs, spread over the layouts)
-run as a real `sweep` (torchrun, pretrain_gpt.py, a null-tokenizer corpus made here); `report` scores
-the calibrated predictions against the measured runs, and the same measurements score the constants'.
+world size (tuning/measure_model.py); at each world size `plan --all-savers` prices every layout and memory
+saver with that profile; the ZeRO 0 candidates with no saver, sequence parallelism, selective or full
+recompute (at most --max-runs, spread over the layouts) run as a real `sweep` (torchrun, pretrain_gpt.py, a
+null-tokenizer corpus made here). Calibration and sweep run in --passes interleaved passes: the model times
+again, then every swept layout again (in the opposite order), each run keeping its fastest of all passes
+(calibrate --model-passes, sweep --repeats). This 2-core VM has slow spells that only ever lengthen a
+measurement, and it drifts over minutes: calibrated before sweeping (2026-11-26, two rounds), the two
+calibrations, half an hour apart, timed the same runs 0.82x-1.57x of each other, and the second round's
+world-4 predictions came out 1.11x the measured steps at the median where the first round's were 1.02x;
+interleaved, calibration and sweep see the same spells. Then the round's final profile (every pass) prices the swept layouts, `report` scores those
+predictions against the measured runs, and the constants' plan (no profile) is scored on the same runs.
 Rounds are separate: each calibrates afresh and sweeps again.
 
 Printed per round and world size: the runs, Spearman rank correlation of predicted and measured tokens/s,
 the measured tokens/s of the layout predicted fastest over the measured best, predicted / measured step
 time (median and worst error), calibrated and from the constants; --json writes every row.
 
-    python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~25 min here)
-    python benchmarks/bench_planner.py --rounds 1 --worlds 2 --max-runs 4 --train-iters 4
+    python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~60 min here)
+    python benchmarks/bench_planner.py --rounds 1 --worlds 2 --max-runs 4 --train-iters 4 --passes 1
 """
 from __future__ import annotations
 
@@ -80,51 +86,102 @@ def scored(rows, predictions):
     return prediction_accuracy(copies)
 
 
-def one_world(world: int, profile, profile_path: str, corpus: str, out: str, args) -> dict:
-    from megatron_lite.tuning import recipe, report, sweep
+def prepare(world: int, profile, out: str, args):
+    """The plan priced by `profile` and the candidates to sweep (pick), as the plan JSON sweep takes."""
+    from megatron_lite.tuning import recipe
 
-    kw = dict(nodes=1, gpus_per_node=world, gpu_memory_gb=args.memory_gb, max_micro_batch=args.max_micro_batch,
-              device="cpu", max_context_parallel=1, order="throughput", all_savers=True)
-    planned = recipe.plan(args.model, workdir=out, profile=profile, **kw)
-    constants = recipe.plan(args.model, workdir=os.path.join(out, "constants"), **kw)
-    chosen = pick(planned.candidates, args.max_runs)
+    planned = recipe.plan(args.model, workdir=out, profile=profile, **plan_kwargs(world, args))
+    chosen = {c.name for c in pick(planned.candidates, args.max_runs)}
     plan = planned.to_dict()
-    names = {c.name for c in chosen}
-    plan["candidates"] = [c for c in plan["candidates"] if c["name"] in names]
+    plan["candidates"] = [c for c in plan["candidates"] if c["name"] in chosen]
+    return plan
+
+
+def plan_kwargs(world: int, args) -> dict:
+    return dict(nodes=1, gpus_per_node=world, gpu_memory_gb=args.memory_gb, max_micro_batch=args.max_micro_batch,
+                device="cpu", max_context_parallel=1, order="throughput", all_savers=True)
+
+
+def sweep_pass(plan, corpus: str, results: str, passes_done: int, args) -> dict:
+    """The sweep's pass `passes_done` (sweep --repeats: the earlier passes' runs are kept, the new pass runs
+    every completed candidate once more, in the order opposite to the pass before)."""
+    from megatron_lite.tuning import sweep
+
     fixed = ["--data-path", corpus, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0", "--num-workers", "0"]
     launcher = (f"{sys.executable} -m torch.distributed.run --nproc_per_node {{nproc_per_node}} "
                 f"--master_addr 127.0.0.1 --master_port {{port}}")
-    results = os.path.join(out, "sweep")
-    start = time.time()
-    counts = sweep.sweep(plan, results, launcher, fixed, train_iters=args.train_iters, warmup_iters=args.warmup_iters,
-                         time_limit=600, log=lambda s: print(f"  {s}", flush=True))
+    return sweep.sweep(plan, results, launcher, fixed, train_iters=args.train_iters, warmup_iters=args.warmup_iters,
+                       time_limit=600, log=lambda s: print(f"  {s}", flush=True), repeats=passes_done)
+
+
+def score(world: int, profile, results: str, out: str, args) -> dict:
+    """The swept runs scored against the plan priced by the round's final profile (every pass's fastest runs)
+    and against the constants' plan, each candidate matched by layout and saver. The final profile's
+    predictions are written into each run's result.json before `report` reads them."""
+    from megatron_lite.atomic import write_text
+    from megatron_lite.tuning import recipe, report
+    from megatron_lite.tuning.sweep import collect
+
+    final = recipe.plan(args.model, workdir=os.path.join(out, "final"), profile=profile, **plan_kwargs(world, args))
+    constants = recipe.plan(args.model, workdir=os.path.join(out, "constants"), **plan_kwargs(world, args))
+    for row in collect(results):
+        c = next((c for c in final.candidates if (c.layout, c.saver) == (row["layout"], row["saver"])), None)
+        row.update(predicted_step_seconds=c and c.predicted_step_seconds,
+                   predicted_tokens_per_s=c and c.predicted_tokens_per_s, predicted_from=c and c.predicted_from)
+        write_text(os.path.join(results, row["name"], "result.json"), json.dumps(row, indent=1))
     written = report.write_report(results)
-    # The constants' predictions of the same candidates (same layout and saver), scored on the same runs.
     by_key = {(c.layout, c.saver): c for c in constants.candidates}
-    rename = {c.name: by_key[(c.layout, c.saver)] for c in chosen if (c.layout, c.saver) in by_key}
-    uncalibrated = scored(written["rows"], {n: (c.predicted_step_seconds, c.predicted_tokens_per_s, "constants")
-                                            for n, c in rename.items()})
-    return {"world": world, "counts": counts, "sweep_seconds": time.time() - start, "calibrated": written["accuracy"],
-            "constants": uncalibrated, "report": written["markdown"],
+    uncalibrated = scored(written["rows"], {r["name"]: (by_key[k].predicted_step_seconds,
+                                                        by_key[k].predicted_tokens_per_s, "constants")
+                                            for r in written["rows"] if (k := (r["layout"], r["saver"])) in by_key})
+    return {"world": world, "calibrated": written["accuracy"], "constants": uncalibrated,
+            "report": written["markdown"],
             "rows": [{k: r.get(k) for k in ("name", "status", "ms_per_iteration", "predicted_ms_per_iteration",
                                             "predicted_over_measured", "tokens_per_s", "predicted_tokens_per_s",
-                                            "predicted_from")} for r in written["rows"]]}
+                                            "predicted_from", "repeats")} for r in written["rows"]]}
 
 
-def calibrate(path: str, worlds, args):
+def measure_machine(worlds, args):
+    """GEMMs, copy and collectives (once a round: the model times price the step, these scale its reduction)."""
     from megatron_lite.tuning.measure import measure
-    from megatron_lite.tuning.measure_model import measure_model
+
+    return measure("cpu", max(worlds), gemm_tokens=(128, 512, 2048), gemm_hidden=args.gemm_hidden,
+                   copy_megabytes=64, message_bytes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22), iters=10, min_seconds=0.3)
+
+
+def calibration_pass(worlds, models, args) -> None:
+    """One more pass of the model times at each world size, merged into `models` (world -> ModelTimes)."""
+    from megatron_lite.tuning.measure_model import measure_model, merge_model_times
 
     start = time.time()
-    profile = measure("cpu", max(worlds), gemm_tokens=(128, 512, 2048), gemm_hidden=args.gemm_hidden,
-                      copy_megabytes=64, message_bytes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22), iters=10,
-                      min_seconds=0.3)
     for world in worlds:
-        profile.models.append(measure_model(args.model, world, args.micro_batches, args.model_reps,
-                                            progress=lambda line: print(f"  {line}", flush=True)))
-    profile.save(path)
-    print(f"  calibrated in {time.time() - start:.0f}s: {path}", flush=True)
-    return profile
+        times = measure_model(args.model, world, args.micro_batches, args.model_reps)
+        models[world] = merge_model_times(models[world], times) if world in models else times
+    print(f"  model times at world {', '.join(map(str, worlds))} in {time.time() - start:.0f}s", flush=True)
+
+
+def one_round(r: int, corpus: str, out: str, args) -> dict:
+    """Calibrate and sweep in --passes interleaved passes (module docstring); score against the final profile."""
+    start = time.time()
+    base = os.path.join(out, f"round{r}")
+    os.makedirs(base, exist_ok=True)
+    profile = measure_machine(args.worlds, args)
+    models, plans = {}, {}
+    for n in range(1, args.passes + 1):
+        print(f"round {r}: calibration pass {n}/{args.passes}", flush=True)
+        calibration_pass(args.worlds, models, args)
+        profile.models = [models[w] for w in args.worlds]
+        profile.save(os.path.join(base, f"profile_pass{n}.json"))
+        for world in args.worlds:
+            if world not in plans:  # the runs are chosen by the first pass's plan
+                plans[world] = prepare(world, profile, os.path.join(base, f"world{world}"), args)
+            print(f"round {r}: world {world}: sweep pass {n}/{args.passes}", flush=True)
+            sweep_pass(plans[world], corpus, os.path.join(base, f"world{world}", "sweep"), n, args)
+    profile_path = os.path.join(base, "profile.json")
+    profile.save(profile_path)
+    worlds = [score(w, profile, os.path.join(base, f"world{w}", "sweep"), os.path.join(base, f"world{w}"), args)
+              for w in args.worlds]
+    return {"round": r, "profile": profile_path, "seconds": time.time() - start, "worlds": worlds}
 
 
 def line(world: int, label: str, a) -> str:
@@ -141,11 +198,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="separate calibrate + sweep rounds")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes swept")
     parser.add_argument("--max-runs", type=int, default=11, help="candidates swept per world size")
-    parser.add_argument("--train-iters", type=int, default=12)
+    parser.add_argument("--train-iters", type=int, default=10)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--max-micro-batch", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2], help="calibrated micro batches")
-    parser.add_argument("--model-reps", type=int, default=5)
+    parser.add_argument("--model-reps", type=int, default=4)
+    parser.add_argument("--passes", type=int, default=2,
+                        help="calibration passes, each followed by a sweep pass (calibrate --model-passes, sweep "
+                             "--repeats)")
     parser.add_argument("--gemm-hidden", type=int, default=128)
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory per rank the plan may use")
     parser.add_argument("--output", default=None, help="folder for profiles, sweeps and reports (default: temporary)")
@@ -159,17 +219,8 @@ def main() -> int:
     corpus = make_corpus(out, 1024)
     rounds = []
     for r in range(1, args.rounds + 1):
-        print(f"round {r}: calibrate", flush=True)
-        profile_path = os.path.join(out, f"round{r}", "profile.json")
-        os.makedirs(os.path.dirname(profile_path), exist_ok=True)
-        profile = calibrate(profile_path, args.worlds, args)
-        worlds = []
-        for world in args.worlds:
-            print(f"round {r}: world {world}: plan and sweep", flush=True)
-            worlds.append(one_world(world, profile, profile_path, corpus, os.path.join(out, f"round{r}",
-                                                                                     f"world{world}"), args))
-        rounds.append({"round": r, "profile": profile_path, "worlds": worlds})
-        for w in worlds:
+        rounds.append(one_round(r, corpus, out, args))
+        for w in rounds[-1]["worlds"]:
             print(line(w["world"], "calibrated", w["calibrated"]))
             print(line(w["world"], "constants", w["constants"]))
     if args.json:

@@ -119,7 +119,10 @@ def _calibrate(argv) -> int:
                         help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4],
                         help="with model flags after --: the micro batches the model is timed at")
-    parser.add_argument("--model-reps", type=int, default=3, help="with model flags: timed steps per run (the best)")
+    parser.add_argument("--model-reps", type=int, default=3, help="with model flags: timed steps per run (their median)")
+    parser.add_argument("--model-passes", type=int, default=1,
+                        help="with model flags: times every run is measured, in passes of alternating order, each "
+                             "keeping its fastest (2 on a shared machine: its slow spells last tens of seconds)")
     argv = list(argv)
     model_argv = []
     if "--" in argv:
@@ -132,6 +135,9 @@ def _calibrate(argv) -> int:
     if small or len(set(args.message_bytes)) < 2 or min(args.message_bytes) < 4:
         parser.error("--gemm-tokens, --gemm-hidden, --copy-megabytes, --iters must be positive and --message-bytes "
                      "needs two different sizes of at least 4 bytes (the fit has two unknowns)")
+    if args.model_passes < 1 or args.model_reps < 1:
+        parser.error(f"--model-passes and --model-reps must be at least 1, got {args.model_passes} and "
+                     f"{args.model_reps}")
     if model_argv and args.device != "cpu":
         parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
                      "collective fits price the step")
@@ -148,7 +154,8 @@ def _calibrate(argv) -> int:
                 group *= 2
             for world in sorted({2 ** k for k in range(1, group.bit_length())} | {group}) if group > 1 else [1]:
                 profile.models.append(measure_model(model_argv, world, args.micro_batches, args.model_reps,
-                                                    progress=lambda line: print(line, flush=True)))
+                                                    progress=lambda line: print(line, flush=True),
+                                                    passes=args.model_passes))
     except RuntimeError as e:
         print(f"tune_parallelism.py calibrate: error: {e}", file=sys.stderr)
         return 1

@@ -217,6 +217,10 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
     lines = [f"# Sweep report: {len(ranked)} completed of {len(rows)} runs, ranked by {sort_by}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(r.get(k)) for k in COLUMNS) + " |" for r in rows]
+    repeated = sorted({len(r["repeats"]) for r in rows if len(r.get("repeats") or []) > 1})
+    if repeated:
+        lines += ["", f"Each measured number is its layout's fastest of {'/'.join(map(str, repeated))} runs "
+                      f"(sweep --repeats)."]
     if accuracy:
         lines += ["", f"Predictions ({', '.join(accuracy['predicted_from'])}) against the {accuracy['runs']} completed "
                       f"runs: Spearman rank correlation of tokens/s {accuracy['spearman']:.3f}; the layout predicted "

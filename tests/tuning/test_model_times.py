@@ -6,7 +6,7 @@ import pytest
 
 from megatron_lite.config import ConfigError
 from megatron_lite.tuning import calibration, recipe, report
-from megatron_lite.tuning.measure_model import solve
+from megatron_lite.tuning.measure_model import fastest_runs, solve
 from megatron_lite.tuning.throughput import predict_from_model_times
 from tools import tune_parallelism
 
@@ -39,6 +39,13 @@ def test_the_runs_of_a_point_split_into_per_layer_per_micro_batch_and_per_step_p
     for variant in ("sp", "sp_selective", "sp_full"):  # TP 1 has no sequence parallelism
         del runs[variant]
     assert not {"sp_extra_s", "sp_selective_extra_s", "sp_full_extra_s"} & set(solve(runs))
+
+
+def test_passes_keep_each_runs_fastest_part_and_a_run_missing_from_a_pass_is_left_out():
+    fast, slow = _run(1, 4), {k: 1.5 * v for k, v in _run(1, 4).items()}
+    mixed = dict(slow, micro=fast["micro"])
+    best = fastest_runs([{"l1g4": mixed, "sp": fast}, {"l1g4": slow}, {"l1g4": dict(fast, micro=9.0)}])
+    assert best == {"l1g4": fast}
 
 
 def _profile(world=2, tp=1, micro=1, collectives=True):
@@ -197,3 +204,28 @@ def test_calibrate_with_model_flags_times_the_model_at_each_tp_and_the_plan_uses
                        workdir=str(tmp_path), max_context_parallel=1, profile=profile)
     assert {c.predicted_from for c in plan.candidates} == {"model times"}
     assert all(c.predicted_step_seconds > 0 for c in plan.candidates)
+
+
+def test_calibrate_refuses_zero_model_passes_before_measuring(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        tune_parallelism.main(["calibrate", "--output", str(tmp_path / "p.json"), "--model-passes", "0", "--", *MODEL])
+    assert e.value.code == 2 and "--model-passes" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_merged_calibrations_keep_each_runs_fastest_and_solve_again():
+    from megatron_lite.tuning.calibration import ModelTimes
+    from megatron_lite.tuning.measure_model import merge_model_times, smooth
+
+    def times(scale):
+        runs = {"l1g4": _run(1, 4), "l3g4": _run(3, 4), "l3g1": _run(3, 1)}
+        runs = {name: {k: v * scale.get(name, 1.0) for k, v in run.items()} for name, run in runs.items()}
+        point = {"tp": 1, "micro": 1, "runs": runs, "passes": 1, **solve(runs)}
+        return ModelTimes(world=2, model_argv=[], shape={"h": 1}, points=smooth([point]))
+
+    merged = merge_model_times(times({"l3g4": 1.4}), times({"l1g4": 1.3}))  # each slow in another run
+    (point,) = merged.points
+    assert point["passes"] == 2 and point["runs"] == {"l1g4": _run(1, 4), "l3g4": _run(3, 4), "l3g1": _run(3, 1)}
+    assert point["layer_s"] == pytest.approx(PARTS["layer_s"]) and point["ends_s"] == pytest.approx(PARTS["ends_s"])
+    with pytest.raises(ValueError, match="world"):
+        merge_model_times(times({}), ModelTimes(world=4, model_argv=[], shape={"h": 1}, points=[]))

@@ -76,19 +76,22 @@ def _fake_plan(tmp_path, n=3):
     return data
 
 
+def _fake_launcher(tmp_path, head: str, records: str) -> str:
+    """A launcher that stands in for torchrun + pretrain_gpt.py: runs the code `head` (with the run's `name` and
+    its tensorboard folder `board` set), then writes the records the expression `records` gives."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("import sys, time\nname = sys.argv[1]\nboard = sys.argv[sys.argv.index('--tensorboard-dir') + 1]\n"
+                    + head + "from megatron_lite.training.records import RecordWriter\nwriter = RecordWriter(board)\n"
+                    f"for record in {records}:\n    writer.write(record.pop('kind'), **record)\n")
+    return f"{sys.executable} {fake} {{name}} {{script}}"
+
+
 def test_a_hanging_and_a_failing_run_do_not_stop_the_sweep_and_rerun_skips_finished(tmp_path):
     plan = _fake_plan(tmp_path)
     names = [c["name"] for c in plan["candidates"]]
     # A launcher that sleeps for the first candidate, fails for the second, "trains" for the third.
-    fake = tmp_path / "fake.py"
-    fake.write_text("import sys, time\nname = sys.argv[1]\n"
-                    f"if name == {names[0]!r}: time.sleep(60)\n"
-                    f"if name == {names[1]!r}: sys.exit(3)\n"
-                    "from megatron_lite.training.records import RecordWriter\n"
-                    "writer = RecordWriter(sys.argv[sys.argv.index('--tensorboard-dir') + 1])\n"
-                    f"for record in {_records([5.0, 4.0, 4.0])!r}:\n"
-                    "    writer.write(record.pop('kind'), **record)\n")
-    launcher = f"{sys.executable} {fake} {{name}} {{script}}"
+    launcher = _fake_launcher(tmp_path, f"if name == {names[0]!r}: time.sleep(60)\n"
+                                        f"if name == {names[1]!r}: sys.exit(3)\n", repr(_records([5.0, 4.0, 4.0])))
     counts = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
                          log=lambda s: None)
     assert counts == {"timeout": 1, "failed": 1, "completed": 1}
@@ -102,6 +105,34 @@ def test_a_hanging_and_a_failing_run_do_not_stop_the_sweep_and_rerun_skips_finis
     retried = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=3,
                           retry=["failed"], log=lambda s: None)
     assert retried == {"skipped": 2, "failed": 1}
+
+
+def test_repeats_run_each_completed_candidate_again_in_reverse_order_and_keep_its_fastest(tmp_path):
+    plan = _fake_plan(tmp_path)
+    names = [c["name"] for c in plan["candidates"]]
+    order = tmp_path / "order.txt"
+    # The second candidate fails (never repeated); the first is slow in its second run, the third in its first.
+    launcher = _fake_launcher(tmp_path, f"open({str(order)!r}, 'a').write(name + '\\n')\n"
+                                        f"if name == {names[1]!r}: sys.exit(3)\n"
+                                        f"slow = (name == {names[0]!r}) == ('repeat2' in board)\n",
+                              f"({_records([1.0, 0.4, 0.4])!r} if slow else {_records([1.0, 0.1, 0.1])!r})")
+    counts = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=30,
+                         log=lambda s: None, repeats=2)
+    assert counts == {"completed": 4, "failed": 1}
+    assert order.read_text().split() == [names[0], names[1], names[2], names[2], names[0]]
+    lines = {x["name"]: x for x in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())}
+    for name in (names[0], names[2]):
+        assert lines[name]["ms_per_iteration"] == pytest.approx(100.0)
+        assert sorted(r["ms_per_iteration"] for r in lines[name]["repeats"]) == pytest.approx([100.0, 400.0])
+    assert lines[names[1]]["status"] == "failed" and len(lines[names[1]]["repeats"]) == 1
+    assert (tmp_path / "out" / names[0] / "repeat2" / "status").read_text().strip() == "completed"
+    written = report.write_report(str(tmp_path / "out"))
+    assert "fastest of 2 runs" in open(written["markdown"]).read()
+    again = sweep.sweep(plan, str(tmp_path / "out"), launcher, [], train_iters=3, warmup_iters=1, time_limit=30,
+                        log=lambda s: None, repeats=2)
+    assert again == {"skipped": 5}
+    with pytest.raises(ConfigError, match="--repeats"):
+        sweep.sweep(plan, str(tmp_path / "out"), launcher, [], repeats=0, log=lambda s: None)
 
 
 def test_a_context_parallel_candidate_launches_tp_x_cp_x_pp_x_dp_ranks_and_its_record_says_cp(tmp_path):
