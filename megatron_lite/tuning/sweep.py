@@ -218,7 +218,7 @@ def fastest_repeat(lines: List[Dict[str, Any]]) -> Dict[str, Any]:
     """A candidate's result over its repeats (each a result line, in repeat order): the completed one with the
     fewest ms per iteration, or the first when none completed; `repeats` lists each one's status and speed. The
     fastest, not the mean: a shared machine's slow spells only ever lengthen a run (the same layout measured
-    0.69x-1.27x of itself in two sweeps an hour apart here), as calibrate's passes keep each run's fastest."""
+    0.69x-1.26x of itself in two sweeps an hour apart here), as calibrate's passes keep each run's fastest."""
     done = [line for line in lines if line["status"] == "completed" and line.get("ms_per_iteration")]
     best = dict(min(done, key=lambda line: line["ms_per_iteration"]) if done else lines[0])
     best["repeats"] = [{"status": line["status"], "ms_per_iteration": line.get("ms_per_iteration"),
