@@ -51,12 +51,24 @@ class ExitSignal:
 
     def __init__(self, enabled: bool):
         self.received = False
+        self.enabled = enabled
         if enabled:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
         self.received = True
+
+    def release(self) -> None:
+        """Ignore TERM/USR1 from here on: the run has stopped, so a late one has nothing left to ask.
+        Left to a Python handler, a signal that lands while the interpreter exits kills the process,
+        because Python's finalization puts back the default action of every signal it handled (but
+        not of ignored ones): Slurm delivers a step's signal to each node on its own, so a rank can
+        get it after the others agreed to stop, and its task then ends 'User defined signal 1' though
+        the checkpoint was saved."""
+        if self.enabled:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 @dataclass
@@ -123,6 +135,7 @@ def pretrain(config: Config) -> int:
         maybe_evaluate(run)
         if maybe_save_or_exit(run, stop_signal):
             break
+    run.exit_signal.release()
     if exit_code == 0 and run.iteration == t.train_iters:
         finish(run)
         status = "completed"
