@@ -16,10 +16,14 @@ Rounds are separate: each calibrates afresh and sweeps again.
 
 Printed per round and world size: the runs, Spearman rank correlation of predicted and measured tokens/s,
 the measured tokens/s of the layout predicted fastest over the measured best, predicted / measured step
-time (median and worst error), calibrated and from the constants; --json writes every row.
+time (median and worst error), calibrated and from the constants; --json writes every row. After two or
+more rounds (or with --spread over earlier --json files, without measuring): each layout's measured step in
+every round and their spread (slowest / fastest), the bound on how close any prediction made at another
+time can come to it on this machine.
 
     python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~60 min here)
     python benchmarks/bench_planner.py --rounds 1 --worlds 2 --max-runs 4 --train-iters 4 --passes 1
+    python benchmarks/bench_planner.py --spread a.json b.json   # the spread over earlier runs' rounds
 """
 from __future__ import annotations
 
@@ -193,6 +197,30 @@ def line(world: int, label: str, a) -> str:
             f"{a['median_step_error']:.1%}, worst {a['worst_step_error']:.1%}")
 
 
+def measured_spread(rounds) -> list:
+    """Each (world, layout) measured in two or more rounds: its step times (ms) and slowest / fastest."""
+    seen = {}
+    for r in rounds:
+        for w in r["worlds"]:
+            for row in w["rows"]:
+                if row["status"] == "completed":
+                    layout = row["name"].split("_", 1)[1]  # the sweep's run number differs between plans
+                    seen.setdefault((w["world"], layout), []).append(row["ms_per_iteration"])
+    return [{"world": world, "layout": layout, "ms_per_iteration": times, "spread": max(times) / min(times)}
+            for (world, layout), times in sorted(seen.items()) if len(times) > 1]
+
+
+def spread_lines(spread) -> list:
+    if not spread:
+        return ["no layout completed in two rounds"]
+    lines = [f"world {s['world']} {s['layout']:<52} {' '.join(f'{t:7.0f}' for t in s['ms_per_iteration'])} ms, "
+             f"spread {s['spread']:.2f}" for s in spread]
+    ratios = sorted(s["spread"] for s in spread)
+    lines.append(f"the same layout across rounds: median spread {float(np.median(ratios)):.2f}, largest "
+                 f"{ratios[-1]:.2f}, {sum(r > 1.25 for r in ratios)} of {len(ratios)} over 1.25")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="separate calibrate + sweep rounds")
@@ -210,9 +238,19 @@ def main() -> int:
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory per rank the plan may use")
     parser.add_argument("--output", default=None, help="folder for profiles, sweeps and reports (default: temporary)")
     parser.add_argument("--json", default=None, help="write every round's numbers here")
+    parser.add_argument("--spread", nargs="+", default=None, metavar="JSON",
+                        help="measure nothing: print each layout's measured spread over the rounds of these "
+                             "--json files")
     parser.add_argument("model", nargs="*", help="pretrain_gpt.py model flags after -- (default: a 4-layer, "
                                                  "128-wide GPT at sequence 128, global batch 16)")
     args = parser.parse_args()
+    if args.spread:
+        rounds = []
+        for path in args.spread:
+            with open(path) as f:
+                rounds += json.load(f)["rounds"]
+        print("\n".join(spread_lines(measured_spread(rounds))))
+        return 0
     args.model = args.model or MODEL
     out = args.output or tempfile.mkdtemp(prefix="bench_planner_")
     os.makedirs(out, exist_ok=True)
@@ -223,6 +261,8 @@ def main() -> int:
         for w in rounds[-1]["worlds"]:
             print(line(w["world"], "calibrated", w["calibrated"]))
             print(line(w["world"], "constants", w["constants"]))
+    if len(rounds) > 1:
+        print("\n".join(spread_lines(measured_spread(rounds))))
     if args.json:
         from megatron_lite.atomic import write_text
 
