@@ -4,7 +4,11 @@
 # without nvcc), and run the whole test suite. Extra arguments go to pytest.
 #
 # --fast: the quick tier for edit-and-test loops: no installs or builds (run the full script once
-# first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests).
+# first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests). Besides the
+# marked ones, a test that took tests/conftest.py's FAST_TIER_LIMIT_S or more when last recorded in
+# tests/durations.json is slow, unless it is its function's quickest parameter set. To record again:
+#   TEST_DURATIONS_OUT=$PWD/tests/durations.json bash scripts/test.sh          # the whole suite
+#   TEST_DURATIONS_OUT=$PWD/tests/durations.json bash scripts/test.sh --fast   # then the fast tier's own times
 #
 # Tests run on TEST_WORKERS pytest-xdist workers (default 2, one per core of the development VM), a test
 # file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster).

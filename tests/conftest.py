@@ -1,5 +1,7 @@
+import json
 import os
 import sys
+from collections import defaultdict
 
 import pytest
 
@@ -30,21 +32,83 @@ def _group(path: str) -> str:
     return path
 
 
+DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+"""Each test's seconds (setup + call + teardown) on the development VM, as the last run that timed it with
+TEST_DURATIONS_OUT set recorded it (scripts/test.sh says how): the whole suite, then the fast tier, whose
+tests take other times alone (a module's first test pays for starting its worker pool)."""
+FAST_TIER_LIMIT_S = 6.0
+"""A test recorded at this or more is left out of the fast tier, unless it is the quickest of its function's
+parameter sets there (so every parity test keeps its smallest layout in the fast tier)."""
+
+
+def _recorded_seconds() -> dict:
+    try:
+        with open(DURATIONS_FILE) as f:
+            return json.load(f)["seconds"]
+    except FileNotFoundError:
+        return {}
+
+
+def mark_slow_by_record(items, seconds: dict, limit: float = FAST_TIER_LIMIT_S) -> None:
+    """Mark slow what took `limit` seconds or more when last recorded, but the quickest not-yet-slow
+    parameter set of each test function. A test never recorded (a new one) stays in the fast tier."""
+    by_function = defaultdict(list)
+    for item in items:
+        by_function[item.nodeid.split("[")[0]].append(item)
+    for group in by_function.values():
+        fast = [i for i in group if i.get_closest_marker("slow") is None]
+        kept = min(fast, key=lambda i: seconds.get(i.nodeid, 0.0)) if len(group) > 1 and fast else None
+        for item in fast:
+            if item is not kept and seconds.get(item.nodeid, 0.0) >= limit:
+                item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh runs two workers, --dist loadgroup) a test file runs whole on one
     worker, so its module fixtures are built once; so do the files that share session fixtures. tryfirst:
-    xdist reads the groups in its own hook."""
+    xdist reads the groups in its own hook, and `-m "not slow"` deselects in pytest's own, after the
+    recorded durations have marked the slow ones."""
+    mark_slow_by_record(items, _recorded_seconds())
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(_group(path)))
+
+
+_durations = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("TEST_DURATIONS_OUT"):
+        # xdist appends "@<group>" to the ids it reports; the record is keyed as collection sees them
+        nodeid = report.nodeid
+        path = nodeid.split("::")[0]
+        _durations[nodeid[:-len(_group(path)) - 1] if nodeid.endswith("@" + _group(path)) else nodeid] += \
+            report.duration
+
+
+def _write_durations(path: str) -> None:
+    """This run's durations over the recorded ones (a partial run updates only what it ran)."""
+    from megatron_lite.atomic import write_text
+
+    try:
+        with open(path) as f:
+            seconds = json.load(f)["seconds"]
+    except FileNotFoundError:
+        seconds = {}
+    seconds.update({k: round(v, 1) for k, v in _durations.items()})
+    seconds = {k: v for k, v in sorted(seconds.items()) if v >= 1.0}  # the rest cannot reach the limit
+    write_text(path, json.dumps({"seconds": seconds}, indent=0) + "\n")
 
 
 def pytest_sessionfinish(session, exitstatus):
     """A test that leaves a process behind fails the run, and the process is killed: a lingering
     child (a data worker ignoring SIGTERM, once) otherwise keeps pytest, and CI, waiting forever.
     Under pytest-xdist each worker checks its own children; the controller's are the workers."""
-    if getattr(session.config, "workerinput", None) is None and getattr(session.config.option, "numprocesses", None):
+    controller = getattr(session.config, "workerinput", None) is None
+    if controller and os.environ.get("TEST_DURATIONS_OUT"):
+        _write_durations(os.environ["TEST_DURATIONS_OUT"])
+    if controller and getattr(session.config.option, "numprocesses", None):
         return
     import gc
 
