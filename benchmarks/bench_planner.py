@@ -128,8 +128,9 @@ def score(world: int, profile, results: str, out: str, args) -> dict:
 
     final = recipe.plan(args.model, workdir=os.path.join(out, "final"), profile=profile, **plan_kwargs(world, args))
     constants = recipe.plan(args.model, workdir=os.path.join(out, "constants"), **plan_kwargs(world, args))
+    by_layout = {(c.layout, c.saver): c for c in final.candidates}
     for row in collect(results):
-        c = next((c for c in final.candidates if (c.layout, c.saver) == (row["layout"], row["saver"])), None)
+        c = by_layout.get((row["layout"], row["saver"]))
         row.update(predicted_step_seconds=c and c.predicted_step_seconds,
                    predicted_tokens_per_s=c and c.predicted_tokens_per_s, predicted_from=c and c.predicted_from)
         write_text(os.path.join(results, row["name"], "result.json"), json.dumps(row, indent=1))

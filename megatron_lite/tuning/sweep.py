@@ -226,6 +226,29 @@ def fastest_repeat(lines: List[Dict[str, Any]]) -> Dict[str, Any]:
     return best
 
 
+def _repeats_so_far(run_dir: str, repeats: int) -> List[Dict[str, Any]]:
+    """The repeat.json of each repeat of a candidate that has run."""
+    paths = (os.path.join(repeat_dir(run_dir, k), "repeat.json") for k in range(1, repeats + 1))
+    return [json.loads(_read(path)) for path in paths if os.path.isfile(path)]
+
+
+def run_repeat(c: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str], here: str, launcher: str,
+               train_iters: int, warmup_iters: int, time_limit: float, script: str):
+    """One run of candidate `c` in its repeat folder `here`: launched, measured, classified, and its
+    repeat.json written; returns (status, the run's outcome, the measurements)."""
+    cmd = build_command(launcher, c, plan, fixed, here, train_iters, script)
+    shutil.rmtree(os.path.join(here, TENSORBOARD), ignore_errors=True)  # a retried run's records only
+    run = run_one(cmd, here, time_limit)
+    measured = read_run(here, warmup_iters)
+    status = classify(run["returncode"], run["timed_out"], _read(os.path.join(here, "log.txt")), measured)
+    line = _result_line(c, status, run, measured)
+    line["pretrain_args"] = pretrain_args(c, fixed)
+    line["launcher_args"] = cmd[:cmd.index(script)] if script in cmd else []
+    line["script"] = script
+    write_text(os.path.join(here, "repeat.json"), json.dumps(line, indent=1))
+    return status, run, measured
+
+
 def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence[str], train_iters: int = 10,
           warmup_iters: int = 2, time_limit: float = 900.0, retry: Sequence[str] = (), only: Sequence[str] = (),
           max_runs: Optional[int] = None, script: Optional[str] = None, log=print, repeats: int = 1) -> Dict[str, int]:
@@ -259,24 +282,12 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
             if previous == "completed" or (previous in FINAL_FAILURES and previous not in retry):
                 counts["skipped"] = counts.get("skipped", 0) + 1
                 continue
-            cmd = build_command(launcher, c, plan, fixed, here, train_iters, script)
             tag = f"[{i}/{len(candidates)}]" + (f" repeat {repeat}/{repeats}" if repeats > 1 else "")
             log(f"{tag} {c['name']}: running ({c['saver']})")
-            shutil.rmtree(os.path.join(here, TENSORBOARD), ignore_errors=True)  # a retried run's records only
-            run = run_one(cmd, here, time_limit)
-            measured = read_run(here, warmup_iters)
-            status = classify(run["returncode"], run["timed_out"], _read(os.path.join(here, "log.txt")), measured)
-            line = _result_line(c, status, run, measured)
-            line["pretrain_args"] = pretrain_args(c, fixed)
-            line["launcher_args"] = cmd[:cmd.index(script)] if script in cmd else []
-            line["script"] = script
-            write_text(os.path.join(here, "repeat.json"), json.dumps(line, indent=1))
-            lines = []
-            for k in range(1, repeats + 1):
-                own = os.path.join(repeat_dir(run_dir, k), "repeat.json")
-                if os.path.isfile(own):
-                    lines.append(json.loads(_read(own)))
-            write_text(os.path.join(run_dir, "result.json"), json.dumps(fastest_repeat(lines), indent=1))
+            status, run, measured = run_repeat(c, plan, fixed, here, launcher, train_iters, warmup_iters, time_limit,
+                                               script)
+            write_text(os.path.join(run_dir, "result.json"),
+                       json.dumps(fastest_repeat(_repeats_so_far(run_dir, repeats)), indent=1))
             write_text(status_path, status + "\n")
             collect(results_dir)
             counts[status] = counts.get(status, 0) + 1
