@@ -41,9 +41,9 @@ FAST_TIER_LIMIT_S = 6.0
 parameter sets there (so every parity test keeps its smallest layout in the fast tier)."""
 
 
-def _recorded_seconds() -> dict:
+def _recorded_seconds(path: str = DURATIONS_FILE) -> dict:
     try:
-        with open(DURATIONS_FILE) as f:
+        with open(path) as f:
             return json.load(f)["seconds"]
     except FileNotFoundError:
         return {}
@@ -81,21 +81,15 @@ _durations = defaultdict(float)
 def pytest_runtest_logreport(report):
     if os.environ.get("TEST_DURATIONS_OUT"):
         # xdist appends "@<group>" to the ids it reports; the record is keyed as collection sees them
-        nodeid = report.nodeid
-        path = nodeid.split("::")[0]
-        _durations[nodeid[:-len(_group(path)) - 1] if nodeid.endswith("@" + _group(path)) else nodeid] += \
-            report.duration
+        path = report.nodeid.split("::")[0]
+        _durations[report.nodeid.removesuffix("@" + _group(path))] += report.duration
 
 
 def _write_durations(path: str) -> None:
     """This run's durations over the recorded ones (a partial run updates only what it ran)."""
     from megatron_lite.atomic import write_text
 
-    try:
-        with open(path) as f:
-            seconds = json.load(f)["seconds"]
-    except FileNotFoundError:
-        seconds = {}
+    seconds = _recorded_seconds(path)
     seconds.update({k: round(v, 1) for k, v in _durations.items()})
     seconds = {k: v for k, v in sorted(seconds.items()) if v >= 1.0}  # the rest cannot reach the limit
     write_text(path, json.dumps({"seconds": seconds}, indent=0) + "\n")

@@ -1,5 +1,5 @@
-"""Which tests the fast tier (scripts/test.sh --fast) leaves out: the marked ones, and those the last
-recorded whole-suite run timed at FAST_TIER_LIMIT_S or more, but never a parity test's quickest layout."""
+"""Which tests the fast tier (scripts/test.sh --fast) leaves out: the marked ones, and those recorded in
+tests/durations.json at FAST_TIER_LIMIT_S or more, but never a parity test's quickest layout."""
 import json
 import os
 import subprocess

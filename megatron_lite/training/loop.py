@@ -22,6 +22,7 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.data.workers import TRAINER_SIGNALS
 from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
@@ -53,7 +54,7 @@ class ExitSignal:
         self.received = False
         self.enabled = enabled
         if enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
+            for sig in TRAINER_SIGNALS:
                 signal.signal(sig, self._handler)
 
     def _handler(self, signum, frame) -> None:
@@ -67,7 +68,7 @@ class ExitSignal:
         get it after the others agreed to stop, and its task then ends 'User defined signal 1' though
         the checkpoint was saved."""
         if self.enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
+            for sig in TRAINER_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
 
 
