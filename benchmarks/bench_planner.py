@@ -248,8 +248,11 @@ def main() -> int:
     if args.spread:
         rounds = []
         for path in args.spread:
-            with open(path) as f:
-                rounds += json.load(f)["rounds"]
+            try:
+                with open(path) as f:
+                    rounds += json.load(f)["rounds"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                parser.error(f"--spread {path}: not a bench_planner --json file ({type(e).__name__}: {e})")
         print("\n".join(spread_lines(measured_spread(rounds))))
         return 0
     args.model = args.model or MODEL

@@ -38,3 +38,13 @@ def test_spread_reads_earlier_json_files_and_measures_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "tp1_cp1_pp1_dp2_mb2_none" in result.stdout and "spread 1.25" in result.stdout
     assert "median spread 1.25, largest 1.25, 0 of 1 over 1.25" in result.stdout
+
+
+def test_spread_of_a_missing_or_foreign_file_is_refused_naming_the_flag_and_file(tmp_path):
+    foreign = tmp_path / "other.json"
+    foreign.write_text(json.dumps({"runs": []}))
+    for path in (tmp_path / "missing.json", foreign):
+        result = subprocess.run([sys.executable, "benchmarks/bench_planner.py", "--spread", str(path)],
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and f"--spread {path}: not a bench_planner --json file" in result.stderr, \
+            result.stderr
