@@ -9,8 +9,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from tests import process_log  # noqa: E402
 from tests.device import enter_test_device  # noqa: E402
 
+process_log.install()  # TEST_PROCESS_LOG=FILE: every process a test starts (tests/process_log.py)
 enter_test_device()  # MEGATRON_LITE_TEST_DEVICE=cuda: the tests' tensors on the GPU (tests/device.py)
 
 
@@ -24,12 +26,20 @@ def _shutdown_worker_pools():
     shutdown_pools()
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """(data prefix, tokenizer model): 120 documents of Python's sources, a 400-piece SentencePiece model,
+    made once per test run with the project's own tools (tests/artefacts.py) and shared by every worker."""
+    from tests.artefacts import build_corpus, built_once
+
+    root = built_once(tmp_path_factory, "corpus", build_corpus)
+    return str(root / "corpus_text_document"), str(root / "spm.model")
+
+
 def _group(path: str) -> str:
     if path.startswith("tests/slurm/"):
         return "slurm"  # one two-node cluster, whose namespaces and daemons have fixed names
-    if path.startswith("tests/checkpoint/") and path != "tests/checkpoint/test_import_hf.py":
-        return "checkpoint"  # the session's training runs (tests/checkpoint/conftest.py), made once
-    return path
+    return path  # shared training runs are made once per run for every worker (tests/artefacts.py)
 
 
 DURATIONS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
@@ -129,8 +139,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def _is_resource_tracker(process) -> bool:
-    """multiprocessing's own helper, which ends with the interpreter."""
+    """multiprocessing's own helpers (its resource tracker, the harness's fork server), which end with the
+    interpreter."""
     try:
-        return "resource_tracker" in " ".join(process.cmdline())
+        command = " ".join(process.cmdline())
+        return "resource_tracker" in command or "forkserver" in command
     except Exception:  # noqa: BLE001 - gone already
         return True

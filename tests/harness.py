@@ -69,9 +69,22 @@ def _release_process_groups() -> None:
     gc.collect()
 
 
-def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+def _join_world(rank: int, world_size: int, port: int, generation: int) -> None:
+    """The world group of this pool's `generation`. The pool's parent holds the store, so the group can be
+    made again after a task destroyed it (pretrain_gpt.py's main does, as it exits)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    # gloo on every device: on one GPU the ranks share it, which NCCL refuses (tests/device.py).
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"world{generation}", store), rank=rank,
+                            world_size=world_size)
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict[str, str]) -> None:
     from tests.device import enter_test_device, local_rank_for
 
+    os.environ.clear()  # the test process's environment now, not the fork server's when it started
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank_for(rank)),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -79,14 +92,17 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # gloo on every device: on one GPU the ranks share it, which NCCL refuses (tests/device.py).
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    generation = 0
+    _join_world(rank, world_size, port, generation)
     enter_test_device()
     while True:
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs, world_generation = task
+        if world_generation != generation:  # every rank's world was destroyed by the last task
+            generation = world_generation
+            _join_world(rank, world_size, port, generation)
         try:
             outcome = (True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - any failure is reported to the parent
@@ -95,47 +111,96 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             from megatron_lite.parallel import state
 
             state.destroy()
-            _release_process_groups()
-        results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task"))))
-    dist.destroy_process_group()
+            if dist.is_initialized():
+                _release_process_groups()
+        results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task")), dist.is_initialized()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# What the fork server imports once, so that a worker forked from it starts in milliseconds: spawning one
+# that imports torch and DeepSpeed itself took 2-3 s of CPU, on a machine with 2 cores, for each worker of
+# each pool of each test module.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_lite.training.loop",
+                       "tests.device", "tests.harness", "tests.entry_points"]
+
+
+def _start_context():
+    """forkserver on the CPU: the server imports FORK_SERVER_PRELOAD and runs no thread, so its forks are
+    safe. spawn when the tests run on a GPU: the server's imports would ask the CUDA driver about devices,
+    and a process forked after that cannot use CUDA."""
+    from tests.device import test_device
+
+    if (test_device() or "").startswith("cuda"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
 
 
 class _Pool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _start_context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.threads = 0  # the most threads any worker has had after a task
-        port = free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world_size)]
+        import torch.distributed as dist
+
+        # The rendezvous store lives here, not on rank 0: a task may destroy the world group and the workers
+        # make it again (port 0: the kernel picks one, bound at once, so no other test can take it meanwhile).
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.generation = 0
+        self.healthy = True
+        environ = dict(os.environ)
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.tasks[r], self.results,
+                                                        environ), daemon=True) for r in range(world_size)]
         for p in self.procs:
             p.start()
+        from tests import process_log
 
-    def run(self, fn: Callable, args, kwargs, timeout: float) -> List[Any]:
+        process_log.record("pool", world_size)
+
+    def collect(self, fn: Callable, args, kwargs, timeout: float, failed: Callable[[Any], bool] = lambda v: False,
+                grace: float = 5.0):
+        """(results by rank, tracebacks by rank, ranks that never answered). Once a rank fails (raises, or
+        returns a value `failed` says is a failure), the others get `grace` seconds: they may be stuck in a
+        collective with it."""
         for q in self.tasks:
-            q.put((fn, args, kwargs))
+            q.put((fn, args, kwargs, self.generation))
         deadline = time.monotonic() + timeout
         got: Dict[int, Any] = {}
         errors: Dict[int, str] = {}
+        kept_world = []
+        failure = False
         while len(got) + len(errors) < self.world_size:
             remaining = deadline - time.monotonic()
-            if errors:
-                # other ranks may be stuck in a collective with the failed one: give them a moment
-                remaining = min(remaining, 5.0)
+            if failure:
+                remaining = min(remaining, grace)
             if remaining <= 0:
                 break
             try:
-                rank, ok, value, threads = self.results.get(timeout=remaining)
+                # a second at a time, so that a worker that died is seen at once, not at the deadline
+                rank, ok, value, threads, world_alive = self.results.get(timeout=min(remaining, 1.0))
                 self.threads = max(self.threads, threads)
+                kept_world.append(world_alive)
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                if dead and not errors:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got and r not in errors]
+                if dead:
                     errors.update({r: f"rank {r} process died (exit code {self.procs[r].exitcode})" for r in dead})
-                break
+                    failure = True
+                continue
             (got if ok else errors)[rank] = value
+            failure = failure or not ok or failed(value)
         missing = [r for r in range(self.world_size) if r not in got and r not in errors]
+        if missing or errors or (any(kept_world) and not all(kept_world)):
+            self.healthy = False  # ranks stuck, or some ranks' world gone and others' not: not reusable
+        elif not any(kept_world):
+            self.generation += 1  # every rank destroyed its world group: the next task makes a new one
+        return got, errors, missing
+
+    def run(self, fn: Callable, args, kwargs, timeout: float) -> List[Any]:
+        got, errors, missing = self.collect(fn, args, kwargs, timeout)
         if errors or missing:
             parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())]
             if missing:
@@ -165,21 +230,32 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = DEFAU
     fn must be importable by the workers (a module-level function). Raises
     DistributedTestError with every failing rank's traceback, or on timeout.
     """
-    pool = _POOLS.get(world_size)
-    if pool is None or not all(p.is_alive() for p in pool.procs):
-        if pool is not None:
-            pool.close(graceful=False)
-        pool = _POOLS[world_size] = _Pool(world_size)
+    pool = warm_pool(world_size)
     try:
         results = pool.run(fn, args, kwargs, timeout)
     except BaseException:
         _POOLS.pop(world_size, None)
         pool.close(graceful=False)
         raise
-    if pool.threads > MAX_WORKER_THREADS:
-        _POOLS.pop(world_size, None)
-        pool.close()
+    retire_if_spent(pool)
     return results
+
+
+def warm_pool(world_size: int) -> "_Pool":
+    """This module's pool of `world_size` workers, started if there is none (or it lost a worker)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.healthy or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(graceful=False)
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool
+
+
+def retire_if_spent(pool: "_Pool") -> None:
+    """Close a pool that cannot be reused, or whose workers have gathered too many threads."""
+    if not pool.healthy or pool.threads > MAX_WORKER_THREADS:
+        _POOLS.pop(pool.world_size, None)
+        pool.close(graceful=pool.healthy)
 
 
 def shutdown_pools() -> None:

@@ -18,12 +18,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.training.console import select_accelerator  # noqa: E402
-
-select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
-
+# Torch-free imports only up here: --help, a bad flag and a missing path are refused before torch starts.
 from megatron_lite.atomic import WriteError  # noqa: E402
-from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
+from megatron_lite.checkpoint import preflight  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,10 +86,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def refuse_early(args) -> None:
+    """The command's own first checks, in its order (target, then source), before torch is imported."""
+    if args.command == "merge":
+        preflight.refuse_existing_file(args.output)
+    elif args.command in ("reshard", "universal"):
+        preflight.refuse_existing(args.save)
+    elif args.command == "export-hf":
+        preflight.refuse_filled_folder(args.output)
+    else:
+        preflight.refuse_existing(args.output)
+        preflight.hf_config_path(args.input)
+        return
+    resolve_tag(args.load, args.iteration)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    start = time.time()
     try:
+        refuse_early(args)
+        from megatron_lite.training.console import select_accelerator
+
+        select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
+        from megatron_lite import deepspeed_compat  # noqa: F401 - torch and DeepSpeed start outside the time printed
+
+        start = time.time()
         if args.command == "merge":
             from megatron_lite.checkpoint.merge import merge
 

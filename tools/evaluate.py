@@ -16,9 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.training.console import select_accelerator  # noqa: E402
-
-select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
+# Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
+from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
+from megatron_lite.config import ConfigError, parse_data_path, parse_split  # noqa: E402
+from megatron_lite.training.distributed import is_rank_zero_from_environment  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,19 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_lite.arguments import parse_data_path, parse_split
-    from megatron_lite.training.distributed import is_rank_zero_from_environment
-    from megatron_lite.config import ConfigError
-    from megatron_lite.inference.evaluation import evaluate_checkpoint
-    from megatron_lite.checkpoint.format import CheckpointError
-
-    start = time.time()
     try:
         if args.eval_iters is not None and args.eval_iters < 1:
             raise ConfigError(f"--eval-iters must be at least 1, got {args.eval_iters}")
-        r = evaluate_checkpoint(args.load, args.iteration, parse_data_path(args.data_path),
-                                parse_split(args.split) if args.split else None, args.split_name,
-                                args.eval_iters, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        data_path = parse_data_path(args.data_path)
+        split = parse_split(args.split) if args.split else None
+        resolve_tag(args.load, args.iteration)  # the reader's own first check, made before torch is imported
+        from megatron_lite.training.console import select_accelerator
+
+        select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
+        from megatron_lite.inference.evaluation import evaluate_checkpoint
+
+        start = time.time()
+        r = evaluate_checkpoint(args.load, args.iteration, data_path, split, args.split_name, args.eval_iters,
+                                args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                 args.distributed_backend)
     except (ConfigError, CheckpointError) as e:
         if is_rank_zero_from_environment():

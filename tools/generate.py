@@ -14,11 +14,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.training.console import select_accelerator  # noqa: E402
-
-select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
-
-from megatron_lite.checkpoint.format import CheckpointError  # noqa: E402
+# Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
+from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +70,15 @@ def main(argv=None) -> int:
             print(f"generate.py: error: {flag} {getattr(args, flag[2:].replace('-', '_'))} is out of range "
                   f"(--max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1)", file=sys.stderr)
             return 2
+    if not os.path.isfile(args.load):  # a folder: the reader's own first check, made before torch is imported
+        try:
+            resolve_tag(args.load, args.iteration)
+        except CheckpointError as e:
+            print(f"generate.py: error: {e}", file=sys.stderr)
+            return 2
+    from megatron_lite.training.console import select_accelerator
+
+    select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
     import torch
 
     from megatron_lite.checkpoint.dense import load_dense_model

@@ -94,8 +94,6 @@ def _plan(argv) -> int:
 
 
 def _calibrate(argv) -> int:
-    from megatron_lite.tuning.measure import measure
-
     parser = argparse.ArgumentParser(prog="tune_parallelism.py calibrate", allow_abbrev=False,
                                      description="Measure this machine for `plan --profile` (about a minute with "
                                                  "the defaults): GEMM FLOP/s at a few token counts, the bandwidth of "
@@ -141,6 +139,8 @@ def _calibrate(argv) -> int:
     if model_argv and args.device != "cpu":
         parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
                      "collective fits price the step")
+    from megatron_lite.tuning.measure import measure  # imports torch, so after the flags are checked
+
     start = time.time()
     try:
         profile = measure(args.device, args.world_size, args.gemm_tokens, args.gemm_hidden, args.copy_megabytes,

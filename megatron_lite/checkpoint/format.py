@@ -16,6 +16,9 @@ Every file is loaded with `torch.load(weights_only=True)`: tensors, numbers, str
 the few plain DeepSpeed classes its optimizers save (deepspeed_compat.checkpoint_safe_globals) and numpy's
 array reconstruction (random-generator states of older checkpoints). A file that needs anything else is
 refused by name: nothing in a checkpoint executes.
+
+Imports no torch or DeepSpeed (deepspeed_compat and torch are imported where a name or a load needs them),
+so a tool refuses a missing or malformed --load before paying for either.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import write_text
 
 LATEST = "latest"
@@ -33,10 +35,30 @@ LOCK_FILE = ".megatron_lite.lock"
 TAG_PREFIX = "iter_"
 UNIVERSAL_FORMAT = "megatron_lite.universal.v1"
 
-layer_file = deepspeed_compat.layer_file_name
-model_states_file = deepspeed_compat.model_states_file_name
-zero_optimizer_file = deepspeed_compat.zero_optimizer_file_name
-zero3_model_states_file = deepspeed_compat.zero3_model_states_file_name
+
+# DeepSpeed's file names, which deepspeed_compat owns; imported per call, as it imports torch and DeepSpeed.
+def layer_file(spec: int, tp_rank: int) -> str:
+    from megatron_lite import deepspeed_compat
+
+    return deepspeed_compat.layer_file_name(spec, tp_rank)
+
+
+def model_states_file(stage: int, tp_rank: int, tp: int) -> str:
+    from megatron_lite import deepspeed_compat
+
+    return deepspeed_compat.model_states_file_name(stage, tp_rank, tp)
+
+
+def zero_optimizer_file(dp_rank: int, stage: int, tp_rank: int, tp: int, bf16: bool) -> str:
+    from megatron_lite import deepspeed_compat
+
+    return deepspeed_compat.zero_optimizer_file_name(dp_rank, stage, tp_rank, tp, bf16)
+
+
+def zero3_model_states_file(dp_rank: int) -> str:
+    from megatron_lite import deepspeed_compat
+
+    return deepspeed_compat.zero3_model_states_file_name(dp_rank)
 
 
 class CheckpointError(RuntimeError):
@@ -170,6 +192,30 @@ def saved_tags(directory: str) -> List[str]:
                   if d.startswith(TAG_PREFIX) and os.path.isdir(os.path.join(directory, d)))
 
 
+def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
+    """The tag to read from --load (iteration N's, else the one `latest` names); CheckpointError naming
+    --load, --iteration or `latest` when there is none."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such folder; give the --save folder of a pretrain_gpt.py run")
+    if iteration is not None:
+        tag = tag_for(iteration)
+        if not os.path.isdir(os.path.join(load_dir, tag)):
+            have = saved_tags(load_dir)
+            raise CheckpointError(f"--iteration {iteration}: {os.path.join(load_dir, tag)} does not exist; "
+                                  f"saved iterations: {', '.join(have) or 'none'}")
+        return tag
+    latest = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{latest}: no such file, so there is no complete checkpoint to read; "
+                              f"give --iteration N for one of the iter_XXXXXXX folders, or a folder written by "
+                              f"pretrain_gpt.py --save")
+    with open(latest) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise CheckpointError(f"{latest} names '{tag}', but {os.path.join(load_dir, tag)} does not exist")
+    return tag
+
+
 def probe_load_dir(path: str) -> Optional[str]:
     """What --load PATH holds: the tag to resume from, or None for 'nothing yet': a missing or empty folder,
     or one with only our lock, unfinished saves and other folders (a data cache or TensorBoard folder kept
@@ -230,6 +276,8 @@ def load_file(path: str, mmap: bool = False) -> Any:
 
 def _safe_globals() -> list:
     import numpy as np
+
+    from megatron_lite import deepspeed_compat
 
     # numpy's own array reconstruction (random states of checkpoints before the tensor-only format).
     arrays = [np.ndarray, np.dtype, np.dtypes.UInt32DType]

@@ -15,6 +15,7 @@ import torch
 
 from megatron_lite.checkpoint import hf_gpt2, hf_llama
 from megatron_lite.checkpoint.merge import dense_state_dict
+from megatron_lite.checkpoint.preflight import refuse_filled_folder
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.config import Config
 from megatron_lite.atomic import WriteError, atomic_folder, describe
@@ -68,8 +69,7 @@ def hf_tensors(config: Config, dense, dtype: torch.dtype):
 
 def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, tokenizer_model: Optional[str] = None,
               dtype: str = "float32", vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> dict:
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise CheckpointError(f"--output {output} already exists and is not an empty folder; give a new folder")
+    refuse_filled_folder(output)
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     reader = CheckpointReader(load_dir, iteration)

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.preflight import hf_config_path
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -30,12 +31,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 
 def read_config(folder: str) -> dict:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"--input {folder}: no such folder; give a Hugging Face model folder (config.json "
-                              f"and model.safetensors, as save_pretrained writes)")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"--input {folder} has no config.json: it is not a Hugging Face model folder")
+    path = hf_config_path(folder)
     try:
         with open(path) as f:
             config = json.load(f)

@@ -36,7 +36,8 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import RunState
-from megatron_lite.checkpoint.reshard import refuse_existing, target_config, write_engine_states
+from megatron_lite.checkpoint.preflight import refuse_existing
+from megatron_lite.checkpoint.reshard import target_config, write_engine_states
 from megatron_lite.config import Config, ConfigError
 
 ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama) for name in module.ARCHITECTURES}

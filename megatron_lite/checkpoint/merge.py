@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from megatron_lite.atomic import save_torch
 from megatron_lite.checkpoint.format import CheckpointError, load_file
+from megatron_lite.checkpoint.preflight import refuse_existing_file
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.checkpoint.vocab import is_vocab_parameter, resize_rows
 from megatron_lite.config import Config
@@ -57,11 +57,7 @@ def load_merged(path: str) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
 
 
 def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_vocab_padding: bool = False) -> dict:
-    if os.path.isdir(output):
-        raise CheckpointError(f"--output {output} is a folder; give a file name such as model.pt")
-    if os.path.exists(output):
-        raise CheckpointError(f"--output {output} already exists; give a new file name (an existing file is never "
-                              f"written over)")
+    refuse_existing_file(output)
     reader = CheckpointReader(load_dir, iteration)
     config, state = dense_state_dict(reader, strip_vocab_padding)
     save_merged(output, config, state, reader.iteration, reader.consumed_samples)

@@ -16,15 +16,13 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.checkpoint import slicing
 from megatron_lite.checkpoint.format import (
-    LATEST,
     METADATA,
     CheckpointError,
     layer_file,
     load_file,
     model_states_file,
     read_metadata,
-    saved_tags,
-    tag_for,
+    resolve_tag,
 )
 from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo
 
@@ -67,28 +65,6 @@ def check_zero_state(path: str, state) -> None:
     """A ZeRO / bf16-optimizer partition file."""
     if not isinstance(state, dict) or not isinstance(state.get("optimizer_state_dict"), dict):
         raise CheckpointError(f"{path}: not a DeepSpeed optimizer partition file (no 'optimizer_state_dict')")
-
-
-def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir}: no such folder; give the --save folder of a pretrain_gpt.py run")
-    if iteration is not None:
-        tag = tag_for(iteration)
-        if not os.path.isdir(os.path.join(load_dir, tag)):
-            have = saved_tags(load_dir)
-            raise CheckpointError(f"--iteration {iteration}: {os.path.join(load_dir, tag)} does not exist; "
-                                  f"saved iterations: {', '.join(have) or 'none'}")
-        return tag
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
-        raise CheckpointError(f"{latest}: no such file, so there is no complete checkpoint to read; "
-                              f"give --iteration N for one of the iter_XXXXXXX folders, or a folder written by "
-                              f"pretrain_gpt.py --save")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise CheckpointError(f"{latest} names '{tag}', but {os.path.join(load_dir, tag)} does not exist")
-    return tag
 
 
 class CheckpointReader:

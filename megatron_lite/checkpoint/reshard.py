@@ -23,13 +23,14 @@ from typing import List, Optional
 
 import torch
 
-from megatron_lite.atomic import WriteError, atomic_folder, describe, torch_save
+from megatron_lite.atomic import atomic_folder, torch_save
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     layer_file,
     layout_of,
     load_file,
     read_metadata,
+    resolve_tag,
     rng_files,
     write_latest,
     write_metadata,
@@ -38,7 +39,7 @@ from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
-from megatron_lite.checkpoint.reader import resolve_tag
+from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
 
 
@@ -128,18 +129,6 @@ def write_engine_states(folder: str, config: Config, layout: ModelLayout, bounds
 def _source(load_dir: str, iteration: Optional[int]) -> LayoutFreeReader:
     tag = resolve_tag(load_dir, iteration)
     return LayoutFreeReader(os.path.join(load_dir, tag), read_metadata(load_dir, tag))
-
-
-def refuse_existing(save_dir: str) -> str:
-    if os.path.exists(save_dir):
-        raise CheckpointError(f"--save {save_dir} already exists; give a new folder (the source and any existing "
-                              f"checkpoint are never written over)")
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise WriteError(save_dir, describe(e)) from None
-    return os.path.basename(os.path.normpath(save_dir))
 
 
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[int] = None,

@@ -81,9 +81,9 @@ from typing import Tuple
 
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import recompute_chunks
-from megatron_lite.model.transformer import resolve_attention_backend
-from megatron_lite.parallel.context_parallel import context_parallel_groups
-from megatron_lite.parallel.qkv import local_query_groups
+
+# The layer's own rules (transformer.py, parallel/qkv.py, parallel/context_parallel.py) are imported where
+# they are used: their modules import torch, and tools/estimate_memory.py checks its flags before torch starts.
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,8 @@ class Dims:
 
     @property
     def local_groups(self) -> int:
+        from megatron_lite.parallel.qkv import local_query_groups
+
         return local_query_groups(self.g, self.t)
 
     @property
@@ -134,6 +136,8 @@ class Dims:
     @property
     def attention_groups(self) -> int:
         """m_c: key/value groups this rank attends with (after the repeat to c groups when m < c)."""
+        from megatron_lite.parallel.context_parallel import context_parallel_groups
+
         return context_parallel_groups(self.local_groups, self.c) // self.c
 
 
@@ -153,6 +157,8 @@ def attention_kernel(config: Config, device: str) -> str:
     the flash kernel (16-bit, grouped keys and values read in place) or the memory-efficient one
     (fp32), which cannot read grouped keys and values: fp32 with groups shared by several local
     heads takes the math path (torch's sdp_utils; not measured here)."""
+    from megatron_lite.model.transformer import resolve_attention_backend
+
     m = config.model
     if resolve_attention_backend(m.attention_backend, device) != "sdpa":
         return "fused"

@@ -121,7 +121,17 @@ def pretrain(config: Config) -> int:
     """Train as the config says; returns the process exit code."""
     start = time.time()
     run = setup(config)
-    t = config.training
+    try:
+        exit_code = train(run, start)
+        dist.barrier()  # every rank is done with --save before rank 0 lets another run take it
+        return exit_code
+    finally:
+        close(run)
+
+
+def train(run: Run, start: float) -> int:
+    """The loop, the final evaluation and save, the summary: the exit code."""
+    config, t = run.config, run.config.training
     exit_code, status = 0, "stopped"
     while run.iteration < t.train_iters:
         stats = train_step(run)
@@ -144,10 +154,17 @@ def pretrain(config: Config) -> int:
     summarize(run, status, time.time() - start)
     run.tb.close()
     run.records.close()
-    dist.barrier()
+    return exit_code
+
+
+def close(run: Run) -> None:
+    """TensorBoard, the metrics records and the --save lock, closed on every way out of the run (a full disk,
+    a bad checkpoint): not left to the process's exit, so that pretrain() called from Python leaves nothing
+    open behind it. Each close is idempotent."""
+    run.tb.close()
+    run.records.close()
     if run.save_folder is not None:
         run.save_folder.release()
-    return exit_code
 
 
 def setup(config: Config) -> Run:
@@ -156,6 +173,15 @@ def setup(config: Config) -> Run:
     configure_logging(config.logging.log_level)
     # Rank 0 locks --save before any process group exists; the others learn the outcome right after.
     lock, lock_problem, lock_note = checkpointing.lock_before_init(config)
+    try:
+        return _set_up(config, lock, lock_problem, lock_note)
+    except BaseException:
+        if lock is not None:  # a bad checkpoint, a vocabulary that does not fit: the lock goes with the run
+            lock.release()
+        raise
+
+
+def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Optional[str]) -> Run:
     init_distributed(config.parallel.distributed_backend, config.logging.log_level,
                      config.parallel.distributed_timeout_minutes)
     save_folder = checkpointing.open_save_folder(config, lock, lock_problem) if config.training.save else None

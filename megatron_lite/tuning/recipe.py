@@ -71,7 +71,6 @@ from megatron_lite.model.arithmetic import (
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.calibration import Profile
-from megatron_lite.tuning.measure_model import shape_key
 from megatron_lite.tuning.throughput import Hardware, predict_from_model_times, predict_step_seconds
 from megatron_lite.validation import validate
 
@@ -343,6 +342,8 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
     and under context parallelism, which calibrate does not run (the GEMM + collectives model prices it)."""
     if profile is None or not profile.models or c.context_parallel_size > 1:
         return None
+    from megatron_lite.tuning.measure_model import shape_key  # imports torch: planning without a profile needs none
+
     world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
     times = profile.model_times(shape_key(config), world)
     point = times.point(c.tensor_model_parallel_size, c.micro_batch_size) if times else None

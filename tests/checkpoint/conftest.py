@@ -1,18 +1,17 @@
-"""Checkpoints shared by the checkpoint-tool tests: made once per session by the real training entry point.
+"""Checkpoints shared by the checkpoint-tool tests: made once per test run (tests/artefacts.py, shared by
+every pytest-xdist worker) by the real training entry point on warm ranks (tests/entry_points.py).
 
 - `run22`: TP 2 x PP 2 (4 processes), 4 layers, dropout 0, fp32, 4 steps, checkpoints at 2 and 4,
   validation at 2 and 4, every loss in TensorBoard (full precision).
 - `rope_run`: one process, rotary positions, 1 step (a model GPT-2 cannot represent).
 - `llama_run`: TP 2 (2 processes), the Llama-family block with 2 query groups, 2 steps, saved at 2.
 """
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.harness import REPO_ROOT, run_launcher
+from tests.artefacts import built_once
+from tests.entry_points import run_entry, run_script
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
@@ -21,11 +20,10 @@ MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2
          # vocabulary 400 pads to 512 at TP 1 and TP 2 alike, so resharding between them keeps the padding
          "--make-vocab-size-divisible-by", "128"]
 
-
 def run_tool(*args, check=True, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
-    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                            env=env)
+    """A script of the checkout with these arguments (tests/entry_points.py's run_script: warm for the scripts
+    that import torch): its CompletedProcess (exit code, stdout, stderr)."""
+    result = run_script(*args, timeout=timeout)
     if check:
         assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
     return result
@@ -43,20 +41,6 @@ def layout(tp, pp):
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory):
-    """(data prefix, tokenizer model) built with the project's own tools."""
-    root = tmp_path_factory.mktemp("corpus")
-    jsonl = root / "corpus.jsonl"
-    run_tool("tools/make_corpus.py", "--output", str(jsonl), "--max-docs", "120")
-    run_tool("tools/train_tokenizer.py", "--input", str(jsonl), "--vocab-size", "400", "--model-prefix",
-             str(root / "spm"))
-    run_tool("tools/preprocess_data.py", "--input", str(jsonl), "--output-prefix", str(root / "corpus"),
-             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(root / "spm.model"),
-             "--append-eod", "--workers", "1")
-    return str(root / "corpus_text_document"), str(root / "spm.model")
-
-
 def data_args(corpus):
     prefix, model = corpus
     return ["--data-path", prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
@@ -64,25 +48,26 @@ def data_args(corpus):
 
 
 def pretrain(corpus, nproc, args, timeout=400):
-    result = run_launcher(["pretrain_gpt.py", *MODEL, *data_args(corpus), *args], nproc=nproc, timeout=timeout)
+    """pretrain_gpt.py on nproc warm ranks (tests/entry_points.py); it must succeed."""
+    result = run_entry(["pretrain_gpt.py", *MODEL, *data_args(corpus), *args], nproc, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
 
 @pytest.fixture(scope="session")
 def run22(corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("run22")
-    pretrain(corpus, 4, layout(2, 2) + ["--train-iters", "4", "--save", str(root / "ckpt"), "--save-interval", "2",
-                                        "--tensorboard-dir", str(root / "tb")])
+    root = built_once(tmp_path_factory, "run22", lambda root: pretrain(
+        corpus, 4, layout(2, 2) + ["--train-iters", "4", "--save", str(root / "ckpt"), "--save-interval", "2",
+                                   "--tensorboard-dir", str(root / "tb")]))
     return {"ckpt": str(root / "ckpt"), "tb": str(root / "tb"), "losses": scalars(root / "tb", "train/loss"),
             "valid": scalars(root / "tb", "valid/loss"), "corpus": corpus}
 
 
 @pytest.fixture(scope="session")
 def rope_run(corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rope")
-    pretrain(corpus, 1, layout(1, 1) + ["--position-embedding-type", "rope", "--train-iters", "1",
-                                        "--eval-iters", "0", "--save", str(root / "ckpt")])
+    root = built_once(tmp_path_factory, "rope_run", lambda root: pretrain(
+        corpus, 1, layout(1, 1) + ["--position-embedding-type", "rope", "--train-iters", "1", "--eval-iters", "0",
+                                   "--save", str(root / "ckpt")]))
     return str(root / "ckpt")
 
 
@@ -93,9 +78,9 @@ LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attentio
 
 @pytest.fixture(scope="session")
 def llama_run(corpus, tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama")
-    pretrain(corpus, 2, layout(2, 1) + LLAMA_FLAGS + ["--train-iters", "2", "--save", str(root / "ckpt"),
-                                                      "--tensorboard-dir", str(root / "tb")])
+    root = built_once(tmp_path_factory, "llama_run", lambda root: pretrain(
+        corpus, 2, layout(2, 1) + LLAMA_FLAGS + ["--train-iters", "2", "--save", str(root / "ckpt"),
+                                                 "--tensorboard-dir", str(root / "tb")]))
     return {"ckpt": str(root / "ckpt"), "valid": scalars(root / "tb", "valid/loss"), "corpus": corpus}
 
 
@@ -108,14 +93,14 @@ def copy_checkpoint(src, dst):
 def zero1_run(corpus, tmp_path_factory):
     """One process, ZeRO 1 (so the checkpoint has a ZeRO partition file besides the layer, model-states and
     random-generator files), 2 steps, saved at 2."""
-    root = tmp_path_factory.mktemp("zero1")
-    pretrain(corpus, 1, layout(1, 1) + ["--zero-stage", "1", "--train-iters", "2", "--eval-iters", "1",
-                                        "--save", str(root / "ckpt")])
+    root = built_once(tmp_path_factory, "zero1_run", lambda root: pretrain(
+        corpus, 1, layout(1, 1) + ["--zero-stage", "1", "--train-iters", "2", "--eval-iters", "1",
+                                   "--save", str(root / "ckpt")]))
     return str(root / "ckpt")
 
 
 def pretrain_in_one_process(corpus, args, timeout=300):
-    """pretrain_gpt.py under plain python: a world of one, no launcher (faster for one-process checks)."""
+    """pretrain_gpt.py on one warm rank: a world of one, no launcher (its CompletedProcess, not checked)."""
     return run_tool("pretrain_gpt.py", *MODEL, *data_args(corpus), *args, check=False, timeout=timeout)
 
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.harness import run_launcher
+from tests.entry_points import run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_evaluate_perplexity_equals_exp_of_the_logged_validation_loss(run22, tp, pp):
     # TP 2 x PP 2 training, evaluated under another layout (resharded on the fly) on 2 processes
     prefix, _ = run22["corpus"]
-    result = run_launcher(["tools/evaluate.py", "--load", run22["ckpt"], "--data-path", prefix, "--split", "90,10,0",
+    result = run_entry(["tools/evaluate.py", "--load", run22["ckpt"], "--data-path", prefix, "--split", "90,10,0",
                            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)],
                           nproc=tp * pp, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -29,7 +29,7 @@ def test_evaluate_perplexity_equals_exp_of_the_logged_validation_loss(run22, tp,
 
 def test_a_llama_block_trained_at_tp2_evaluates_at_tp4_with_shared_query_groups_to_its_logged_loss(llama_run):
     prefix, _ = llama_run["corpus"]
-    result = run_launcher(["tools/evaluate.py", "--load", llama_run["ckpt"], "--data-path", prefix,
+    result = run_entry(["tools/evaluate.py", "--load", llama_run["ckpt"], "--data-path", prefix,
                            "--split", "90,10,0", "--tensor-model-parallel-size", "4"], nproc=4, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     match = re.search(r"at iteration 2 on the valid split: loss (\S+)", result.stdout)

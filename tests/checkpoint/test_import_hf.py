@@ -13,7 +13,7 @@ import torch
 from tests.checkpoint.conftest import data_args, error_line, run_tool, scalars
 from tests.checkpoint.hf_models import VOCAB, hf_loss, save_gpt2, save_llama
 from tests.data.corpus_mix import load_tool
-from tests.harness import run_launcher
+from tests.entry_points import run_entry
 
 SPLIT = "90,10,0"
 TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
@@ -59,7 +59,7 @@ def imported(hf, tmp_path_factory):
 
 
 def evaluate(ckpt, corpus, nproc):
-    result = run_launcher(["tools/evaluate.py", "--load", ckpt, "--data-path", corpus[0], "--split", SPLIT,
+    result = run_entry(["tools/evaluate.py", "--load", ckpt, "--data-path", corpus[0], "--split", SPLIT,
                            "--eval-iters", "1"], nproc=nproc, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return float(re.search(r"loss (\d+\.\d+)", result.stdout).group(1))
@@ -122,7 +122,7 @@ def _train(corpus, ckpt, tp, pp, save, tb, *extra):
     args = ["pretrain_gpt.py", *TRAIN, *data_args(corpus), "--tensor-model-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--load", ckpt, "--use-checkpoint-args", "--save", str(save),
             "--tensorboard-dir", str(tb), *extra]
-    result = run_launcher(args, nproc=tp * pp, timeout=400)
+    result = run_entry(args, tp * pp, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, scalars(tb, "train/loss")
 

@@ -12,7 +12,7 @@ import pytest
 from megatron_lite.checkpoint.format import LOCK_FILE, CheckpointError
 from megatron_lite.checkpoint.lock import SaveFolderLock
 from tests.checkpoint.conftest import MODEL, data_args, error_line, pretrain_in_one_process
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, read_until
 
 HOLD = "from megatron_lite.checkpoint.lock import SaveFolderLock; import sys, time; " \
        "SaveFolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)"
@@ -62,9 +62,12 @@ def test_two_runs_on_one_save_folder_the_second_is_refused_and_the_first_saves_a
         second = pretrain_in_one_process(corpus, ["--train-iters", "2", "--save", save])
         line = error_line(second)
         assert f"--save {save} is in use by another run (host {os.uname().nodename}, pid {first.pid}" in line
+        # training, so its --exit-signal-handler is in place (before it, SIGTERM's default action applies)
+        started = read_until(first.stdout, r"iteration\s+1/")
     finally:
         first.send_signal(signal.SIGTERM)  # saves at the next step and exits 0
         out, err = first.communicate(timeout=120)
+    out = "".join(started) + out
     assert first.returncode == 0, out[-2000:] + err[-2000:]
     tag = open(os.path.join(save, "latest")).read()
     files = sorted(os.listdir(os.path.join(save, tag)))

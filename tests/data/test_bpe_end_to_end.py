@@ -3,13 +3,11 @@ checkpoint tools' one line for a tokenizer file that is no longer there (pretrai
 preprocess_data.py's: tests/test_tokenizer_flags.py, tests/data/test_bpe_tokenizers.py)."""
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from megatron_lite.data.tokenizer import build_tokenizer
-from tests.data.conftest import REPO_ROOT
+from tests.entry_points import run_script
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +17,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 
 
 def run(script, *args):
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID")}
-    return subprocess.run([sys.executable, os.path.join(REPO_ROOT, script), *map(str, args)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    """The script as one process (a warm rank for the scripts that import torch: tests/entry_points.py)."""
+    return run_script(script, *args)
 
 
 def ok(result):

@@ -11,7 +11,6 @@ import zstandard
 
 from tests.harness import REPO_ROOT
 from tests.slurm.cluster import Job
-from tests.training.test_pretrain_e2e import corpus  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

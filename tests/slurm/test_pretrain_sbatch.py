@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.training.test_pretrain_e2e import corpus, losses_by_iteration  # noqa: F401
+from tests.training.test_pretrain_e2e import losses_by_iteration
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ import pytest
 
 from tests.harness import REPO_ROOT
 from tests.slurm.test_pretrain_sbatch import completed
-from tests.training.test_pretrain_e2e import corpus  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

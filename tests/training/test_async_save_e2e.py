@@ -1,4 +1,4 @@
-"""--async-save through pretrain_gpt.py and torchrun: the exit paths wait for the save in flight, a kill -9
+"""--async-save through pretrain_gpt.py (torchrun where a kill or a signal is the subject): the exit paths wait for the save in flight, a kill -9
 while the background writer runs keeps the previous checkpoint, and a resume continues the same curve."""
 import re
 import signal
@@ -6,10 +6,9 @@ import signal
 import pytest
 
 from tests.harness import signal_process_tree
-from tests.training.test_pretrain_e2e import (  # noqa: F401 - corpus is a fixture
+from tests.training.test_pretrain_e2e import (
     _launch_background,
     _wait_for,
-    corpus,
     layout,
     losses_by_iteration,
     pretrain,

@@ -13,7 +13,7 @@ import pytest
 from tests.data.test_data_worker_signals import still_running
 from tests.harness import read_until
 from tests.training.test_exit_signal_to_job_step import _start_ranks
-from tests.training.test_pretrain_e2e import MODEL, corpus, data_args, layout  # noqa: F401
+from tests.training.test_pretrain_e2e import MODEL, data_args, layout
 
 pytestmark = pytest.mark.slow
 

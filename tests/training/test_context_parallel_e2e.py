@@ -1,4 +1,4 @@
-"""pretrain_gpt.py with --context-parallel-size 2 through torchrun: the data path (each CP rank's part of
+"""pretrain_gpt.py with --context-parallel-size 2 (its main on warm ranks, tests/entry_points.py): the data path (each CP rank's part of
 the samples, EOD tokens out of the loss, DataLoader workers) trains and evaluates as one process does, and
 --timing-breakdown shows the time in the all-to-alls."""
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
-from tests.harness import run_launcher
+from tests.entry_points import run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ def _records(folder):
 
 def _run(data, tmp_path, name, nproc, extra):
     tb = tmp_path / name
-    result = run_launcher(["pretrain_gpt.py", *ARGS, "--data-path", data, "--tensorboard-dir", str(tb), *extra],
-                          nproc=nproc, timeout=300)
+    result = run_entry(["pretrain_gpt.py", *ARGS, "--data-path", data, "--tensorboard-dir", str(tb), *extra],
+                       nproc, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout, _records(tb)
 

@@ -15,7 +15,7 @@ import pytest
 from tests.harness import free_port, read_until
 from tests.data.test_data_worker_signals import still_running
 from tests.harness import REPO_ROOT
-from tests.training.test_pretrain_e2e import MODEL, corpus, data_args, layout, losses_by_iteration, pretrain  # noqa: F401
+from tests.training.test_pretrain_e2e import MODEL, data_args, layout, losses_by_iteration, pretrain
 
 pytestmark = pytest.mark.slow
 

@@ -1,16 +1,17 @@
-"""pretrain_gpt.py end to end, through the real launchers, on a tiny corpus made from Python's own sources."""
+"""pretrain_gpt.py end to end on a tiny corpus made from Python's own sources: its main on warm ranks
+(tests/entry_points.py), and through the real launchers where the launcher, a signal or a kill is the subject."""
 import glob
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from tests.harness import REPO_ROOT, run_launcher, signal_process_tree, start_launcher
+from tests.entry_points import run_entry
+from tests.harness import run_launcher, signal_process_tree, start_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -18,25 +19,6 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
          "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "2", "--num-workers", "0",
          "--make-vocab-size-divisible-by", "16", "--seed", "5"]
-
-
-def _tool(*args):
-    result = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
-    return result
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """(data prefix, tokenizer model) built with the project's own tools."""
-    root = tmp_path_factory.mktemp("corpus")
-    jsonl = root / "corpus.jsonl"
-    _tool("tools/make_corpus.py", "--output", str(jsonl), "--max-docs", "120")
-    _tool("tools/train_tokenizer.py", "--input", str(jsonl), "--vocab-size", "400", "--model-prefix", str(root / "spm"))
-    _tool("tools/preprocess_data.py", "--input", str(jsonl), "--output-prefix", str(root / "corpus"),
-          "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(root / "spm.model"), "--append-eod",
-          "--workers", "1")
-    return str(root / "corpus_text_document"), str(root / "spm.model")
 
 
 def data_args(corpus):
@@ -49,21 +31,22 @@ def layout(tp, pp):
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
 
-def pretrain(corpus, nproc, args, timeout=300, launcher="torchrun"):
-    result = run_launcher(["pretrain_gpt.py", *MODEL, *data_args(corpus), *args], nproc=nproc, timeout=timeout,
-                          launcher=launcher)
-    return result
+def pretrain(corpus, nproc, args, timeout=300, launcher=None):
+    """pretrain_gpt.py on nproc ranks: warm ones, or fresh processes under `launcher` (torchrun, deepspeed)."""
+    script = ["pretrain_gpt.py", *MODEL, *data_args(corpus), *args]
+    if launcher is None:
+        return run_entry(script, nproc, timeout=timeout)
+    return run_launcher(script, nproc=nproc, timeout=timeout, launcher=launcher)
 
 
 def losses_by_iteration(text):
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"iteration\s+(\d+)/\d+ .*?\| loss (\S+)", text)}
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tp, pp, dp, tmp_path):
+def _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, launcher=None):
     result = pretrain(corpus, tp * pp * dp, layout(tp, pp) + ["--train-iters", "4", "--eval-interval", "2",
                                                                 "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
-                                                                "--keep-last", "2"])
+                                                                "--keep-last", "2"], launcher=launcher)
     assert result.returncode == 0, result.stdout + result.stderr
     losses = losses_by_iteration(result.stdout)
     assert sorted(losses) == [1, 2, 3, 4]
@@ -73,6 +56,15 @@ def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tp, pp, dp, tmp_path
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004",
                                                                                   "metrics"]
     assert glob.glob(str(tmp_path / "ckpt" / "iter_0000004" / "layer_*-model_*-model_states.pt"))
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_pretrain_runs_a_few_steps_saves_keeps_the_last_two_and_evaluates(corpus, tp, pp, dp, tmp_path):
+    _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path)
+
+
+def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tmp_path):
+    _runs_a_few_steps_saves_and_evaluates(1, 2, 1, corpus, tmp_path, launcher="torchrun")
 
 
 def test_zero2_at_pp1_trains_evaluates_and_saves(corpus, tmp_path):
@@ -85,7 +77,7 @@ def test_zero2_at_pp1_trains_evaluates_and_saves(corpus, tmp_path):
 
 
 def test_pretrain_runs_under_the_deepspeed_launcher(corpus, tmp_path):
-    result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2"], launcher="deepspeed")
+    result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2"], launcher="deepspeed")  # the launcher's env
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(losses_by_iteration(result.stdout)) == [1, 2]
 
