@@ -116,12 +116,20 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
         results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task")), dist.is_initialized()))
     if dist.is_initialized():
         dist.destroy_process_group()
+    import multiprocessing
+
+    for child in multiprocessing.active_children():  # a task's leftovers: multiprocessing would wait for them
+        child.kill()
 
 
 # What the fork server imports once, so that a worker forked from it starts in milliseconds: spawning one
 # that imports torch and DeepSpeed itself took 2-3 s of CPU, on a machine with 2 cores, for each worker of
 # each pool of each test module.
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_lite.training.loop",
+# The first engine a process builds imports torch._dynamo (torch.optim's constructors) and inductor (DeepSpeed's
+# ZeRO checks import its Muon optimizer, whose module compiles): 3.1 s of the first engine's 3.4 s, measured
+# with cProfile in a forked worker.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "deepspeed",
+                       "deepspeed.runtime.zero.muon.muon_optimizer", "megatron_lite.training.loop",
                        "tests.device", "tests.harness", "tests.entry_points"]
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Torch-free imports only up here: --help, a bad flag and a missing path are refused before torch starts.
 from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.checkpoint import preflight  # noqa: E402
-from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +98,12 @@ def refuse_early(args) -> None:
         preflight.refuse_existing(args.output)
         preflight.hf_config_path(args.input)
         return
-    resolve_tag(args.load, args.iteration)
+    tag = resolve_tag(args.load, args.iteration)
+    if args.command == "reshard" and min(args.target_tensor_model_parallel_size,
+                                         args.target_pipeline_model_parallel_size) < 1:
+        model = read_metadata(args.load, tag)["config"].get("model", {})
+        preflight.refuse_target_sizes(model.get("num_attention_heads"), model.get("num_layers"),
+                                      args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size)
 
 
 def main(argv=None) -> int:

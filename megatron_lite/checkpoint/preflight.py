@@ -50,3 +50,15 @@ def hf_config_path(folder: str) -> str:
     if not os.path.isfile(path):
         raise CheckpointError(f"--input {folder} has no config.json: it is not a Hugging Face model folder")
     return path
+
+
+def refuse_target_sizes(num_attention_heads: int, num_layers: int, tp: int, pp: int) -> None:
+    """reshard's target sizes out of range, named with the model's heads and layers (whether a TP size fits
+    the heads and query groups is checkpoint/reshard.py's target_config's to say)."""
+    if tp < 1:
+        raise CheckpointError(f"--target-tensor-model-parallel-size {tp} must be at least 1 and divide the model's "
+                              f"{num_attention_heads} attention heads")
+    if pp < 1 or pp > num_layers:
+        raise CheckpointError(f"--target-pipeline-model-parallel-size {pp} must be between 1 and the model's "
+                              f"{num_layers} transformer layers")
+

@@ -39,15 +39,14 @@ from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
+from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
 
 
 def target_config(source: Config, tp: int, pp: int, partition_method: Optional[str]) -> Config:
     m, p = source.model, source.parallel
-    if tp < 1:
-        raise CheckpointError(f"--target-tensor-model-parallel-size {tp} must be at least 1 and divide the model's "
-                              f"{m.num_attention_heads} attention heads")
+    preflight.refuse_target_sizes(m.num_attention_heads, m.num_layers, tp, pp)
     if m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not divide the model's "
                               f"{m.num_attention_heads} attention heads and --ffn-hidden-size {m.ffn_hidden_size}; "
@@ -59,9 +58,6 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
                               f"groups: a TP size must divide the groups, or be a multiple of them that divides "
                               f"their {groups * head_dim} key/value rows; e.g. "
                               f"{' or '.join(str(t) for t in (1, 2, 4, 8) if not groups % t or not t % groups)}")
-    if pp < 1 or m.num_layers < pp:
-        raise CheckpointError(f"--target-pipeline-model-parallel-size {pp} must be between 1 and the model's "
-                              f"{m.num_layers} transformer layers")
     method = partition_method or p.pipeline_partition_method
     if partition_method is None and method[0].isdigit():  # explicit counts were for the old PP
         method = "cost"

@@ -74,6 +74,12 @@ def _stop_workers(iterator_ref, workers) -> None:
             worker.join(timeout=10)
 
 
+def stop_workers(iterator) -> None:
+    """The run is over: its iterator's workers stopped now, as at interpreter exit (_stop_workers), so that
+    a run called from Python leaves no process behind. An iterator without workers: nothing to do."""
+    _stop_workers(lambda: iterator, list(getattr(iterator, "_workers", ())))
+
+
 def loader_options() -> dict:
     """The DataLoader arguments that say how its workers start."""
     return {"multiprocessing_context": START_METHOD, "worker_init_fn": functools.partial(init_worker, os.getpid())}

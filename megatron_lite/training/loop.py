@@ -22,6 +22,7 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.data import workers
 from megatron_lite.data.workers import TRAINER_SIGNALS
 from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
@@ -158,9 +159,10 @@ def train(run: Run, start: float) -> int:
 
 
 def close(run: Run) -> None:
-    """TensorBoard, the metrics records and the --save lock, closed on every way out of the run (a full disk,
-    a bad checkpoint): not left to the process's exit, so that pretrain() called from Python leaves nothing
-    open behind it. Each close is idempotent."""
+    """The data workers, TensorBoard, the metrics records and the --save lock, closed on every way out of the
+    run (a full disk, a bad checkpoint): not left to the process's exit, so that pretrain() called from Python
+    leaves nothing running or open behind it. Each close is idempotent."""
+    workers.stop_workers(run.train_iter)
     run.tb.close()
     run.records.close()
     if run.save_folder is not None:

@@ -304,3 +304,19 @@ def test_a_profile_partitioned_run_resumes_with_the_stages_it_saved(corpus, tmp_
     second = pretrain(corpus, 2, common + ["--load", str(tmp_path / "ckpt")])
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"pipeline stages ({','.join(map(str, counts))})" in second.stdout
+
+
+def _child_processes():
+    import psutil
+
+    return [" ".join(c.cmdline())[:80] for c in psutil.Process().children(recursive=True)]
+
+
+def test_a_run_called_from_python_leaves_no_data_worker_running_when_it_returns(corpus):
+    from tests.harness import run_distributed
+
+    result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2", "--num-workers", "2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    # pretrain() returned in these very processes (warm ranks): its DataLoader workers are gone with it
+    assert run_distributed(_child_processes, 2) == [[], []]
+
