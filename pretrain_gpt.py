@@ -19,4 +19,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from megatron_lite.process_end import run_then_end
+
+    run_then_end(main, sys.argv[1:])  # not the interpreter's exit: its finalization can abort gloo's threads

@@ -6,9 +6,11 @@
 # --fast: the quick tier for edit-and-test loops: no installs or builds (run the full script once
 # first), and only the tests not marked slow (pytest -m "not slow"; see README, Tests). Besides the
 # marked ones, a test that took tests/conftest.py's FAST_TIER_LIMIT_S or more when last recorded in
-# tests/durations.json is slow, unless it is its function's quickest parameter set. To record again:
-#   TEST_DURATIONS_OUT=$PWD/tests/durations.json bash scripts/test.sh          # the whole suite
-#   TEST_DURATIONS_OUT=$PWD/tests/durations.json bash scripts/test.sh --fast   # then the fast tier's own times
+# tests/durations.json is slow, unless it is its function's quickest parameter set.
+#
+# Every whole-suite run prints its wall time and its 20 slowest tests and records each test's seconds in
+# tests/durations.json (TEST_DURATIONS_OUT, another file to keep it elsewhere), so a slowdown shows in CI's
+# log and in the diff; a --fast run records only when TEST_DURATIONS_OUT is set.
 #
 # Tests run on TEST_WORKERS pytest-xdist workers (default 2, one per core of the development VM), a test
 # file whole on one worker (tests/conftest.py groups them; the Slurm tests share one worker and cluster).
@@ -21,6 +23,11 @@ run_tests() {
     python3 -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup -m "$marks" "$@"
 }
 cd "$(dirname "$0")/.."
+report_wall_time() {
+    local code=$?
+    echo "scripts/test.sh: $((SECONDS / 60)) min $((SECONDS % 60)) s wall, exit $code" >&2
+}
+trap report_wall_time EXIT
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     if ! python3 -c "import torch, megatron_lite._C" 2>/dev/null; then
@@ -33,4 +40,4 @@ fi
 python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e ".[test]"
 bash scripts/check_cuda_compile.sh
-run_tests "slow or not slow" "$@"
+TEST_DURATIONS_OUT=${TEST_DURATIONS_OUT:-$PWD/tests/durations.json} run_tests "slow or not slow" "$@"

@@ -79,10 +79,23 @@ def pytest_collection_modifyitems(config, items):
     worker, so its module fixtures are built once; so do the files that share session fixtures. tryfirst:
     xdist reads the groups in its own hook, and `-m "not slow"` deselects in pytest's own, after the
     recorded durations have marked the slow ones."""
-    mark_slow_by_record(items, _recorded_seconds())
+    seconds = _recorded_seconds()
+    mark_slow_by_record(items, seconds)
     for item in items:
         path = item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(_group(path)))
+    items[:] = longest_groups_first(items, seconds)
+
+
+def longest_groups_first(items, seconds: dict) -> list:
+    """The items with their groups in order of recorded seconds, longest first (each group's own order kept).
+    pytest-xdist hands the groups out in this order to whichever worker is free: with the long ones (the
+    Slurm tests, 3-4 minutes on one worker) last, one worker went on alone for a minute and a half after
+    the other had finished; longest first leaves only short groups for the end."""
+    totals = defaultdict(float)
+    for item in items:
+        totals[_group(item.nodeid.split("::")[0])] += seconds.get(item.nodeid, 0.0)
+    return sorted(items, key=lambda item: -totals[_group(item.nodeid.split("::")[0])])  # stable
 
 
 _durations = defaultdict(float)

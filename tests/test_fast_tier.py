@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FAST_TIER_LIMIT_S, mark_slow_by_record
+from tests.conftest import FAST_TIER_LIMIT_S, longest_groups_first, mark_slow_by_record
 from tests.harness import REPO_ROOT
 
 
@@ -38,6 +38,16 @@ def test_the_quickest_parameter_set_not_marked_slow_stays_in_the_fast_tier_even_
     mark_slow_by_record(items, {"t.py::test_layouts[1-1]": 1.0, "t.py::test_layouts[2-1]": 20.0,
                                 "t.py::test_layouts[2-2]": 30.0})
     assert _slow(items) == ["t.py::test_layouts[1-1]", "t.py::test_layouts[2-2]"]
+
+
+def test_groups_go_out_longest_first_each_in_its_own_order_and_the_slurm_files_as_one():
+    items = [_Item(n) for n in ("tests/a.py::x", "tests/a.py::y", "tests/slurm/p.py::s", "tests/b.py::z",
+                                "tests/slurm/q.py::t", "tests/new.py::n")]
+    seconds = {"tests/a.py::x": 5.0, "tests/a.py::y": 1.0, "tests/b.py::z": 30.0, "tests/slurm/p.py::s": 10.0,
+               "tests/slurm/q.py::t": 10.0}
+    assert [i.nodeid for i in longest_groups_first(items, seconds)] == [
+        "tests/b.py::z", "tests/slurm/p.py::s", "tests/slurm/q.py::t", "tests/a.py::x", "tests/a.py::y",
+        "tests/new.py::n"]
 
 
 @pytest.mark.slow

@@ -65,4 +65,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_lite.process_end import run_then_end
+
+    run_then_end(main, sys.argv[1:])  # not the interpreter's exit: its finalization can abort gloo's threads

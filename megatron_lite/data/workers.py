@@ -8,20 +8,13 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import multiprocessing.context
 import os
 import signal
 import sys
 import weakref
 from multiprocessing import resource_tracker
 
-# How workers start. Not fork: the trainer runs threads by then (gloo's, DeepSpeed's, TensorBoard's), and a
-# lock one of them holds at the fork stays locked forever in the child, whose first batch then never comes
-# (one short run in ~40 hung so; tests/data/test_data_worker_start.py). Not forkserver: its workers are the
-# server's children, PyTorch's workers watch their parent, and the server waits for its workers, so a
-# SIGKILLed trainer leaves them running for good. spawn fork+execs a fresh interpreter per worker, a child
-# of the trainer: about 1.1-1.3 s to the first batch (mostly `import torch`), once per run as the workers
-# persist, against 0.03 s for fork (2 cores; forkserver 1.3 s), and 150 MiB of its own against 15 MiB.
-START_METHOD = "spawn"
 
 # The signals the trainer turns into "save and stop" (training/loop.py, --exit-signal-handler).
 TRAINER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -48,6 +41,34 @@ def end_with_trainer(trainer_pid: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != trainer_pid:  # after prctl: a trainer gone before it is caught here
         os._exit(0)
+
+
+def _tied_to_trainer(trainer_pid: int, cls):
+    """The first thing a new worker unpickles (its Process object's constructor, before the Process's own
+    state: the dataset, the loop that imports torch): it ends with its trainer from here on. Tied only in
+    init_worker, a worker whose trainer died while it imported torch lived on until the import was done,
+    a second and a half on an idle 2-core VM and, in one full test suite, over 30 s."""
+    end_with_trainer(trainer_pid)
+    return cls.__new__(cls)
+
+
+class _TrainerBoundProcess(multiprocessing.context.SpawnProcess):
+    """A spawned DataLoader worker that ties itself to its trainer as it starts (_tied_to_trainer)."""
+
+    def __reduce__(self):
+        # Pickled by the trainer when it spawns the worker: os.getpid() is the trainer's.
+        return _tied_to_trainer, (os.getpid(), type(self)), self.__dict__
+
+
+# How workers start. Not fork: the trainer runs threads by then (gloo's, DeepSpeed's, TensorBoard's), and a
+# lock one of them holds at the fork stays locked forever in the child, whose first batch then never comes
+# (one short run in ~40 hung so; tests/data/test_data_worker_start.py). Not forkserver: its workers are the
+# server's children, PyTorch's workers watch their parent, and the server waits for its workers, so a
+# SIGKILLed trainer leaves them running for good. spawn fork+execs a fresh interpreter per worker, a child
+# of the trainer: about 1.1-1.3 s to the first batch (mostly `import torch`), once per run as the workers
+# persist, against 0.03 s for fork (2 cores; forkserver 1.3 s), and 150 MiB of its own against 15 MiB.
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _TrainerBoundProcess
 
 
 def init_worker(trainer_pid: int, worker_id: int) -> None:
@@ -82,7 +103,7 @@ def stop_workers(iterator) -> None:
 
 def loader_options() -> dict:
     """The DataLoader arguments that say how its workers start."""
-    return {"multiprocessing_context": START_METHOD, "worker_init_fn": functools.partial(init_worker, os.getpid())}
+    return {"multiprocessing_context": _WorkerContext(), "worker_init_fn": functools.partial(init_worker, os.getpid())}
 
 
 def start_workers(loader):

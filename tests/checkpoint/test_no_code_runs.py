@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tests.checkpoint.conftest import error_line, pretrain_in_one_process, run_tool
+from tests.checkpoint.conftest import MODEL, data_args, error_line, pretrain_in_one_process, run_tool
 
 pytestmark = pytest.mark.slow
 
@@ -102,3 +102,18 @@ def test_a_pickle_payload_is_refused_by_name_and_never_runs(tool, kind, poisoned
     line = error_line(result)
     assert FILES[kind] in line and "refused" in line and "posix.mkdir" in line, line
     assert not (tmp_path / "out").exists() and not (tmp_path / "m.pt").exists() and not (tmp_path / "hf").exists()
+
+
+def test_pretrain_gpt_as_a_process_of_its_own_refuses_a_payload_with_exit_2(poisoned, corpus, tmp_path):
+    """The cases above run pretrain_gpt.py's main on a warm rank; this one is the real process, whose exit
+    code is the interpreter's: it once printed its refusal and then aborted (exit -6) as it ended
+    (megatron_lite/process_end.py says why)."""
+    from tests.artefacts import run_tool as run_in_a_new_process
+
+    ckpt, marker = poisoned["layer"]
+    result = run_in_a_new_process("pretrain_gpt.py", *MODEL, *data_args(corpus), "--train-iters", "3",
+                                  "--zero-stage", "1", "--load", ckpt, check=False)
+    assert not os.path.exists(marker)
+    line = error_line(result)
+    assert FILES["layer"] in line and "refused" in line, line
+

@@ -33,9 +33,12 @@ SCRIPT = textwrap.dedent("""
         # the trainer's own handler (training/loop.py installs one with --exit-signal-handler)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: received.append(signum))
+    if sys.argv[1] == "slow_start":  # the workers take a minute to start
+        from tests.data.slow_start import SlowToUnpickle
+        dataset = SlowToUnpickle(dataset)
     it = build_data_iterator(dataset, 0, 2, 0, 1, num_workers=2)
     print("workers", *[w.pid for w in it._workers], flush=True)
-    if sys.argv[1] == "starting":  # the workers are still starting (importing torch)
+    if sys.argv[1] in ("starting", "slow_start"):  # the workers are still starting (importing torch)
         print("ready", flush=True)
         time.sleep(600)
     if sys.argv[1] == "signal":
@@ -134,7 +137,8 @@ def test_a_signal_to_the_whole_process_group_leaves_data_workers_running_and_the
     assert "killed by signal" not in out
 
 
-@pytest.mark.parametrize("mode", ["wait", "starting"], ids=["serving", "while_starting"])
+@pytest.mark.parametrize("mode", ["wait", "starting", "slow_start"],
+                         ids=["serving", "while_starting", "while_a_slow_start_runs"])
 def test_data_workers_stop_when_their_trainer_is_killed(mode):
     proc, workers, _ = _start(mode)
     try:
