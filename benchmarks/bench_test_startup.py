@@ -159,7 +159,8 @@ def print_prices(best: dict) -> None:
     print("\n| what | wall s | CPU s | to first step s |\n|---|---|---|---|")
     for name, r in best.items():
         first = f"{r['first_step']:.2f}" if r.get("first_step") else ""
-        cpu = f"{r['cpu']:.2f}" if "cpu" in r else ""
+        # A forked worker is the fork server's child, not this process's: its CPU is not in our rusage.
+        cpu = f"{r['cpu']:.2f}" if "cpu" in r and "fork server" not in name else ""
         print(f"| {name} | {r['wall']:.2f} | {cpu} | {first} |")
 
 

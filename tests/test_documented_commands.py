@@ -78,9 +78,13 @@ def parse(text: str):
 
 
 # One interpreter prints many --help texts (torch is imported once, not once per tool): each script runs as
-# __main__ with its folder first on sys.path, as `python SCRIPT SUBCOMMAND --help` would run it.
+# __main__ with its folder first on sys.path, as `python SCRIPT SUBCOMMAND --help` would run it. The commands
+# that end their process without the interpreter's finalization (megatron_lite/process_end.py) raise
+# SystemExit here instead, so the next script still runs.
 HELP_RUNNER = r"""
 import contextlib, io, json, os, runpy, sys
+import megatron_lite.process_end
+megatron_lite.process_end.end_process = sys.exit
 texts = {}
 for script, subcommand in json.loads(sys.argv[1]):
     path, argv, out, code = list(sys.path), list(sys.argv), io.StringIO(), 1
