@@ -187,8 +187,9 @@ def print_map(log: str, durations: str, prices: dict) -> None:
         path = row["test"].split("::")[0] or "(collection)"
         kind, ranks = row["kind"], row["ranks"]
         if kind == "pool":
-            kinds[path][f"pool {ranks}"] += 1
-            startup[path] += ranks * prices["spawned-pool-rank"]
+            forked = row["argv"] == ["forkserver"]  # earlier logs name no method: their pools were spawned
+            kinds[path][f"{'forked' if forked else 'spawned'} pool {ranks}"] += 1
+            startup[path] += 0.0 if forked else ranks * prices["spawned-pool-rank"]
         elif kind in ("torchrun", "deepspeed"):
             kinds[path][f"{kind} {ranks}"] += 1
             startup[path] += ranks * prices["torchrun-rank"]
@@ -200,7 +201,9 @@ def print_map(log: str, durations: str, prices: dict) -> None:
             startup[path] += prices["python"]
         else:
             kinds[path][kind] += 1
-    print("| file | test s | cold processes | their start-up, CPU s |\n|---|---|---|---|")
+    # A forked pool's workers cost no start-up of their own (the fork server imported once per pytest worker);
+    # processes that a script (bash) or Slurm starts are not this process's children and are not in the log.
+    print("| file | test s | processes started | their start-up, CPU s |\n|---|---|---|---|")
     for path in sorted(seconds, key=lambda p: -seconds[p]):
         if seconds[path] < 20:
             continue

@@ -167,7 +167,7 @@ class _Pool:
             p.start()
         from tests import process_log
 
-        process_log.record("pool", world_size)
+        process_log.record("pool", world_size, argv=[ctx.get_start_method()])
 
     def collect(self, fn: Callable, args, kwargs, timeout: float, failed: Callable[[Any], bool] = lambda v: False,
                 grace: float = 5.0):
