@@ -9,7 +9,7 @@ follows the one before it (torchrun interleaves them by time). The exit code is 
 rank order, as sys.exit gave it, or 1 with the traceback on stderr for an exception that escaped main.
 
 What a real process adds is not tested here: the launcher, signals, a kill, the interpreter's exit.
-The tests for those keep `run_launcher` (tests/README.md: which tests do, and why).
+The tests about those keep `run_launcher` (docs/getting-started.md, Tests, says which and why).
 """
 from __future__ import annotations
 

@@ -2,10 +2,12 @@
 
 `run_distributed(fn, world_size, *args)` runs a module-level function on every
 rank and returns the per-rank results in rank order. Worker pools are kept per
-world size and reused across the tests of a module (starting 8 Python processes
-that import torch and DeepSpeed costs more than most tests), replaced when their
-workers have gathered too many threads, and thrown away after any failure or
-timeout so that a hang fails one test instead of stalling CI.
+world size and reused across the tests of a module, replaced when their workers
+have gathered too many threads, and thrown away after any failure or timeout so
+that a hang fails one test instead of stalling CI. Their workers are forked from
+a fork server that has imported torch, DeepSpeed and the training loop once per
+pytest process (spawned, each worker imported them itself: 2-5 s of CPU apiece).
+tests/entry_points.py runs a script's main on them as torchrun runs the script.
 """
 from __future__ import annotations
 
@@ -134,9 +136,9 @@ FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._in
 
 
 def _start_context():
-    """forkserver on the CPU: the server imports FORK_SERVER_PRELOAD and runs no thread, so its forks are
-    safe. spawn when the tests run on a GPU: the server's imports would ask the CUDA driver about devices,
-    and a process forked after that cannot use CUDA."""
+    """forkserver on the CPU: the server only imports FORK_SERVER_PRELOAD, and a worker forked from it starts
+    with one thread (the forking one; counted in /proc). spawn when the tests run on a GPU: the server's
+    imports would ask the CUDA driver about devices, and a process forked after that cannot use CUDA."""
     from tests.device import test_device
 
     if (test_device() or "").startswith("cuda"):
