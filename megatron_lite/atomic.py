@@ -211,10 +211,44 @@ def save_torch(obj, path: str) -> None:
         raise WriteError(path, describe(e)) from None
 
 
+RENAME_EXCHANGE = 2  # linux/fs.h: renameat2 swaps the two names in one step
+AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names of `a` and `b` atomically (Linux renameat2); False where the system cannot."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    return renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0
+
+
+def _replace_folder(tmp: str, path: str) -> None:
+    """Publish folder `tmp` at `path`, which holds a previous folder: swapped in one step where the system can
+    (a crash leaves the old folder or the new one at `path`, whole); elsewhere the old one is first renamed
+    aside under a name no cleanup removes (`.NAME.replaced-...`), so a crash in between loses nothing."""
+    if _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous folder, now under the temporary name
+        return
+    folder, name = os.path.split(os.path.abspath(path))
+    aside = os.path.join(folder, f".{name}.replaced-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(path, aside)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        os.rename(aside, path)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def atomic_folder(path: str) -> Iterator[str]:
+def atomic_folder(path: str, replace: bool = False) -> Iterator[str]:
     """`with atomic_folder(out) as tmp: write files into tmp`: the folder appears at `out`, whole, only
-    when the block ends without an exception; `out` must not exist. On failure tmp is removed."""
+    when the block ends without an exception; `out` must not exist, unless `replace` (an --overwrite), when
+    a folder there is replaced by the new one only once the new one is complete. On failure tmp is removed."""
     remove_stale_temporaries(path)
     tmp = temporary_name(path)
     try:
@@ -225,7 +259,10 @@ def atomic_folder(path: str) -> Iterator[str]:
         yield tmp
         for root, _, files in os.walk(tmp):
             fsync_folder(root)
-        os.rename(tmp, path)
+        if replace and os.path.isdir(path):
+            _replace_folder(tmp, path)
+        else:
+            os.rename(tmp, path)
         fsync_folder(os.path.dirname(os.path.abspath(path)))
     except WriteError as e:  # a file inside: name it where it was to appear
         shutil.rmtree(tmp, ignore_errors=True)

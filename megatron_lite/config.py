@@ -35,11 +35,18 @@ class ConfigError(ValueError):
         self.code = self.codes[0]
 
 
+TIMEOUT_MINUTES_MAX = 10 ** 7
+"""--distributed-timeout-minutes at most (19 years): Python's timedelta, which torch.distributed takes,
+overflows near 1.4e12 minutes; past this a value is a typo, not a plan."""
+
+
 def option(default: Any, flag: str, **cli: Any) -> Any:
     """A field set by `flag` (Megatron-LM's name). `cli` holds what argparse needs beyond the
     field's type: action (store_true is implied for a bool defaulting to False; store_false and
     boolean_optional), choices, nargs, metavar, aliases, and parse / unparse (flag values <->
-    field value) for fields whose syntax is richer than one value."""
+    field value) for fields whose syntax is richer than one value; and a number's range, as
+    flag_numbers.problem() takes it: minimum / maximum (inclusive), above / below (exclusive),
+    which validation's number_rules checks for every value, from a flag or from code."""
     return field(default=default, metadata={"flag": flag, **cli})
 
 
@@ -106,39 +113,39 @@ def vocab_padding_note(vocab_size: int, divisible_by: int, tensor_model_parallel
 
 @dataclass(frozen=True)
 class ModelConfig:
-    num_layers: int = option(2, "--num-layers")
+    num_layers: int = option(2, "--num-layers", minimum=1)
     """Transformer layers."""
-    hidden_size: int = option(64, "--hidden-size")
+    hidden_size: int = option(64, "--hidden-size", minimum=1)
     """Width of the residual stream."""
-    num_attention_heads: int = option(4, "--num-attention-heads")
+    num_attention_heads: int = option(4, "--num-attention-heads", minimum=1)
     """Attention heads; split whole across TP ranks."""
-    ffn_hidden_size: Optional[int] = option(None, "--ffn-hidden-size")
+    ffn_hidden_size: Optional[int] = option(None, "--ffn-hidden-size", minimum=1)
     """MLP inner width; when not given, 4 x --hidden-size (filled by validation)."""
-    seq_length: int = option(128, "--seq-length")
+    seq_length: int = option(128, "--seq-length", minimum=1)
     """Tokens per sample."""
-    max_position_embeddings: Optional[int] = option(None, "--max-position-embeddings")
+    max_position_embeddings: Optional[int] = option(None, "--max-position-embeddings", minimum=1)
     """Rows of the learned position table, >= --seq-length; when not given, --seq-length."""
-    vocab_size: Optional[int] = option(None, "--vocab-size")
+    vocab_size: Optional[int] = option(None, "--vocab-size", minimum=1)
     """Tokenizer vocabulary before padding: the tokenizer's own size when it has files (then this flag must
     agree with it, or be left out), or the size for --tokenizer-type NullTokenizer."""
-    make_vocab_size_divisible_by: int = option(128, "--make-vocab-size-divisible-by")
+    make_vocab_size_divisible_by: int = option(128, "--make-vocab-size-divisible-by", minimum=1)
     """Pad the vocabulary to a multiple of this x TP so it splits evenly."""
     padded_vocab_size: Optional[int] = None
     """Vocabulary after padding for TP; derived by validation, never set by a flag."""
-    hidden_dropout: float = option(0.1, "--hidden-dropout")
+    hidden_dropout: float = option(0.1, "--hidden-dropout", minimum=0, below=1)
     """Dropout on the residual branches and embeddings."""
-    attention_dropout: float = option(0.1, "--attention-dropout")
+    attention_dropout: float = option(0.1, "--attention-dropout", minimum=0, below=1)
     """Dropout on attention probabilities."""
     position_embedding_type: str = option("learned_absolute", "--position-embedding-type",
                                           choices=("learned_absolute", "rope"))
     """Learned absolute positions (GPT-2) or rotary embeddings."""
-    rotary_base: int = option(10000, "--rotary-base")
+    rotary_base: int = option(10000, "--rotary-base", minimum=1)
     """Base of the rotary frequencies."""
     untie_embeddings_and_output_weights: bool = option(False, "--untie-embeddings-and-output-weights")
     """Give the output head its own weight instead of reusing the embedding."""
-    init_method_std: float = option(0.02, "--init-method-std")
+    init_method_std: float = option(0.02, "--init-method-std", minimum=0)
     """Standard deviation of the normal weight initialisation."""
-    norm_epsilon: float = option(1e-5, "--norm-epsilon", aliases=("--layernorm-epsilon",))
+    norm_epsilon: float = option(1e-5, "--norm-epsilon", above=0, aliases=("--layernorm-epsilon",))
     """Epsilon of every LayerNorm or RMSNorm (--layernorm-epsilon is its older name, as in Megatron-LM)."""
     normalization: str = option("LayerNorm", "--normalization", choices=NORMALIZATIONS)
     """Normalisation of the layers and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama)."""
@@ -149,14 +156,14 @@ class ModelConfig:
     """GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) computes it; default: exact (erf)."""
     group_query_attention: bool = option(False, "--group-query-attention")
     """Grouped-query attention: --num-query-groups key/value heads, each shared by a group of query heads."""
-    num_query_groups: Optional[int] = option(None, "--num-query-groups")
+    num_query_groups: Optional[int] = option(None, "--num-query-groups", minimum=1)
     """Key/value heads with --group-query-attention (1 = multi-query attention); otherwise one per attention
     head (filled by validation)."""
     add_bias_linear: bool = option(True, "--disable-bias-linear", action="store_false")
     """Drop the bias of every linear layer (attention and MLP), as Llama does."""
     use_rope_scaling: bool = option(False, "--use-rope-scaling")
     """Llama 3.1's rotary frequency scaling (low/high-frequency factors 1 and 4, original context 8192)."""
-    rope_scaling_factor: float = option(8.0, "--rope-scaling-factor")
+    rope_scaling_factor: float = option(8.0, "--rope-scaling-factor", minimum=1)
     """With --use-rope-scaling: the factor long wavelengths are divided by."""
     recompute_activations: bool = option(False, "--recompute-activations")
     """Megatron-LM's shorthand for --recompute-granularity selective (recompute the attention core in
@@ -170,7 +177,7 @@ class ModelConfig:
     """With --recompute-granularity full: uniform (each pipeline stage's layers in chunks of
     --recompute-num-layers, each chunk recomputed from its input) or block (the first
     --recompute-num-layers layers of each stage recomputed one by one, the rest not)."""
-    recompute_num_layers: Optional[int] = option(None, "--recompute-num-layers")
+    recompute_num_layers: Optional[int] = option(None, "--recompute-num-layers", minimum=1)
     """With --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed layers per
     pipeline stage (block)."""
     attention_backend: str = option("auto", "--attention-backend", choices=("auto", "sdpa", "fused"))
@@ -187,11 +194,11 @@ class ModelConfig:
 class ParallelConfig:
     world_size: int = 1
     """Processes in the job, from the launcher's environment (WORLD_SIZE / SLURM_NTASKS)."""
-    tensor_model_parallel_size: int = option(1, "--tensor-model-parallel-size")
+    tensor_model_parallel_size: int = option(1, "--tensor-model-parallel-size", minimum=1)
     """TP degree: ranks that split each matrix (within a node)."""
-    pipeline_model_parallel_size: int = option(1, "--pipeline-model-parallel-size")
+    pipeline_model_parallel_size: int = option(1, "--pipeline-model-parallel-size", minimum=1)
     """PP degree: stages the layers are split into."""
-    context_parallel_size: int = option(1, "--context-parallel-size")
+    context_parallel_size: int = option(1, "--context-parallel-size", minimum=1)
     """CP degree: ranks that split each sample's sequence (world = TP x CP x PP x DP). Each holds
     seq/CP tokens outside attention; inside it an all-to-all gives each all tokens of (heads/TP)/CP
     heads. Gradients are reduced, and ZeRO partitions, over DP x CP."""
@@ -214,45 +221,45 @@ class ParallelConfig:
     """Offload optimizer state to CPU through ZeRO (--pipeline-model-parallel-size 1, --zero-stage >= 1)."""
     distributed_backend: Optional[str] = option(None, "--distributed-backend", choices=("nccl", "gloo"))
     """Collective backend; when not given, nccl with CUDA, gloo otherwise."""
-    distributed_timeout_minutes: float = option(10.0, "--distributed-timeout-minutes")
+    distributed_timeout_minutes: float = option(10.0, "--distributed-timeout-minutes", above=0, maximum=TIMEOUT_MINUTES_MAX)
     """How long a rank waits in a collective (and at start-up for the others) before the run ends with an
     error naming it: another rank is stuck or died. Fractions allowed (0.5 = 30 s)."""
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    micro_batch_size: Optional[int] = option(None, "--micro-batch-size")
+    micro_batch_size: Optional[int] = option(None, "--micro-batch-size", minimum=1)
     """Samples per micro-batch per data-parallel rank; any two of the three batch numbers give the third."""
-    global_batch_size: Optional[int] = option(None, "--global-batch-size")
+    global_batch_size: Optional[int] = option(None, "--global-batch-size", minimum=1)
     """Samples per optimizer step over all DP ranks: micro x gradient-accumulation steps x DP."""
-    gradient_accumulation_steps: Optional[int] = option(None, "--gradient-accumulation-steps")
+    gradient_accumulation_steps: Optional[int] = option(None, "--gradient-accumulation-steps", minimum=1)
     """Micro-batches accumulated per step per DP rank; derived from the other two when left out."""
     rampup_batch_size: Optional[Tuple[int, int, int]] = option(
-        None, "--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+        None, "--rampup-batch-size", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"), minimum=1)
     """Grow the global batch from START by INCREMENT over the first SAMPLES consumed samples."""
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = option(1e-4, "--lr")
+    lr: float = option(1e-4, "--lr", above=0)
     """Peak learning rate."""
-    min_lr: float = option(0.0, "--min-lr")
+    min_lr: float = option(0.0, "--min-lr", minimum=0)
     """Learning rate at the end of decay."""
     lr_decay_style: str = option("cosine", "--lr-decay-style", choices=("constant", "linear", "cosine"))
     """Shape of the decay from --lr to --min-lr."""
-    lr_warmup_iters: int = option(0, "--lr-warmup-iters")
+    lr_warmup_iters: int = option(0, "--lr-warmup-iters", minimum=0)
     """Iterations of linear warmup from 0 to --lr."""
-    lr_decay_iters: Optional[int] = option(None, "--lr-decay-iters")
+    lr_decay_iters: Optional[int] = option(None, "--lr-decay-iters", minimum=1)
     """Iterations over which the learning rate decays to --min-lr; when not given, --train-iters."""
-    weight_decay: float = option(0.01, "--weight-decay")
+    weight_decay: float = option(0.01, "--weight-decay", minimum=0)
     """AdamW weight decay, not applied to biases and norms."""
-    adam_beta1: float = option(0.9, "--adam-beta1")
+    adam_beta1: float = option(0.9, "--adam-beta1", minimum=0, below=1)
     """AdamW beta1."""
-    adam_beta2: float = option(0.999, "--adam-beta2")
+    adam_beta2: float = option(0.999, "--adam-beta2", minimum=0, below=1)
     """AdamW beta2."""
-    adam_eps: float = option(1e-8, "--adam-eps")
+    adam_eps: float = option(1e-8, "--adam-eps", above=0)
     """AdamW epsilon."""
-    clip_grad: float = option(1.0, "--clip-grad")
+    clip_grad: float = option(1.0, "--clip-grad", minimum=0)
     """Clip the global gradient norm to this; 0 disables clipping."""
 
 
@@ -262,15 +269,15 @@ class PrecisionConfig:
     """Train in bfloat16."""
     fp16: bool = option(False, "--fp16")
     """Train in float16 with loss scaling (needs --zero-stage 1 and a device with fp16 kernels)."""
-    loss_scale: Optional[float] = option(None, "--loss-scale")
+    loss_scale: Optional[float] = option(None, "--loss-scale", above=0)
     """Static loss scale for fp16; when not given, dynamic."""
-    initial_loss_scale: float = option(2.0 ** 32, "--initial-loss-scale")
+    initial_loss_scale: float = option(2.0 ** 32, "--initial-loss-scale", above=0)
     """Starting dynamic loss scale."""
-    min_loss_scale: float = option(1.0, "--min-loss-scale")
+    min_loss_scale: float = option(1.0, "--min-loss-scale", above=0)
     """Floor of the dynamic loss scale."""
-    loss_scale_window: int = option(1000, "--loss-scale-window")
+    loss_scale_window: int = option(1000, "--loss-scale-window", minimum=1)
     """Steps without overflow before the dynamic scale grows."""
-    hysteresis: int = option(2, "--hysteresis")
+    hysteresis: int = option(2, "--hysteresis", minimum=1)
     """Overflows tolerated before the dynamic scale shrinks."""
     accumulate_allreduce_grads_in_fp32: Optional[bool] = option(
         None, "--accumulate-allreduce-grads-in-fp32", action="boolean_optional")
@@ -303,7 +310,7 @@ class DataConfig:
     """GPT2BPETokenizer: GPT-2-style merges.txt (one merge per line after the '#version' header)."""
     data_cache_path: Optional[str] = option(None, "--data-cache-path")
     """Folder for cached sample indices; when not given, cache/ next to the data (must be shared across nodes)."""
-    num_workers: int = option(1, "--num-workers")
+    num_workers: int = option(1, "--num-workers", minimum=0)
     """DataLoader workers per rank."""
     eod_mask_loss: bool = option(False, "--eod-mask-loss")
     """Exclude end-of-document tokens from the loss."""
@@ -311,11 +318,11 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    train_iters: int = option(10, "--train-iters")
+    train_iters: int = option(10, "--train-iters", minimum=1)
     """Optimizer steps to train for."""
-    eval_interval: int = option(1000, "--eval-interval")
+    eval_interval: int = option(1000, "--eval-interval", minimum=1)
     """Evaluate every this many steps."""
-    eval_iters: int = option(10, "--eval-iters")
+    eval_iters: int = option(10, "--eval-iters", minimum=0)
     """Batches per evaluation; 0 disables evaluation."""
     save: Optional[str] = option(None, "--save")
     """Checkpoint folder to write."""
@@ -328,19 +335,19 @@ class TrainingConfig:
     finetune: bool = option(False, "--finetune")
     """Load only the weights of --load's checkpoint: iteration 0, a fresh optimizer and learning-rate
     schedule, the data from its start (Megatron-LM's --finetune). An imported checkpoint always starts so."""
-    save_interval: Optional[int] = option(None, "--save-interval")
+    save_interval: Optional[int] = option(None, "--save-interval", minimum=1)
     """Save every this many steps; needs --save."""
-    keep_last: Optional[int] = option(None, "--keep-last")
+    keep_last: Optional[int] = option(None, "--keep-last", minimum=1)
     """Keep only this many newest checkpoints."""
     async_save: bool = option(False, "--async-save")
     """Write checkpoints in the background: a save copies this rank's checkpoint to host memory (its size
     once more, until written) and training goes on; the checkpoint becomes `latest` once every rank's files
     are on disk. One save at a time (the next waits); the run's end waits for the last one."""
-    exit_interval: Optional[int] = option(None, "--exit-interval")
+    exit_interval: Optional[int] = option(None, "--exit-interval", minimum=1)
     """Save and exit when the iteration is a multiple of this."""
     exit_signal_handler: bool = option(False, "--exit-signal-handler")
     """Save and exit 0 on SIGTERM/SIGUSR1 at the next step boundary."""
-    seed: int = option(1234, "--seed")
+    seed: int = option(1234, "--seed", minimum=0)
     """Seed of every random generator."""
     deepspeed_config: Optional[str] = option(None, "--deepspeed-config")
     """Extra DeepSpeed JSON merged under ours (a value it sets that a flag also sets must agree)."""
@@ -350,7 +357,7 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = option(100, "--log-interval")
+    log_interval: int = option(100, "--log-interval", minimum=1)
     """Print and record metrics every this many steps."""
     tensorboard_dir: Optional[str] = option(None, "--tensorboard-dir")
     """Write TensorBoard events, and metrics.jsonl (one JSON record per log interval, the memory

@@ -84,6 +84,32 @@ MISSING = [
     ("tools/make_corpus.py", ["--root", "{missing}", "--output", "{out}"], ["--root {missing}", "not a folder"]),
 ]
 
+# Issue 43's reproductions that need no checkpoint: each was a traceback or a wrong word before.
+# {folder}: a byte-level BPE tokenizer folder; {binary}: a file of random bytes.
+ISSUE_43 = [
+    ("pretrain_gpt.py", ["--data-path", "nan", "{missing}", "1", "{missing}", "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "128"], ["--data-path weight nan", "positive finite number"]),
+    ("pretrain_gpt.py", ["--data-path", "inf", "{missing}", "1", "{missing}", "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "128"], ["--data-path weight inf", "positive finite number"]),
+    ("pretrain_gpt.py", ["--distributed-timeout-minutes", "1e15"],
+     ["--distributed-timeout-minutes must be at most", "got 1e+15"]),
+    ("tools/tune_parallelism.py", ["plan", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
+                                   "--profile", "{binary}", *MODEL], ["--profile {binary}", "not UTF-8 text"]),
+    ("tools/convert_checkpoint.py", ["import-hf", "--input", "{missing}", "--output", "{folder}"],
+     ["--output {folder} already exists", "--overwrite"]),
+    ("pretrain_gpt.py", ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{folder}"],
+     ["--tokenizer-model {folder} is a folder", "HuggingFaceTokenizer"]),
+    ("tools/preprocess_data.py", ["--input", "{file}", "--output-prefix", "{file}/x", "--tokenizer-type",
+                                  "NullTokenizer", "--vocab-size", "128"],
+     ["--output-prefix {file}/x cannot be created: {file} is a file"]),
+    ("tools/convert_checkpoint.py", ["import-hf", "--input", "{missing}", "--output", "{file}/sub"],
+     ["--output {file}/sub cannot be created: {file} is a file"]),
+    ("tools/convert_checkpoint.py", ["export-hf", "--load", "{missing}", "--output", "{file}/sub"],
+     ["--output {file}/sub cannot be created: {file} is a file"]),
+    ("tools/train_tokenizer.py", ["--input", "{file}", "--model-prefix", "{out}", "--vocab-size", "0"],
+     ["--vocab-size", "must be at least 1, got 0"]),
+]
+
 BAD_FLAG = [
     ("pretrain_gpt.py", ["--num-layers", "-1"], ["--num-layers", "at least 1"]),
     ("pretrain_gpt.py", ["--tokenizer-type", "Bogus"], ["--tokenizer-type", "invalid choice"]),
@@ -93,7 +119,7 @@ BAD_FLAG = [
     ("tools/evaluate.py", ["--load", "{missing}", "--eval-iters", "0"], ["--eval-iters", "at least 1"]),
     ("tools/evaluate.py", ["--load", "{missing}", "--split-name", "bogus"], ["--split-name", "invalid choice"]),
     ("tools/generate.py", ["--load", "{missing}", "--prompt", "x", "--max-new-tokens", "0"],
-     ["--max-new-tokens 0", "out of range"]),
+     ["--max-new-tokens: must be at least 1, got 0"]),
     ("tools/estimate_memory.py", ["--world-size", "0"], ["--world-size", "at least 1"]),
     ("tools/estimate_memory.py", ["--world-size", "1", "--num-layers", "-1"], ["--num-layers", "at least 1"]),
     ("tools/tune_parallelism.py", ["bogus"], ["give a command"]),
@@ -110,9 +136,9 @@ BAD_FLAG = [
      ["unrecognized arguments: --bogus"]),
     ("tools/train_tokenizer.py", ["--input", "{file}", "--model-prefix", "{out}", "--model-type", "bogus"],
      ["--model-type", "invalid choice"]),
-    ("tools/make_corpus.py", ["--max-docs", "abc"], ["--max-docs", "invalid int value"]),
+    ("tools/make_corpus.py", ["--max-docs", "abc"], ["--max-docs: must be a whole number, got abc"]),
     ("tools/synthetic_data.py", ["--output-dir", "{out}", "--vocab-size", "abc"],
-     ["--vocab-size", "invalid int value"]),
+     ["--vocab-size: must be a whole number, got abc"]),
 ]
 
 
@@ -120,7 +146,13 @@ def _run(script, argv, tmp_path):
     """(exit code, stdout, stderr without the import lines, the modules imported), from a fresh interpreter."""
     file = tmp_path / "corpus.jsonl"
     file.write_text('{"text": "a document"}\n')
-    paths = {"missing": str(tmp_path / "missing"), "out": str(tmp_path / "out"), "file": str(file)}
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    binary = tmp_path / "profile.json"
+    binary.write_bytes(bytes([0x91, 0x00, 0xff, 0x13]) * 64)
+    paths = {"missing": str(tmp_path / "missing"), "out": str(tmp_path / "out"), "file": str(file),
+             "folder": str(folder), "binary": str(binary)}
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "DS_ACCELERATOR")}
     env["PYTHONPATH"] = REPO_ROOT
     proc = subprocess.run([sys.executable, "-X", "importtime", script, *[a.format(**paths) for a in argv]],
@@ -170,4 +202,10 @@ def test_a_missing_input_exits_2_naming_the_flag_and_path_without_importing_torc
 
 @pytest.mark.parametrize("script,argv,words", BAD_FLAG, ids=[_id(case) for case in BAD_FLAG])
 def test_a_bad_flag_exits_2_naming_the_flag_without_importing_torch(script, argv, words, tmp_path):
+    _assert_refused(script, argv, words, tmp_path)
+
+
+@pytest.mark.parametrize("script,argv,words", ISSUE_43, ids=[_id(case) for case in ISSUE_43])
+def test_issue_43_reproductions_exit_2_in_one_line_naming_the_flag_without_importing_torch(script, argv, words,
+                                                                                           tmp_path):
     _assert_refused(script, argv, words, tmp_path)

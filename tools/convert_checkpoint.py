@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.checkpoint import preflight  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.targets import OVERWRITE_HELP  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,11 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     def source(p):
         p.add_argument("--load", required=True, help="the --save folder of a pretrain_gpt.py run")
-        p.add_argument("--iteration", type=int, default=None, help="which iter_XXXXXXX to read (default: latest)")
+        add_number(p, "--iteration", minimum=0, example=1000, default=None,
+                   help="which iter_XXXXXXX to read (default: latest)")
+
+    def overwrite(p):
+        p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP + "; never the source")
 
     p = sub.add_parser("merge", help="all TP/PP shards -> one fp32 state dict of the dense GPTModel")
     source(p)
     p.add_argument("--output", required=True, help="file to write, e.g. model.pt")
+    overwrite(p)
     p.add_argument("--strip-vocab-padding", action="store_true",
                    help="drop the rows the vocabulary was padded with for TP (--make-vocab-size-divisible-by); the "
                         "saved config then has padded_vocab_size = vocab_size. Default: keep them, so the tensors "
@@ -43,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reshard", help="rewrite for another TP x PP layout; --load under it continues training")
     source(p)
-    p.add_argument("--save", required=True, help="new folder to write (must not exist)")
-    p.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
+    p.add_argument("--save", required=True, help="new folder to write")
+    overwrite(p)
+    add_number(p, "--target-tensor-model-parallel-size", minimum=1, required=True, example=2)
+    add_number(p, "--target-pipeline-model-parallel-size", minimum=1, required=True, example=2)
     p.add_argument("--target-pipeline-partition-method", default=None,
                    help="the --pipeline-partition-method the resumed run will use (default: the source's; cost if "
                         "the source gave explicit layer counts)")
@@ -55,12 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("universal", help="the layout-free form (per parameter: fp32 weight, Adam moments, step; "
                                          "the run state), which pretrain_gpt.py --load takes under any layout")
     source(p)
-    p.add_argument("--save", required=True, help="new folder to write (must not exist)")
+    p.add_argument("--save", required=True, help="new folder to write")
+    overwrite(p)
 
     p = sub.add_parser("export-hf", help="Hugging Face folder (config.json, model.safetensors, the tokenizer's files): "
                                          "GPT2LMHeadModel, or LlamaForCausalLM for the Llama-family block")
     source(p)
-    p.add_argument("--output", required=True, help="folder to write (must not exist or be empty)")
+    p.add_argument("--output", required=True, help="folder to write (new or empty)")
+    overwrite(p)
     p.add_argument("--tokenizer-model", default=None,
                    help="the tokenizer to copy alongside, a SentencePiece .model or a Hugging Face tokenizer.json or "
                         "its folder (default: the one training used)")
@@ -75,12 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="the Hugging Face folder (config.json and safetensors, as "
                                                   "save_pretrained writes; pytorch_model.bin is read without "
                                                   "running any code)")
-    p.add_argument("--output", required=True, help="new checkpoint folder to write (must not exist)")
-    p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--output", required=True, help="new checkpoint folder to write")
+    overwrite(p)
+    add_number(p, "--target-tensor-model-parallel-size", minimum=1, default=1)
+    add_number(p, "--target-pipeline-model-parallel-size", minimum=1, default=1)
     p.add_argument("--target-pipeline-partition-method", default=None,
                    help="the --pipeline-partition-method the training run will use (default: cost)")
-    p.add_argument("--seq-length", type=int, default=None,
+    add_number(p, "--seq-length", minimum=1, example=2048, default=None,
                    help="sequence length recorded in the checkpoint's config (default: the model's maximum "
                         "positions); training chooses its own with --seq-length")
     return parser
@@ -89,18 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
 def refuse_early(args) -> None:
     """The command's own first checks, in its order (target, then source), before torch is imported."""
     if args.command == "merge":
-        preflight.refuse_existing_file(args.output)
+        preflight.refuse_existing_file(args.output, args.overwrite, args.load)
     elif args.command in ("reshard", "universal"):
-        preflight.refuse_existing(args.save)
+        preflight.refuse_target("--save", args.save, args.overwrite, args.load)
     elif args.command == "export-hf":
-        preflight.refuse_filled_folder(args.output)
+        preflight.refuse_filled_folder(args.output, args.overwrite, args.load)
     else:
-        preflight.refuse_existing(args.output)
+        preflight.refuse_target("--output", args.output, args.overwrite, args.input, "--input")
         preflight.hf_config_path(args.input)
         return
     tag = resolve_tag(args.load, args.iteration)
-    if args.command == "reshard" and min(args.target_tensor_model_parallel_size,
-                                         args.target_pipeline_model_parallel_size) < 1:
+    if args.command == "reshard":
         model = read_metadata(args.load, tag)["config"].get("model", {})
         preflight.refuse_target_sizes(model.get("num_attention_heads"), model.get("num_layers"),
                                       args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size)
@@ -119,7 +129,7 @@ def main(argv=None) -> int:
         if args.command == "merge":
             from megatron_lite.checkpoint.merge import merge
 
-            r = merge(args.load, args.output, args.iteration, args.strip_vocab_padding)
+            r = merge(args.load, args.output, args.iteration, args.strip_vocab_padding, args.overwrite)
             print(f"merged {args.load}/{r['tag']} (TP={r['tp']}, PP={r['pp']}) into {args.output}: {r['tensors']} "
                   f"tensors, {r['parameters']:,} parameters, vocabulary rows {r['padded_vocab_size']}, fp32, "
                   f"{time.time() - start:.1f}s")
@@ -128,7 +138,7 @@ def main(argv=None) -> int:
 
             r = reshard(args.load, args.save, args.target_tensor_model_parallel_size,
                         args.target_pipeline_model_parallel_size, args.iteration, args.no_optimizer,
-                        args.target_pipeline_partition_method)
+                        args.target_pipeline_partition_method, overwrite=args.overwrite)
             before, after = r["padded_vocab"]
             notes = ["Adam moments" if r["optimizer"] else "no Adam moments (--no-optimizer)",
                      "RNG" if r["rng"] else "RNG reseeded (layout changed)"]
@@ -140,7 +150,7 @@ def main(argv=None) -> int:
         elif args.command == "universal":
             from megatron_lite.checkpoint.reshard import universal
 
-            r = universal(args.load, args.save, args.iteration)
+            r = universal(args.load, args.save, args.iteration, args.overwrite)
             tp, pp, dp = r["source"]
             zero, precision = r["storage"]
             print(f"wrote the layout-free form of {args.load}/{r['tag']} (TP={tp}, PP={pp}, DP={dp}, ZeRO {zero}, "
@@ -152,7 +162,7 @@ def main(argv=None) -> int:
 
             r = import_hf(args.input, args.output, args.target_tensor_model_parallel_size,
                           args.target_pipeline_model_parallel_size, lambda config: validate(config, 1)[0],
-                          args.target_pipeline_partition_method, args.seq_length)
+                          args.target_pipeline_partition_method, args.seq_length, overwrite=args.overwrite)
             for note in r["notes"]:
                 print(note)
             vocab, padded = r["vocab"]
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
             from megatron_lite.checkpoint.hf_export import export_hf
 
             r = export_hf(args.load, args.output, args.iteration, args.tokenizer_model, args.dtype, args.vocab_file,
-                          args.merge_file)
+                          args.merge_file, args.overwrite)
             print(f"exported {args.load}/{r['tag']} to {args.output} as {r['architecture']}: {r['parameters']:,} "
                   f"parameters, vocabulary {r['vocab_size']}, files {', '.join(r['files'])}, {time.time() - start:.1f}s")
     except CheckpointError as e:

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.arguments import parse_args  # noqa: E402
 from megatron_lite.config import Config, ConfigError  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.model import memory  # noqa: E402
 from megatron_lite.deepspeed_config import deepspeed_config  # noqa: E402
 
@@ -77,29 +78,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description="Per-stage memory estimate. Every other flag is a pretrain_gpt.py flag (model, layout, batch, "
                     "precision); --data-path is not needed (give --vocab-size).", allow_abbrev=False)
-    parser.add_argument("--world-size", type=int, required=True, help="GPUs (processes) in the job")
-    parser.add_argument("--gpu-memory-gb", type=float, default=None, help="say whether the peak fits in this many GiB")
-    parser.add_argument("--memory-margin", type=float, default=0.0,
+    add_number(parser, "--world-size", minimum=1, required=True, example=8, help="GPUs (processes) in the job")
+    add_number(parser, "--gpu-memory-gb", kind=float, above=0, default=None, example=80,
+               help="say whether the peak fits in this many GiB")
+    add_number(parser, "--memory-margin", kind=float, minimum=0, below=1, default=0.0,
                         help="fraction of --gpu-memory-gb kept free (the CUDA context, allocator cache, "
                              "fragmentation); default 0, tune_parallelism.py plan's default is 0.1")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where training runs (only dropout masks differ); default cuda")
     parser.add_argument("--longest-sequence", action="store_true",
                         help="search the longest --seq-length that fits --gpu-memory-gb (less --memory-margin)")
-    parser.add_argument("--sequence-step", type=int, default=1024,
+    add_number(parser, "--sequence-step", minimum=1, default=1024,
                         help="with --longest-sequence: lengths are multiples of this (default 1024)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     own, model_argv = parser.parse_known_args(argv)
-    if own.world_size < 1:
-        parser.error(f"--world-size must be at least 1, got {own.world_size}")
-    if own.gpu_memory_gb is not None and own.gpu_memory_gb <= 0:
-        parser.error(f"--gpu-memory-gb must be a positive number of GiB per GPU (e.g. 80), got {own.gpu_memory_gb}")
-    if not 0 <= own.memory_margin < 1:
-        parser.error(f"--memory-margin must be in [0, 1), got {own.memory_margin}")
     if own.longest_sequence and own.gpu_memory_gb is None:
         parser.error("--longest-sequence needs --gpu-memory-gb (the memory the sequence must fit in)")
-    if own.sequence_step < 1:
-        parser.error(f"--sequence-step must be at least 1, got {own.sequence_step}")
     gpu = int(own.gpu_memory_gb * memory.GIB * (1 - own.memory_margin)) if own.gpu_memory_gb else None
     try:
         if own.longest_sequence:

@@ -19,19 +19,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
 from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 from megatron_lite.config import ConfigError, parse_data_path, parse_split  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.training.distributed import is_rank_zero_from_environment  # noqa: E402
+from megatron_lite.validation.probes import data_path_weight_rules  # noqa: E402
+from megatron_lite.validation.rules import split_rules  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="the --save folder of a pretrain_gpt.py run")
-    p.add_argument("--iteration", type=int, default=None, help="which iter_XXXXXXX (default: latest)")
+    add_number(p, "--iteration", minimum=0, default=None, example=1000, help="which iter_XXXXXXX (default: latest)")
     p.add_argument("--data-path", nargs="+", default=None, help="dataset prefix(es) (default: the run's)")
     p.add_argument("--split", default=None, help="train,valid,test weights (default: the run's)")
     p.add_argument("--split-name", choices=("train", "valid", "test"), default="valid", help="which split to use")
-    p.add_argument("--eval-iters", type=int, default=None, help="global batches to average (default: the run's)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
+    add_number(p, "--eval-iters", minimum=1, default=None, example=10,
+               help="global batches to average (default: the run's)")
+    add_number(p, "--tensor-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
+    add_number(p, "--pipeline-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
     p.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     return p
 
@@ -39,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.eval_iters is not None and args.eval_iters < 1:
-            raise ConfigError(f"--eval-iters must be at least 1, got {args.eval_iters}")
         data_path = parse_data_path(args.data_path)
+        data_path_weight_rules(data_path)
         split = parse_split(args.split) if args.split else None
+        if split:
+            split_rules(split)
         resolve_tag(args.load, args.iteration)  # the reader's own first check, made before torch is imported
         from megatron_lite.training.console import select_accelerator
 

@@ -16,19 +16,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
 from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="--save folder of a run, or a file from convert_checkpoint.py merge")
-    p.add_argument("--iteration", type=int, default=None, help="which iter_XXXXXXX of a folder (default: latest)")
+    add_number(p, "--iteration", minimum=0, default=None, example=1000,
+               help="which iter_XXXXXXX of a folder (default: latest)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
-                                                            "probabilities sum to p (1.0 = all)")
-    p.add_argument("--seed", type=int, default=1234)
+    add_number(p, "--max-new-tokens", minimum=1, maximum=1 << 20, default=64)
+    add_number(p, "--temperature", kind=float, minimum=0, default=0.0, example=0.8,
+               help="0 = greedy (default); higher = more random")
+    add_number(p, "--top-k", minimum=0, default=0, help="sample among the k most likely tokens (0 = all)")
+    add_number(p, "--top-p", kind=float, above=0, maximum=1, default=1.0,
+               help="sample among the most likely tokens whose probabilities sum to p (1.0 = all)")
+    add_number(p, "--seed", minimum=0, default=1234)
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after the end-of-document token")
     p.add_argument("--tokenizer-model", default=None,
@@ -64,12 +67,6 @@ def run_tokenizer(args, config):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, bad in (("--max-new-tokens", args.max_new_tokens < 1), ("--temperature", args.temperature < 0),
-                      ("--top-k", args.top_k < 0), ("--top-p", not 0.0 < args.top_p <= 1.0)):
-        if bad:
-            print(f"generate.py: error: {flag} {getattr(args, flag[2:].replace('-', '_'))} is out of range "
-                  f"(--max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1)", file=sys.stderr)
-            return 2
     if not os.path.isfile(args.load):  # a folder: the reader's own first check, made before torch is imported
         try:
             resolve_tag(args.load, args.iteration)

@@ -8,6 +8,8 @@ an order fixed by a hash of their relative path (which mixes packages, unlike
 alphabetical order) while they fit in --max-docs and --max-bytes.
 
     python tools/make_corpus.py --output corpus.jsonl --max-docs 2000
+
+An existing --output is refused unless --overwrite, which replaces it whole.
 """
 from __future__ import annotations
 
@@ -22,18 +24,26 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.atomic import WriteError, atomic_file, describe  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--output", default="corpus.jsonl", help="JSONL file to write")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     p.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="folder of .py files to read")
-    p.add_argument("--max-docs", type=int, default=2000, help="stop after this many documents")
-    p.add_argument("--max-bytes", type=int, default=64 << 20, help="stop before the text exceeds this many bytes")
-    p.add_argument("--min-doc-bytes", type=int, default=256, help="skip files smaller than this")
-    p.add_argument("--max-doc-bytes", type=int, default=256 << 10, help="skip files larger than this")
+    add_number(p, "--max-docs", minimum=1, default=2000, help="stop after this many documents")
+    add_number(p, "--max-bytes", minimum=1, default=64 << 20, help="stop before the text exceeds this many bytes")
+    add_number(p, "--min-doc-bytes", minimum=0, default=256, help="skip files smaller than this")
+    add_number(p, "--max-doc-bytes", minimum=1, default=256 << 10, help="skip files larger than this")
     return p
+
+
+def refuse(message: str) -> int:
+    print(f"make_corpus.py: error: {message}", file=sys.stderr)
+    return 2
 
 
 def source_files(root: str):
@@ -47,9 +57,14 @@ def source_files(root: str):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    problem = target_problem("--output", args.output, [args.output], args.overwrite)
+    if problem:
+        return refuse(problem)
+    if args.min_doc_bytes > args.max_doc_bytes:
+        return refuse(f"--min-doc-bytes {args.min_doc_bytes} is more than --max-doc-bytes {args.max_doc_bytes}, "
+                      f"which leaves no file; give a --min-doc-bytes of at most {args.max_doc_bytes}")
     if not os.path.isdir(args.root):
-        print(f"make_corpus.py: error: --root {args.root} is not a folder", file=sys.stderr)
-        return 2
+        return refuse(f"--root {args.root} is not a folder")
     start = time.perf_counter()
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -12,14 +12,16 @@ byte-identical to what one preprocess_data.py run over the whole input writes.
 Before anything is written, every input is checked against its sidecar and
 the others: same tokenizer (model hash, vocabulary, eod) and dtype, every
 shard index present once, shards of one run (same input listing), no
-truncated .bin or .idx. A refusal names the file, exits 2 and leaves the
-output untouched; the output appears under its final name only when complete.
+truncated .bin or .idx. A refusal names the flag and the file, exits 2 and
+leaves the output untouched; the output appears under its final name only when
+complete. An existing output is refused unless --overwrite.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import reprlib
 import sys
 import time
 from typing import List, Tuple
@@ -33,9 +35,14 @@ from megatron_lite.data.indexed_dataset import (  # noqa: E402
 from megatron_lite.data.sidecar import (  # noqa: E402
     SidecarError, describe_outputs, read_sidecar, remove_outputs, shard_prefix, sidecar_path, write_sidecar,
 )
+from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 SHARD_NAME = re.compile(r"^(?P<dataset>.+)\.shard-(?P<index>\d+)-of-(?P<count>\d+)\.(?:bin|idx|json)$")
 SUFFIXES = (".bin", ".idx", ".json")
+RECORD_FIELDS = {"dataset": str, "dtype": str, "tokenizer": dict, "documents": int, "bad_lines": int,
+                 "bin_bytes": int, "idx_bytes": int}
+SHARD_FIELDS = {"index": int, "count": int, "input_fingerprint": str}
+"""What the merge reads from each sidecar, and of what type."""
 
 
 class Refusal(Exception):
@@ -43,11 +50,12 @@ class Refusal(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", required=True, nargs="+",
                    help="a folder of shards, or shard / dataset prefixes or their .bin/.idx/.json files")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.json")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     return p
 
 
@@ -71,6 +79,23 @@ def input_prefixes(inputs: List[str]) -> List[str]:
             raise Refusal(f"--input {item}: no such dataset ({prefix}.bin/.idx/.json not found)")
         prefixes.append(prefix)
     return list(dict.fromkeys(prefixes))
+
+
+def check_record(prefix: str, record: dict) -> None:
+    """The sidecar holds the fields the merge reads, of their types: one edited by hand is named, not a
+    traceback."""
+    shard = record.get("shard")
+    if shard is not None and not isinstance(shard, dict):
+        raise Refusal(f"{sidecar_path(prefix)}: field 'shard' is {reprlib.repr(shard)}, not an object or null; "
+                      f"rewrite the dataset with preprocess_data.py")
+    fields = [(record, name, kind) for name, kind in RECORD_FIELDS.items()]
+    if shard is not None:
+        fields += [(shard, name, kind) for name, kind in SHARD_FIELDS.items()] + [(record, "json_key", str)]
+    for holder, name, kind in fields:
+        value = holder.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise Refusal(f"{sidecar_path(prefix)}: field {name!r} is {reprlib.repr(value)}, not a {kind.__name__}; "
+                          f"rewrite the dataset with preprocess_data.py")
 
 
 def check_pair(prefix: str, record: dict) -> IndexedDataset:
@@ -129,7 +154,7 @@ def check_agreement(records: List[Tuple[str, dict]]) -> None:
         names = ", ".join(shard_prefix(os.path.join(folder, dataset), i, count) + ".{bin,idx,json}"
                           for i in missing[:3])
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise Refusal(f"{len(missing)} of {count} shards missing: {names}{more}; run preprocess_data.py "
+        raise Refusal(f"--input: {len(missing)} of {count} shards missing: {names}{more}; run preprocess_data.py "
                       f"--num-shards {count} --shard-index {missing[0]} (and any other missing index) first")
 
 
@@ -141,6 +166,11 @@ def describe(value) -> str:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    problem = target_problem("--output-prefix", args.output_prefix, [args.output_prefix + s for s in SUFFIXES],
+                             args.overwrite)
+    if problem:
+        print(f"merge_datasets.py: error: {problem}", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     try:
         prefixes = input_prefixes(args.input)
@@ -152,10 +182,14 @@ def main(argv=None) -> int:
             records = [(prefix, read_sidecar(prefix)) for prefix in prefixes]
         except SidecarError as e:
             raise Refusal(str(e)) from None
+        for prefix, record in records:
+            check_record(prefix, record)
         check_agreement(records)
         datasets = {prefix: check_pair(prefix, record) for prefix, record in records}
     except Refusal as e:
-        print(f"merge_datasets.py: error: {e}", file=sys.stderr)
+        message = str(e)  # every input problem is --input's: name the flag where the message does not
+        print(f"merge_datasets.py: error: {message if message.startswith('--') else f'--input {message}'}",
+              file=sys.stderr)
         return 2
     if records[0][1].get("shard"):
         records.sort(key=lambda item: item[1]["shard"]["index"])

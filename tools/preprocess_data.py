@@ -21,10 +21,13 @@ the input is read (whole files, or line-aligned byte ranges of a large plain
 file) and the output is PREFIX_text_document.shard-0000i-of-0000N.{bin,idx,json};
 tools/merge_datasets.py joins the shards into what one run would have written.
 
-Exit status: 0 when the files were written (bad lines, if any, skipped);
-1 when --strict met a bad line, a compressed file was corrupt, or no line held
-a document (nothing written; a shard without documents is written empty);
-2 for unusable arguments (missing input or tokenizer file, bad shard flags).
+An existing output is refused unless --overwrite (each file is then replaced
+whole, the sidecar last). Exit status: 0 when the files were written (bad
+lines, if any, skipped); 1 when --strict met a bad line, a compressed file was
+corrupt, or no line held a document (nothing written; a shard without
+documents is written empty); 2 for unusable arguments (a number out of range,
+an existing output, missing input or tokenizer file, bad shard flags), said in
+one line naming the flag before anything is read or written.
 """
 from __future__ import annotations
 
@@ -49,12 +52,15 @@ from megatron_lite.data.sidecar import (  # noqa: E402
     describe_outputs, remove_outputs, shard_prefix, sidecar_path, tokenizer_identity, tokenizer_sha256, write_sidecar,
 )
 from megatron_lite.data.tokenizer import TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 REPORTED_BAD_LINES = 5
+MAX_WORKERS = 1024  # more tokenizer processes than any node has cores is a typo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("input")
     g.add_argument("--input", required=True, nargs="+",
@@ -69,18 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer.json")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2-style vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2-style merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add_number(g, "--vocab-size", minimum=2, default=None, example=32000,
+               help="for NullTokenizer: ids 0 to vocab size - 1, the last one end of document")
     g.add_argument("--append-eod", action="store_true", help="end every non-empty document with the eod id")
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_document.bin/.idx/.json")
+    g.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     g = p.add_argument_group("sharding (one part of the input per process, node or Slurm array task)")
-    g.add_argument("--num-shards", type=int, default=None, help="split the input into this many parts")
-    g.add_argument("--shard-index", type=int, default=None, help="the part this run processes, from 0")
+    add_number(g, "--num-shards", minimum=1, default=None, example=8, help="split the input into this many parts")
+    add_number(g, "--shard-index", minimum=0, default=None, example=0,
+               help="the part this run processes, from 0 to --num-shards - 1")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    g.add_argument("--chunk-documents", type=int, default=64,
-                   help="lines sent to a worker at a time (fewer when they pass 4 MiB)")
-    g.add_argument("--log-interval", type=int, default=1000, help="report progress every this many documents")
+    add_number(g, "--workers", minimum=1, maximum=MAX_WORKERS, default=1, help="tokenizer processes")
+    add_number(g, "--chunk-documents", minimum=1, default=64,
+               help="lines sent to a worker at a time (fewer when they pass 4 MiB)")
+    add_number(g, "--log-interval", minimum=1, default=1000, help="report progress every this many documents")
     return p
 
 
@@ -198,15 +207,25 @@ def publish(args, datasets, prefixes, writers, identity, dtype, progress, files,
         raise WriteError(sidecar_path(prefixes[0]), describe(e)) from None
 
 
+def output_prefixes(args, sharded: bool):
+    """(dataset prefixes, the prefixes this run writes: the shard's names when sharded), one per JSON key."""
+    datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    return datasets, [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.chunk_documents < 1 or args.log_interval < 1:
-        return usage_error("--workers, --chunk-documents and --log-interval must be at least 1")
     sharded = args.num_shards is not None or args.shard_index is not None
     if sharded and (args.num_shards is None or args.shard_index is None):
         return usage_error("--num-shards and --shard-index go together (e.g. --num-shards 8 --shard-index 0)")
-    if sharded and args.num_shards < 1:
-        return usage_error(f"--num-shards {args.num_shards} must be at least 1")
+    if sharded and args.shard_index >= args.num_shards:
+        return usage_error(f"--shard-index {args.shard_index} is outside [0, --num-shards {args.num_shards}); "
+                           f"give 0 to {args.num_shards - 1}")
+    datasets, prefixes = output_prefixes(args, sharded)
+    outputs = [prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx", ".json")]
+    problem = target_problem("--output-prefix", args.output_prefix, outputs, args.overwrite)
+    if problem:
+        return usage_error(problem)
     try:
         files = expand_inputs(args.input)
         pieces = shard_pieces(files, args.num_shards, args.shard_index) if sharded else whole_files(files)
@@ -234,8 +253,6 @@ def main(argv=None) -> int:
     dtype = token_dtype(tokenizer.vocab_size)
     identity = tokenizer_identity(tokenizer, args.tokenizer_type, files_sha256, args.append_eod)
     encoder_args = (tokenizer_args, args.json_keys, args.append_eod, dtype)
-    datasets = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
-    prefixes = [shard_prefix(d, args.shard_index, args.num_shards) if sharded else d for d in datasets]
     writers = []
     try:
         for prefix in prefixes:

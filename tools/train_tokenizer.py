@@ -21,6 +21,11 @@ tokenizer.json and tokenizer_config.json (--tokenizer-type HuggingFaceTokenizer
 bpe32k/merges.txt). Both give the same ids, except for text that spells
 <|endoftext|>: the tokenizer.json reads it as the special token, GPT-2's BPE
 (as Megatron-LM's GPT2BPETokenizer) as plain text.
+
+An existing PREFIX.model/.vocab or folder PREFIX is refused unless --overwrite
+(the tokenizer is what later runs record by SHA-256); the replacement is
+written whole before it takes the old one's place. Flags are checked before
+the corpus is read: a refusal exits 2 with one line naming the flag.
 """
 from __future__ import annotations
 
@@ -29,39 +34,98 @@ import io
 import itertools
 import json
 import os
+import re
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_lite.atomic import WriteError, describe, write_bytes, write_text  # noqa: E402
+from megatron_lite.atomic import AtomicFile, WriteError, atomic_folder, describe, write_text  # noqa: E402
 from megatron_lite.data.jsonl import BadLine, open_input, parse_line, split_lines  # noqa: E402
 from megatron_lite.data.tokenizer import GPT2_EOD  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.reading import file_problem  # noqa: E402
+from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
+
+SPECIAL_IDS = {0: "unk", 1: "bos", 2: "eos"}
+"""SentencePiece's fixed ids here; --pad-id adds a fourth."""
+MAX_THREADS = 1024  # SentencePiece's limit
+BYTE_LEVEL_ALPHABET = 256 + 1  # the 256 bytes and <|endoftext|>
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=os.path.basename(__file__), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL, JSONL.gz or JSONL.zst, one JSON object per line")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose strings are training text")
     p.add_argument("--model-prefix", required=True,
                    help="writes PREFIX.model and PREFIX.vocab; for byte-level-bpe, the folder PREFIX")
-    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_number(p, "--vocab-size", minimum=1, default=32000,
+               help="pieces in the vocabulary, special and byte pieces included")
     p.add_argument("--model-type", choices=("bpe", "unigram", "byte-level-bpe"), default="bpe",
                    help="bpe, unigram: SentencePiece; byte-level-bpe: GPT-2's, with Hugging Face's tokenizers")
-    p.add_argument("--character-coverage", type=float, default=0.9995,
-                   help="share of characters the vocabulary must cover; the rarest become bytes or unk")
+    add_number(p, "--character-coverage", kind=float, minimum=0.98, maximum=1.0, default=0.9995,
+               help="share of characters the vocabulary must cover (SentencePiece takes 0.98 to 1); the rarest "
+                    "become bytes or unk")
     p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="encode uncovered characters as UTF-8 bytes instead of unk (adds 256 pieces)")
-    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
-                   help="train on a random sample of at most this many sentences (0: all)")
-    p.add_argument("--max-sentence-length", type=int, default=4096, help="bytes per training sentence")
+    add_number(p, "--input-sentence-size", minimum=0, default=2_000_000,
+               help="train on a random sample of at most this many sentences (0: all; SentencePiece samples "
+                    "more than 100)")
+    add_number(p, "--max-sentence-length", minimum=10, maximum=1 << 30, default=4096,
+               help="bytes per training sentence (SentencePiece takes 10 to 2^30)")
     p.add_argument("--normalization-rule-name", default="identity",
                    help="SentencePiece normalization; identity keeps text (and whitespace) exactly")
-    p.add_argument("--pad-id", type=int, default=3, help="-1 for no padding token")
-    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--seed-sentencepiece-size", type=int, default=1_000_000)
+    add_number(p, "--pad-id", minimum=-1, default=3, help="-1 for no padding token; unk, bos, eos are 0, 1, 2")
+    add_number(p, "--num-threads", minimum=1, maximum=MAX_THREADS, default=min(os.cpu_count() or 1, MAX_THREADS),
+               help="training threads")
+    add_number(p, "--seed-sentencepiece-size", minimum=1, default=1_000_000,
+               help="unigram: the seed pieces it starts from")
     return p
+
+
+def flag_problem(args) -> Optional[str]:
+    """What SentencePiece or the byte-level BPE would refuse only after reading the corpus, said before."""
+    if args.model_type == "byte-level-bpe":
+        if args.vocab_size < BYTE_LEVEL_ALPHABET:
+            return (f"--vocab-size {args.vocab_size} is too small for a byte-level BPE, whose 256 bytes and "
+                    f"{GPT2_EOD} come first; use {BYTE_LEVEL_ALPHABET} or more")
+        return None
+    if args.pad_id in SPECIAL_IDS:
+        return (f"--pad-id {args.pad_id} is {SPECIAL_IDS[args.pad_id]}'s id (unk 0, bos 1, eos 2); use 3, or -1 "
+                f"for no padding token")
+    specials = len(SPECIAL_IDS) + (args.pad_id != -1)
+    needed = specials + 256 * args.byte_fallback + 1
+    if args.vocab_size < needed:
+        names = "unk, bos, eos" + (", pad" if args.pad_id != -1 else "")
+        pieces = f"its {specials} special pieces ({names})" + (" and 256 byte pieces (--byte-fallback)"
+                                                                if args.byte_fallback else "")
+        return (f"--vocab-size {args.vocab_size} is too small for SentencePiece: {pieces} come first, then the "
+                f"corpus's characters; use {needed} or more")
+    if args.pad_id >= args.vocab_size:
+        return (f"--pad-id {args.pad_id} is outside --vocab-size {args.vocab_size} (ids 0 to "
+                f"{args.vocab_size - 1}); use 3, or -1 for no padding token")
+    if 0 < args.input_sentence_size <= 100:
+        return (f"--input-sentence-size {args.input_sentence_size}: SentencePiece samples more than 100 sentences "
+                f"or, with 0, all of them; use 0 or 101 or more")
+    return None
+
+
+def sentencepiece_vocab_problem(error: RuntimeError, args) -> Optional[str]:
+    """SentencePiece's refusal of a --vocab-size that does not fit the corpus, said with the flag; else None."""
+    small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(error))
+    if small:
+        return (f"--vocab-size {args.vocab_size} is too small for the characters of {args.input}: with the special "
+                f"and byte pieces SentencePiece needs {small.group(1)} at --character-coverage "
+                f"{args.character_coverage:g}; use {small.group(1)} or more, or lower --character-coverage")
+    large = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(error))
+    if large:
+        more = " (or a larger --seed-sentencepiece-size)" if args.model_type == "unigram" else ""
+        return (f"--vocab-size {args.vocab_size} is more pieces than SentencePiece finds in {args.input}; use "
+                f"{large.group(1)} or less, or a larger corpus{more}")
+    return None
 
 
 class SentenceStream:
@@ -120,13 +184,26 @@ def vocab_text(model_proto: bytes) -> str:
 
 
 def publish(model_proto: bytes, model_prefix: str) -> None:
-    """PREFIX.vocab, then PREFIX.model, each written atomically: the .model appearing last means both are there."""
-    write_text(model_prefix + ".vocab", vocab_text(model_proto))
+    """PREFIX.vocab and PREFIX.model, both written in full under temporary names before either is renamed into
+    place: a failed write (a full disk) leaves a previous pair as it was; the .model renamed last means both
+    are there."""
+    staged = []
     try:
-        write_bytes(model_prefix + ".model", model_proto)
+        for suffix, data in ((".vocab", vocab_text(model_proto).encode("utf-8")), (".model", model_proto)):
+            staged.append(AtomicFile(model_prefix + suffix))
+            staged[-1].file.write(data)
+            staged[-1].file.flush()
+            os.fsync(staged[-1].file.fileno())
+    except OSError as e:
+        for target in staged:
+            target.discard()
+        raise WriteError(staged[-1].path, describe(e)) from None
     except WriteError:
-        os.remove(model_prefix + ".vocab")
+        for target in staged:
+            target.discard()
         raise
+    for target in staged:
+        target.commit()
 
 
 BYTE_LEVEL_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
@@ -161,23 +238,13 @@ def byte_level_files(tokenizer) -> dict:
 
 
 def publish_folder(files: dict, folder: str) -> None:
-    """Each file written atomically, tokenizer.json last: its appearance means the others are there."""
-    written = []
-    try:
+    """The folder appears whole, replacing a previous one (--overwrite) only once the new one is complete."""
+    with atomic_folder(folder, replace=os.path.isdir(folder)) as tmp:
         for name in BYTE_LEVEL_FILES:
-            write_text(os.path.join(folder, name), files[name])
-            written.append(name)
-    except WriteError:
-        for name in written:
-            os.remove(os.path.join(folder, name))
-        raise
+            write_text(os.path.join(tmp, name), files[name])
 
 
 def main_byte_level_bpe(args, stream) -> int:
-    if args.vocab_size < 257:
-        print(f"train_tokenizer.py: error: --vocab-size {args.vocab_size} is too small for a byte-level BPE, whose "
-              f"256 bytes and {GPT2_EOD} come first; use 257 or more", file=sys.stderr)
-        return 2
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.num_threads))  # before tokenizers starts its threads
     start = time.perf_counter()
     sentences = itertools.islice(stream, args.input_sentence_size or None)
@@ -186,11 +253,7 @@ def main_byte_level_bpe(args, stream) -> int:
         print(f"train_tokenizer.py: error: {args.input} has no usable documents", file=sys.stderr)
         return 1
     try:
-        os.makedirs(args.model_prefix, exist_ok=True)
         publish_folder(byte_level_files(tokenizer), args.model_prefix)
-    except OSError as e:
-        print(f"train_tokenizer.py: error: {WriteError(args.model_prefix, describe(e))}", file=sys.stderr)
-        return 1
     except WriteError as e:
         print(f"train_tokenizer.py: error: {e}; nothing was written", file=sys.stderr)
         return 1
@@ -201,22 +264,33 @@ def main_byte_level_bpe(args, stream) -> int:
     return 0
 
 
+def refuse(message: str) -> int:
+    print(f"train_tokenizer.py: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not os.path.isfile(args.input):
-        print(f"train_tokenizer.py: error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
-    if args.model_type == "byte-level-bpe":
-        return main_byte_level_bpe(args, SentenceStream(args.input, args.json_keys, args.max_sentence_length))
-    import sentencepiece
-
-    stream = SentenceStream(args.input, args.json_keys, args.max_sentence_length)
-    start = time.perf_counter()
-    try:
+    folder = args.model_type == "byte-level-bpe"
+    outputs = [args.model_prefix] if folder else [args.model_prefix + ".model", args.model_prefix + ".vocab"]
+    problem = target_problem("--model-prefix", args.model_prefix, outputs, args.overwrite, folder=folder,
+                             empty_folder_is_new=True) or flag_problem(args)
+    if problem:
+        return refuse(problem)
+    why = file_problem(args.input)
+    if why:
+        return refuse(f"--input {args.input}: {why}")
+    try:  # before the training, which may take hours: a folder that cannot be made fails now
         os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
     except OSError as e:
-        print(f"train_tokenizer.py: error: {WriteError(args.model_prefix + '.model', describe(e))}", file=sys.stderr)
+        print(f"train_tokenizer.py: error: {WriteError(outputs[0], describe(e))}", file=sys.stderr)
         return 1
+    stream = SentenceStream(args.input, args.json_keys, args.max_sentence_length)
+    if folder:
+        return main_byte_level_bpe(args, stream)
+    import sentencepiece
+
+    start = time.perf_counter()
     # SentencePiece writing PREFIX.model itself says nothing when a write fails (a full disk left a truncated
     # .model behind an exit code of 0): it hands the model over in memory, and we write both files.
     model = io.BytesIO()
@@ -233,6 +307,9 @@ def main(argv=None) -> int:
             minloglevel=2,  # pieces holding "\n" make it warn that the human-readable .vocab is ambiguous
         )
     except RuntimeError as e:
+        problem = sentencepiece_vocab_problem(e, args)
+        if problem:
+            return refuse(problem)
         print(f"train_tokenizer.py: error: SentencePiece could not train on {args.input}: {e}", file=sys.stderr)
         return 1
     if stream.documents == 0:

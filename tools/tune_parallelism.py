@@ -23,6 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.config import ConfigError  # noqa: E402
+from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 
 def _plan(argv) -> int:
@@ -32,45 +34,43 @@ def _plan(argv) -> int:
     parser = argparse.ArgumentParser(prog="tune_parallelism.py plan", allow_abbrev=False,
                                      description="Candidate layouts for a cluster. Every flag not listed here is a "
                                                  "pretrain_gpt.py flag describing the model and the batch.")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True)
-    parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, GiB")
-    parser.add_argument("--memory-margin", type=float, default=0.1,
-                        help="fraction of GPU memory kept free for the CUDA context, allocator cache and "
-                             "fragmentation (default 0.1)")
-    parser.add_argument("--max-micro-batch", type=int, default=8, help="largest micro batch tried (powers of 2)")
+    add_number(parser, "--nodes", minimum=1, required=True, example=4)
+    add_number(parser, "--gpus-per-node", minimum=1, required=True, example=8)
+    add_number(parser, "--gpu-memory-gb", kind=float, above=0, required=True, example=80, help="memory per GPU, GiB")
+    add_number(parser, "--memory-margin", kind=float, minimum=0, below=1, default=0.1,
+               help="fraction of GPU memory kept free for the CUDA context, allocator cache and fragmentation "
+                    "(default 0.1)")
+    add_number(parser, "--max-micro-batch", minimum=1, default=8, help="largest micro batch tried (powers of 2)")
     parser.add_argument("--order", choices=("shaden", "throughput"), default="shaden",
                         help="shaden: the recipe's order (gas >= 8 PP, TP = GPUs per node, fewest stages, micro "
                              "batch 1 first); throughput: predicted tokens/s")
     parser.add_argument("--micro-batch-probe", action="store_true",
                         help="Samyam's mode: one node, --probe-layers layers at full hidden size, micro batch 1..64")
-    parser.add_argument("--probe-layers", type=int, default=2)
-    parser.add_argument("--max-context-parallel", type=int, default=None,
+    add_number(parser, "--probe-layers", minimum=1, default=2)
+    add_number(parser, "--max-context-parallel", minimum=1, default=None, example=4,
                         help="largest --context-parallel-size tried (1, 2, 4, ...; default: up to the heads per TP "
                              "rank; 1 plans without context parallelism)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
-    parser.add_argument("--peak-tflops", type=float, default=312.0, help="16-bit dense peak per GPU (A100 312)")
-    parser.add_argument("--intra-node-gbps", type=float, default=150.0)
-    parser.add_argument("--inter-node-gbps", type=float, default=25.0)
+    add_number(parser, "--peak-tflops", kind=float, above=0, default=312.0,
+               help="16-bit dense peak per GPU (A100 312)")
+    add_number(parser, "--intra-node-gbps", kind=float, above=0, default=150.0)
+    add_number(parser, "--inter-node-gbps", kind=float, above=0, default=25.0)
     parser.add_argument("--profile", default=None,
                         help="a profile from `tune_parallelism.py calibrate` (measured on --device): predict step "
                              "times from it instead of --peak-tflops and the --*-gbps constants")
     parser.add_argument("--all-savers", action="store_true",
                         help="keep every memory saver that fits a layout as its own candidate (sweep recompute and "
                              "sequence parallelism too), not only the fastest")
-    parser.add_argument("--output", default=None, help="plan JSON (default: print only)")
-    parser.add_argument("--show", type=int, default=30, help="rows of the table to print")
+    parser.add_argument("--output", default=None, help=f"plan JSON (default: print only); the ZeRO-3 candidates' "
+                                                       f"{recipe.OFFLOAD_PARAM_JSON} is written beside it")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    add_number(parser, "--show", minimum=0, default=30, help="rows of the table to print")
     own, model_argv = parser.parse_known_args(argv)
-    for flag, value in (("--nodes", own.nodes), ("--gpus-per-node", own.gpus_per_node),
-                        ("--max-micro-batch", own.max_micro_batch),
-                        ("--max-context-parallel",
-                         1 if own.max_context_parallel is None else own.max_context_parallel)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
-    if not 0 <= own.memory_margin < 1:
-        parser.error(f"--memory-margin must be in [0, 1), got {own.memory_margin}")
-    if own.gpu_memory_gb <= 0:
-        parser.error(f"--gpu-memory-gb must be a positive number of GiB per GPU (e.g. 80), got {own.gpu_memory_gb}")
+    if own.output:
+        why = (target_problem("--output", own.output, [own.output], own.overwrite)
+               or recipe.offload_json_problem(own.output, own.overwrite))
+        if why:
+            parser.error(why)
     profile = None
     if own.profile:
         profile = calibration.load(own.profile)
@@ -101,41 +101,41 @@ def _calibrate(argv) -> int:
                                                  "reduce-scatter, send/recv and all-to-all at group sizes 2, 4, ... "
                                                  "up to --world-size (gloo on CPU, NCCL on CUDA).")
     parser.add_argument("--output", required=True, help="the profile JSON to write")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="the largest collective group measured (2, 4, ...); 1 measures compute and memory only "
-                             "(one GPU: NCCL takes one rank per GPU), and plans priced by it stay at one rank")
-    parser.add_argument("--gemm-tokens", type=int, nargs="+", default=[128, 512, 2048],
-                        help="GEMM rows m (tokens of a micro-batch on a rank) measured")
-    parser.add_argument("--gemm-hidden", type=int, default=1024, help="h of the [m, h] x [h, 4h] GEMM")
-    parser.add_argument("--copy-megabytes", type=int, default=256, help="size of the copied buffer, MiB")
-    parser.add_argument("--message-bytes", type=int, nargs="+", default=[2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24],
-                        help="collective message sizes the latency + bandwidth fit uses")
-    parser.add_argument("--iters", type=int, default=10, help="calls timed per collective and size")
-    parser.add_argument("--min-seconds", type=float, default=1.0, help="time spent per GEMM size and on the copy")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4],
-                        help="with model flags after --: the micro batches the model is timed at")
-    parser.add_argument("--model-reps", type=int, default=3, help="with model flags: timed steps per run (their median)")
-    parser.add_argument("--model-passes", type=int, default=1,
-                        help="with model flags: times every run is measured, in passes of alternating order, each "
-                             "keeping its fastest (2 on a shared machine: its slow spells last tens of seconds)")
+    add_number(parser, "--world-size", minimum=1, default=2,
+               help="the largest collective group measured (2, 4, ...); 1 measures compute and memory only (one "
+                    "GPU: NCCL takes one rank per GPU), and plans priced by it stay at one rank")
+    add_number(parser, "--gemm-tokens", minimum=1, nargs="+", default=[128, 512, 2048],
+               help="GEMM rows m (tokens of a micro-batch on a rank) measured")
+    add_number(parser, "--gemm-hidden", minimum=1, default=1024, help="h of the [m, h] x [h, 4h] GEMM")
+    add_number(parser, "--copy-megabytes", minimum=1, maximum=1 << 20, default=256,
+               help="size of the copied buffer, MiB")
+    add_number(parser, "--message-bytes", minimum=4, nargs="+", default=[2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24],
+               help="collective message sizes the latency + bandwidth fit uses")
+    add_number(parser, "--iters", minimum=1, default=10, help="calls timed per collective and size")
+    add_number(parser, "--min-seconds", kind=float, above=0, maximum=3600, default=1.0,
+               help="time spent per GEMM size and on the copy")
+    add_number(parser, "--threads", minimum=1, default=None, example=1,
+               help="threads for the GEMMs and the copy (default 1 on CPU: what a gloo rank gets)")
+    add_number(parser, "--micro-batches", minimum=1, nargs="+", default=[1, 2, 4],
+               help="with model flags after --: the micro batches the model is timed at")
+    add_number(parser, "--model-reps", minimum=1, default=3, help="with model flags: timed steps per run (their median)")
+    add_number(parser, "--model-passes", minimum=1, default=1,
+               help="with model flags: times every run is measured, in passes of alternating order, each keeping "
+                    "its fastest (2 on a shared machine: its slow spells last tens of seconds)")
     argv = list(argv)
     model_argv = []
     if "--" in argv:
         cut = argv.index("--")
         argv, model_argv = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
-    if args.world_size < 1:
-        parser.error(f"--world-size must be at least 1 (1: no collectives measured), got {args.world_size}")
-    small = [v for v in args.gemm_tokens + [args.gemm_hidden, args.copy_megabytes, args.iters] if v < 1]
-    if small or len(set(args.message_bytes)) < 2 or min(args.message_bytes) < 4:
-        parser.error("--gemm-tokens, --gemm-hidden, --copy-megabytes, --iters must be positive and --message-bytes "
-                     "needs two different sizes of at least 4 bytes (the fit has two unknowns)")
-    if args.model_passes < 1 or args.model_reps < 1:
-        parser.error(f"--model-passes and --model-reps must be at least 1, got {args.model_passes} and "
-                     f"{args.model_reps}")
+    why = target_problem("--output", args.output, [args.output], args.overwrite)
+    if why:
+        parser.error(why)
+    if len(set(args.message_bytes)) < 2:
+        parser.error(f"--message-bytes needs two different sizes (the fit has two unknowns), got "
+                     f"{' '.join(map(str, args.message_bytes))}; e.g. 4096 1048576")
     if model_argv and args.device != "cpu":
         parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
                      "collective fits price the step")

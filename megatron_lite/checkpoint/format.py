@@ -27,6 +27,7 @@ import os
 from typing import Any, Dict, List, Optional
 
 from megatron_lite.atomic import write_text
+from megatron_lite.reading import UnreadableFile, read_json
 
 LATEST = "latest"
 METADATA = "megatron_lite.json"
@@ -133,10 +134,9 @@ def read_metadata(directory: str, tag: str) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: no such file; this folder was not written by megatron_lite's "
                               f"pretrain_gpt.py, or its save did not finish")
     try:
-        with open(path) as f:
-            metadata = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read checkpoint metadata ({e})") from None
+        metadata = read_json(path)
+    except UnreadableFile as e:
+        raise CheckpointError(f"{e}; not megatron_lite checkpoint metadata") from None
     if not isinstance(metadata, dict) or not all(k in metadata for k in ("iteration", "layout", "config")):
         raise CheckpointError(f"{path}: not megatron_lite checkpoint metadata (needs iteration, layout, config)")
     _check_fused_weights(path, metadata)

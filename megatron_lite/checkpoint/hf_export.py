@@ -68,8 +68,10 @@ def hf_tensors(config: Config, dense, dtype: torch.dtype):
 
 
 def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, tokenizer_model: Optional[str] = None,
-              dtype: str = "float32", vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> dict:
-    refuse_filled_folder(output)
+              dtype: str = "float32", vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+              overwrite: bool = False) -> dict:
+    """`overwrite`: replace an earlier export, once the new one is whole (never the checkpoint read)."""
+    refuse_filled_folder(output, overwrite, load_dir)
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     reader = CheckpointReader(load_dir, iteration)
@@ -86,7 +88,7 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, token
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise WriteError(output, describe(e)) from None
-    with atomic_folder(output) as tmp:
+    with atomic_folder(output, replace=overwrite) as tmp:
         try:
             save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         except Exception as e:  # noqa: BLE001 - safetensors reports a full disk as its own error type

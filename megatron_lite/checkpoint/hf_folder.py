@@ -22,6 +22,7 @@ import torch
 
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.preflight import hf_config_path
+from megatron_lite.reading import UnreadableFile, read_json
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -33,10 +34,9 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 def read_config(folder: str) -> dict:
     path = hf_config_path(folder)
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({e})") from None
+        config = read_json(path)
+    except UnreadableFile as e:
+        raise CheckpointError(str(e)) from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: holds {type(config).__name__}, not a JSON object")
     return config
@@ -45,11 +45,13 @@ def read_config(folder: str) -> dict:
 def _index(folder: str, index_name: str) -> Dict[str, str]:
     path = os.path.join(folder, index_name)
     try:
-        with open(path) as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a shard index with a weight_map ({e})") from None
-    for name, shard in weight_map.items():
+        weight_map = read_json(path)["weight_map"]
+        items = list(weight_map.items())
+    except UnreadableFile as e:
+        raise CheckpointError(str(e)) from None
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{path}: not a shard index: it has no weight_map object") from None
+    for name, shard in items:
         if os.path.basename(shard) != shard or not os.path.isfile(os.path.join(folder, shard)):
             raise CheckpointError(f"{path} puts {name} in {shard}, which is not a file in {folder}")
     return weight_map

@@ -20,6 +20,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_fields import real, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -107,11 +108,12 @@ def model_fields(c: dict, where: str) -> dict:
                         ("tie_word_embeddings", True)):
         if bool(c.get(key, wanted)) != wanted:
             raise _refuse(where, key, c.get(key), f"is not supported (GPT-2's block here has {key} = {wanted})")
-    hidden = int(c["n_embd"])
+    hidden = whole(c, "n_embd", where)
     return dict(
-        num_layers=int(c["n_layer"]), hidden_size=hidden, num_attention_heads=int(c["n_head"]),
-        ffn_hidden_size=int(c.get("n_inner") or 4 * hidden), max_position_embeddings=int(c["n_positions"]),
-        vocab_size=int(c["vocab_size"]), norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)),
+        num_layers=whole(c, "n_layer", where), hidden_size=hidden, num_attention_heads=whole(c, "n_head", where),
+        ffn_hidden_size=whole(c, "n_inner", where, 4 * hidden), max_position_embeddings=whole(c, "n_positions", where),
+        vocab_size=whole(c, "vocab_size", where), norm_epsilon=real(c, "layer_norm_epsilon", where, 1e-5, above=0),
         openai_gelu=ACTIVATIONS[activation], position_embedding_type="learned_absolute",
-        init_method_std=float(c.get("initializer_range", 0.02)), hidden_dropout=float(c.get("resid_pdrop", 0.1)),
-        attention_dropout=float(c.get("attn_pdrop", 0.1)))
+        init_method_std=real(c, "initializer_range", where, 0.02, above=0),
+        hidden_dropout=real(c, "resid_pdrop", where, 0.1, minimum=0, below=1),
+        attention_dropout=real(c, "attn_pdrop", where, 0.1, minimum=0, below=1))

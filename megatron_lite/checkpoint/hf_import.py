@@ -33,6 +33,7 @@ from megatron_lite.checkpoint.format import (
     write_latest,
     write_metadata,
 )
+from megatron_lite.checkpoint.hf_fields import whole
 from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import RunState
@@ -55,8 +56,10 @@ def architecture(hf: dict, where: str):
 def _sliding_window(hf: dict, fields: dict, seq_length: Optional[int], where: str) -> Optional[str]:
     """Mistral's sliding window: attention here is full causal, which equals windowed attention only for
     sequences no longer than the window; the window becomes the model's maximum positions."""
-    window = hf.get("sliding_window")
-    if window is None or hf.get("use_sliding_window") is False or window >= fields["max_position_embeddings"]:
+    if hf.get("sliding_window") is None or hf.get("use_sliding_window") is False:
+        return None
+    window = whole(hf, "sliding_window", where)
+    if window >= fields["max_position_embeddings"]:
         return None
     if seq_length is not None and seq_length > window:
         raise CheckpointError(f"{where}: sliding_window = {window} is shorter than --seq-length {seq_length}; "
@@ -78,6 +81,10 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: a model field has a value of the wrong kind ({e})") from None
     notes = [n for n in [_sliding_window(hf, fields, seq_length, where)] if n]
+    positions = fields["max_position_embeddings"]
+    if seq_length is not None and seq_length > positions:  # said here: validation would name a training flag
+        raise CheckpointError(f"--seq-length {seq_length} is longer than the model's {positions} positions "
+                              f"({where}: max_position_embeddings {positions}); use --seq-length {positions} or less")
     fields["seq_length"] = seq_length or fields["max_position_embeddings"]
     config = Config().replace(**{f"model__{k}": v for k, v in fields.items()})
     try:
@@ -132,10 +139,10 @@ def _owned_slice(full: torch.Tensor, info, tp: int, rank: int) -> torch.Tensor:
 
 def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callable[[Config], Config],
               partition_method: Optional[str] = None, seq_length: Optional[int] = None,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, overwrite: bool = False) -> dict:
     """`validate(config) -> config`: the checks and derived fields training applies, on the imported model's
     config at TP = PP = 1 (tools/convert_checkpoint.py passes megatron_lite.validation's)."""
-    refuse_existing(output)
+    refuse_existing(output, "--output", overwrite, input_folder, "--input")
     hf = read_config(input_folder)
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
@@ -152,7 +159,7 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
 
     tag = tag_for(0)
     largest = 0
-    with atomic_folder(output) as tmp_root:
+    with atomic_folder(output, replace=overwrite) as tmp_root:
         tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
         for spec in layout.layer_specs_with_files():

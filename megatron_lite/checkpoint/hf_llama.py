@@ -25,6 +25,7 @@ from typing import List, Optional
 import torch
 
 from megatron_lite.checkpoint import hf_mapping
+from megatron_lite.checkpoint.hf_fields import real, whole
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
@@ -148,8 +149,8 @@ def _rope(c: dict, where: str) -> dict:
     `rope_scaling` (the keys Llama 3.1's own config.json and transformers 4 use)."""
     parameters = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or parameters
-    theta = parameters.get("rope_theta", c.get("rope_theta", 10000.0))
-    if float(theta) != int(theta):
+    theta = real(parameters if "rope_theta" in parameters else c, "rope_theta", where, 10000.0, above=0)
+    if not theta.is_integer():
         raise _refuse(where, "rope_theta", theta, "is not a whole number, which --rotary-base needs")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
@@ -159,17 +160,18 @@ def _rope(c: dict, where: str) -> dict:
                       "frequencies and Llama 3.1's (llama3) are")
     for key, ours in (("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR), ("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR),
                       ("original_max_position_embeddings", LLAMA3_ORIGINAL_MAX_POSITIONS)):
-        if float(scaling.get(key, ours)) != float(ours):
-            raise _refuse(where, f"rope_scaling.{key}", scaling.get(key), f"is not supported: --use-rope-scaling "
+        if real(scaling, key, where, ours) != float(ours):
+            raise _refuse(where, f"rope_scaling.{key}", scaling[key], f"is not supported: --use-rope-scaling "
                           f"has Llama 3.1's {ours}")
-    return {"rotary_base": int(theta), "use_rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+    return {"rotary_base": int(theta), "use_rope_scaling": True,
+            "rope_scaling_factor": real(scaling, "factor", where, minimum=1)}
 
 
 def model_fields(c: dict, where: str) -> dict:
     """Our ModelConfig fields for a LlamaForCausalLM / MistralForCausalLM config.json; a field we cannot
     represent is refused by name. Mistral's sliding window is the caller's (it depends on the sequence length)."""
-    heads, hidden = int(c["num_attention_heads"]), int(c["hidden_size"])
-    groups = int(c.get("num_key_value_heads") or heads)
+    heads, hidden = whole(c, "num_attention_heads", where), whole(c, "hidden_size", where)
+    groups = whole(c, "num_key_value_heads", where, heads)
     if c.get("head_dim") not in (None, hidden // heads) or hidden % heads:
         raise _refuse(where, "head_dim", c.get("head_dim"), f"is not hidden_size / num_attention_heads = "
                       f"{hidden} / {heads}; a separate head width (--kv-channels) is not supported")
@@ -179,17 +181,18 @@ def model_fields(c: dict, where: str) -> dict:
         if c.get(key):
             raise _refuse(where, key, c[key], "is not supported: the Llama-family block here has no biases "
                           "(--disable-bias-linear)")
-    if float(c.get("partial_rotary_factor", 1.0)) != 1.0:
+    if real(c, "partial_rotary_factor", where, 1.0) != 1.0:
         raise _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "is not supported: rotary "
                       "embeddings cover the whole head here")
     fields = dict(
-        num_layers=int(c["num_hidden_layers"]), hidden_size=hidden, num_attention_heads=heads,
-        ffn_hidden_size=int(c["intermediate_size"]), max_position_embeddings=int(c["max_position_embeddings"]),
-        vocab_size=int(c["vocab_size"]), norm_epsilon=float(c.get("rms_norm_eps", 1e-6)), normalization="RMSNorm",
+        num_layers=whole(c, "num_hidden_layers", where), hidden_size=hidden, num_attention_heads=heads,
+        ffn_hidden_size=whole(c, "intermediate_size", where),
+        max_position_embeddings=whole(c, "max_position_embeddings", where), vocab_size=whole(c, "vocab_size", where),
+        norm_epsilon=real(c, "rms_norm_eps", where, 1e-6, above=0), normalization="RMSNorm",
         swiglu=True, group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,
         add_bias_linear=False, position_embedding_type="rope",
         untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
-        init_method_std=float(c.get("initializer_range", 0.02)), hidden_dropout=0.0,
-        attention_dropout=float(c.get("attention_dropout", 0.0)))
+        init_method_std=real(c, "initializer_range", where, 0.02, above=0), hidden_dropout=0.0,
+        attention_dropout=real(c, "attention_dropout", where, 0.0, minimum=0, below=1))
     fields.update(_rope(c, where))
     return fields

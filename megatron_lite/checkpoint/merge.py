@@ -56,8 +56,10 @@ def load_merged(path: str) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
     return config, saved["model"], {"iteration": saved["iteration"], "consumed_samples": saved["consumed_samples"]}
 
 
-def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_vocab_padding: bool = False) -> dict:
-    refuse_existing_file(output)
+def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_vocab_padding: bool = False,
+          overwrite: bool = False) -> dict:
+    """`overwrite`: replace an earlier --output (atomically: an interrupted merge leaves it as it was)."""
+    refuse_existing_file(output, overwrite, load_dir)
     reader = CheckpointReader(load_dir, iteration)
     config, state = dense_state_dict(reader, strip_vocab_padding)
     save_merged(output, config, state, reader.iteration, reader.consumed_samples)

@@ -8,16 +8,35 @@ skip the tool, so either way the message is the same.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from megatron_lite.atomic import WriteError, describe
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.targets import target_problem
 
 
-def refuse_existing(save_dir: str) -> str:
-    """A new checkpoint folder (reshard, universal, import-hf): refused when it exists; its parent is made."""
-    if os.path.exists(save_dir):
-        raise CheckpointError(f"--save {save_dir} already exists; give a new folder (the source and any existing "
-                              f"checkpoint are never written over)")
+def _overlaps(a: str, b: str) -> bool:
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep)
+
+
+def refuse_target(flag: str, path: str, overwrite: bool = False, source: Optional[str] = None,
+                  source_flag: str = "--load", folder: bool = True, empty_folder_is_new: bool = False) -> None:
+    """An output of a checkpoint command (targets.py's rule): refused when it exists unless `overwrite`, always
+    when it is under a file, and, with --overwrite, when it is or holds the `source` the command reads."""
+    why = target_problem(flag, path, [path], overwrite, folder=folder, empty_folder_is_new=empty_folder_is_new)
+    if why:
+        raise CheckpointError(why)
+    if overwrite and source is not None and os.path.exists(path) and _overlaps(path, source):
+        raise CheckpointError(f"{flag} {path} is where {source_flag} {source} is read from; --overwrite replaces "
+                              f"an earlier output, never the source: give another {'folder' if folder else 'file'}")
+
+
+def refuse_existing(save_dir: str, flag: str = "--save", overwrite: bool = False, source: Optional[str] = None,
+                    source_flag: str = "--load") -> str:
+    """A new checkpoint folder (reshard, universal, import-hf): refused when it exists, unless --overwrite
+    (never over the source); its parent is made."""
+    refuse_target(flag, save_dir, overwrite, source, source_flag)
     parent = os.path.dirname(os.path.abspath(save_dir))
     try:
         os.makedirs(parent, exist_ok=True)
@@ -26,19 +45,16 @@ def refuse_existing(save_dir: str) -> str:
     return os.path.basename(os.path.normpath(save_dir))
 
 
-def refuse_existing_file(output: str) -> None:
-    """merge's --output: a new file."""
+def refuse_existing_file(output: str, overwrite: bool = False, source: Optional[str] = None) -> None:
+    """merge's --output: a new file, or an earlier one with --overwrite (never in the checkpoint read)."""
     if os.path.isdir(output):
         raise CheckpointError(f"--output {output} is a folder; give a file name such as model.pt")
-    if os.path.exists(output):
-        raise CheckpointError(f"--output {output} already exists; give a new file name (an existing file is never "
-                              f"written over)")
+    refuse_target("--output", output, overwrite, source, folder=False)
 
 
-def refuse_filled_folder(output: str) -> None:
-    """export-hf's --output: a new or empty folder."""
-    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
-        raise CheckpointError(f"--output {output} already exists and is not an empty folder; give a new folder")
+def refuse_filled_folder(output: str, overwrite: bool = False, source: Optional[str] = None) -> None:
+    """export-hf's --output: a new or empty folder, or an earlier export with --overwrite."""
+    refuse_target("--output", output, overwrite, source, empty_folder_is_new=True)
 
 
 def hf_config_path(folder: str) -> str:

@@ -42,6 +42,7 @@ from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
 from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
+from megatron_lite.model.partition import check_partition_method
 
 
 def target_config(source: Config, tp: int, pp: int, partition_method: Optional[str]) -> Config:
@@ -61,6 +62,10 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
     method = partition_method or p.pipeline_partition_method
     if partition_method is None and method[0].isdigit():  # explicit counts were for the old PP
         method = "cost"
+    try:
+        check_partition_method(method, m.num_layers, pp, "--target-pipeline-partition-method")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
     padded = m.padded_vocab_size
     if m.vocab_size is not None:
         padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
@@ -70,8 +75,9 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
                             model__padded_vocab_size=padded)
     try:
         ModelLayout(config).stage_bounds(pp, method)
-    except ConfigError as e:
-        raise CheckpointError(f"--target-pipeline-partition-method: {e}") from None
+    except ConfigError as e:  # a type:<regex> that matches no layer
+        raise CheckpointError(str(e).replace("--pipeline-partition-method", "--target-pipeline-partition-method",
+                                             1)) from None
     return config
 
 
@@ -128,8 +134,10 @@ def _source(load_dir: str, iteration: Optional[int]) -> LayoutFreeReader:
 
 
 def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[int] = None,
-            no_optimizer: bool = False, partition_method: Optional[str] = None, log=print) -> dict:
-    refuse_existing(save_dir)
+            no_optimizer: bool = False, partition_method: Optional[str] = None, log=print,
+            overwrite: bool = False) -> dict:
+    """`overwrite`: replace an earlier --save folder, once the new one is whole (never the source)."""
+    refuse_existing(save_dir, overwrite=overwrite, source=load_dir)
     source = _source(load_dir, iteration)
     tag = os.path.basename(source.folder)
     config = target_config(source.config, tp, pp, partition_method)
@@ -140,7 +148,7 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
     run = source.run_state()
     optimizer = not no_optimizer
 
-    with atomic_folder(save_dir) as tmp_root:
+    with atomic_folder(save_dir, replace=overwrite) as tmp_root:
         tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
         # One stage and target TP rank at a time, reading only that rank's slices (layout_free.py / sliced.py).
@@ -184,12 +192,13 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
             "partition_method": config.parallel.pipeline_partition_method}
 
 
-def universal(load_dir: str, save_dir: str, iteration: Optional[int] = None) -> dict:
-    """The checkpoint's layout-free form in a new folder (`latest` + the tag folder), loadable anywhere."""
-    refuse_existing(save_dir)
+def universal(load_dir: str, save_dir: str, iteration: Optional[int] = None, overwrite: bool = False) -> dict:
+    """The checkpoint's layout-free form in a new folder (`latest` + the tag folder), loadable anywhere;
+    `overwrite` replaces an earlier one."""
+    refuse_existing(save_dir, overwrite=overwrite, source=load_dir)
     source = _source(load_dir, iteration)
     tag = os.path.basename(source.folder)
-    with atomic_folder(save_dir) as tmp_root:
+    with atomic_folder(save_dir, replace=overwrite) as tmp_root:
         tmp = os.path.join(tmp_root, tag)
         os.makedirs(tmp)
         write_universal(source, tmp)

@@ -16,6 +16,7 @@ import os
 from typing import Optional
 
 from megatron_lite.atomic import write_text
+from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.data.indexed_dataset import data_file_path, index_file_path
 from megatron_lite.data.tokenizer import HF_SIDE_FILES, tokenizer_files
 
@@ -96,10 +97,9 @@ def read_sidecar(prefix: str) -> dict:
         raise SidecarError(f"{path}: missing; the output is incomplete (its preprocess_data.py run did not "
                            f"finish) or was not written by tools/preprocess_data.py")
     try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SidecarError(f"{path}: not readable JSON ({e})") from None
+        record = read_json(path)
+    except UnreadableFile as e:
+        raise SidecarError(str(e)) from None
     if not isinstance(record, dict) or record.get("format") != FORMAT or record.get("version") != VERSION:
         raise SidecarError(f"{path}: not a {FORMAT} version {VERSION} sidecar")
     return record

@@ -9,13 +9,13 @@ tools/preprocess_data.py imports this module in every worker.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_lite.config import TOKENIZER_TYPES
+from megatron_lite.reading import UnreadableFile, file_problem, read_json, read_text
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 GPT2_EOD = "<|endoftext|>"
@@ -30,14 +30,40 @@ HF_HINT = ("give a Hugging Face tokenizer folder holding tokenizer.json, or the 
            "(tools/train_tokenizer.py --model-type byte-level-bpe writes one)")
 
 
+def _folder_holds(path: str) -> str:
+    """What tokenizer a folder given where a file was wanted holds, and the flags that read it: a user who
+    points --tokenizer-model at a byte-level BPE folder under SentencePieceTokenizer needs the type, not
+    'no such file'."""
+    def has(*names):
+        return all(os.path.isfile(os.path.join(path, n)) for n in names)
+
+    if has("tokenizer.json"):
+        return "of a Hugging Face tokenizer (tokenizer.json): --tokenizer-type HuggingFaceTokenizer reads it"
+    if has("vocab.json", "merges.txt"):
+        return (f"of GPT-2's vocab.json and merges.txt: --tokenizer-type GPT2BPETokenizer --vocab-file "
+                f"{os.path.join(path, 'vocab.json')} --merge-file {os.path.join(path, 'merges.txt')} reads them")
+    if has("tokenizer.model"):
+        return f"holding a SentencePiece model: give --tokenizer-model {os.path.join(path, 'tokenizer.model')}"
+    return "not a file"
+
+
+def file_refusal(path: str, flag: str, hint: str) -> Optional[str]:
+    """Why `flag path` cannot be read as a file, in one line naming both, or None."""
+    why = file_problem(path)
+    if why is None:
+        return None
+    if os.path.isdir(path):
+        return f"{flag} {path} is a folder {_folder_holds(path)}; {hint}"
+    return f"{flag} {path}: {why}; {hint}"
+
+
 def check_file(path: Optional[str], flag: str, hint: str) -> str:
-    """`path` if it names a readable file; else FileNotFoundError/PermissionError naming the flag and the file."""
+    """`path` if it names a readable file; else FileNotFoundError naming the flag and the file."""
     if not path:
         raise ValueError(f"{flag} is needed: {hint}")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file; {hint}")
-    if not os.access(path, os.R_OK):
-        raise PermissionError(f"{flag} {path}: file is not readable (permissions); {hint}")
+    refusal = file_refusal(path, flag, hint)
+    if refusal:
+        raise FileNotFoundError(refusal)
     return path
 
 
@@ -147,10 +173,9 @@ class GPT2BPETokenizer(_TokenizersBacked):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         try:
-            with open(vocab_file, encoding="utf-8") as f:
-                vocab = json.load(f)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json ({e})") from None
+            vocab = read_json(vocab_file)
+        except UnreadableFile as e:
+            raise ValueError(f"--vocab-file {e}; give GPT-2's vocab.json") from None
         if not isinstance(vocab, dict) or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
             raise ValueError(f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (a JSON object of token: id)")
         if GPT2_EOD not in vocab:
@@ -160,10 +185,9 @@ class GPT2BPETokenizer(_TokenizersBacked):
             raise ValueError(f"--vocab-file {vocab_file}: ids must be 0..{len(vocab) - 1} for its {len(vocab)} "
                              f"tokens, but it has id {max(vocab.values())}")
         try:
-            with open(merge_file, encoding="utf-8") as f:
-                lines = f.read().split("\n")[1:-1]
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--merge-file {merge_file}: not a GPT-2 merges.txt ({e})") from None
+            lines = read_text(merge_file).split("\n")[1:-1]
+        except UnreadableFile as e:
+            raise ValueError(f"--merge-file {e}; give GPT-2's merges.txt") from None
         merges = [pair for pair in (tuple(line.split()) for line in lines) if len(pair) == 2]
         id_zero = [token for token, i in vocab.items() if i == 0]
         try:
@@ -248,10 +272,9 @@ def _named_special_tokens(path: str) -> dict:
     """{"eos_token": "</s>", ...} from a tokenizer_config.json or special_tokens_map.json (a token may be
     written as a string or as {"content": ...})."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--tokenizer-model {path}: not readable JSON ({e})") from None
+        data = read_json(path)
+    except UnreadableFile as e:
+        raise ValueError(f"--tokenizer-model {e}") from None
     named = {}
     for key in ("eos_token", "bos_token", "pad_token"):
         value = data.get(key) if isinstance(data, dict) else None

@@ -85,6 +85,34 @@ def _from_layer_counts(specs: Sequence[SpecCost], counts: Sequence[int]) -> List
     return bounds
 
 
+PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
+
+
+def check_partition_method(method: str, num_layers: int, stages: int,
+                           flag: str = "--pipeline-partition-method") -> None:
+    """ConfigError naming `flag` (the flag the user typed: convert_checkpoint's target flag, or training's)
+    when `method` is none of the methods, a regular expression that does not compile, or layer counts that
+    do not fit; checked before a layer is built."""
+    example = ",".join(map(str, layers_per_stage_uniform(max(num_layers, stages), stages)))
+    if method in PARTITION_METHODS:
+        return
+    if method.startswith("type:"):
+        try:
+            re.compile(method[len("type:"):])
+        except re.error as e:
+            raise ConfigError(f"{flag} {method} is not a regular expression after type: ({e}); e.g. "
+                              f"type:ParallelTransformerLayer") from None
+        return
+    try:
+        counts = [int(c) for c in method.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} '{method}' is not one of {', '.join(PARTITION_METHODS)}, type:<regex>, or "
+                          f"comma-separated layer counts like {example}") from None
+    if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ConfigError(f"{flag} {method} must list {stages} stage layer counts, each >= 1, summing to "
+                          f"--num-layers {num_layers}; e.g. {example}")
+
+
 def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> List[int]:
     """Stage boundaries: stage s holds specs[bounds[s]:bounds[s+1]]."""
     num_transformer = sum(s.is_transformer for s in specs)
@@ -109,11 +137,8 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
                               f"{', '.join(sorted({s.name for s in specs}))}")
         bounds = _balanced(weights, [s.is_transformer for s in specs], stages)
     else:
-        counts = [int(c) for c in method.split(",")]
-        if len(counts) != stages or sum(counts) != num_transformer or min(counts) < 1:
-            raise ConfigError(f"--pipeline-partition-method {method} must list {stages} layer counts, each >= 1, "
-                              f"summing to {num_transformer}")
-        bounds = _from_layer_counts(specs, counts)
+        check_partition_method(method, num_transformer, stages)
+        bounds = _from_layer_counts(specs, [int(c) for c in method.split(",")])
     return bounds
 
 

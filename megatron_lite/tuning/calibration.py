@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 
 from megatron_lite.atomic import write_text
 from megatron_lite.config import ConfigError
+from megatron_lite.reading import UnreadableFile, read_json
 
 FORMAT_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
@@ -176,7 +177,7 @@ class Profile:
 def _field(path: str, d: Any, key: str, kind, where: str = "", positive: bool = False):
     name = f"{where}{key}"
     if not isinstance(d, dict) or key not in d:
-        raise ConfigError(f"profile {path}: field '{name}' is missing; run `tune_parallelism.py calibrate` again",
+        raise ConfigError(f"--profile {path}: field '{name}' is missing; run `tune_parallelism.py calibrate` again",
                           code="bad_profile")
     value = d[key]
     ok = isinstance(value, kind) and not isinstance(value, bool)
@@ -184,33 +185,30 @@ def _field(path: str, d: Any, key: str, kind, where: str = "", positive: bool = 
         ok = math.isfinite(value) and value > 0
     if not ok:
         want = "a positive number" if positive else kind.__name__ if isinstance(kind, type) else "a number"
-        raise ConfigError(f"profile {path}: field '{name}' is {value!r}, expected {want}", code="bad_profile")
+        raise ConfigError(f"--profile {path}: field '{name}' is {value!r}, expected {want}", code="bad_profile")
     return value
 
 
 def load(path: str) -> Profile:
     """The profile in `path`; ConfigError naming the file and the field when it is missing or malformed."""
     try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"profile {path}: cannot read it ({e.strerror}); write one with "
-                          f"`tune_parallelism.py calibrate --output {path}`", code="bad_profile") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"profile {path}: not JSON ({e})", code="bad_profile") from None
+        d = read_json(path)
+    except UnreadableFile as e:
+        raise ConfigError(f"--profile {e}; write one with `tune_parallelism.py calibrate --output {path}`",
+                          code="bad_profile") from None
     if not isinstance(d, dict):
-        raise ConfigError(f"profile {path}: expected a JSON object, got {type(d).__name__}", code="bad_profile")
+        raise ConfigError(f"--profile {path}: expected a JSON object, got {type(d).__name__}", code="bad_profile")
     version = _field(path, d, "version", int)
     if version != FORMAT_VERSION:
-        raise ConfigError(f"profile {path}: field 'version' is {version}, this code reads {FORMAT_VERSION}; "
+        raise ConfigError(f"--profile {path}: field 'version' is {version}, this code reads {FORMAT_VERSION}; "
                           f"run `tune_parallelism.py calibrate` again", code="bad_profile")
     device = _field(path, d, "device", str)
     if device not in ("cpu", "cuda"):
-        raise ConfigError(f"profile {path}: field 'device' is {device!r}, expected 'cpu' or 'cuda'", code="bad_profile")
+        raise ConfigError(f"--profile {path}: field 'device' is {device!r}, expected 'cpu' or 'cuda'", code="bad_profile")
     number = (int, float)
     gemm_rows = _field(path, d, "gemm", list)
     if not gemm_rows:
-        raise ConfigError(f"profile {path}: field 'gemm' is empty, expected measured sizes", code="bad_profile")
+        raise ConfigError(f"--profile {path}: field 'gemm' is empty, expected measured sizes", code="bad_profile")
     gemm = [GemmPoint(*(_field(path, row, key, int, f"gemm[{i}].", True) for key in ("tokens", "k", "n")),
                       float(_field(path, row, "flops_per_s", number, f"gemm[{i}].", True)))
             for i, row in enumerate(gemm_rows)]
@@ -223,17 +221,17 @@ def load(path: str) -> Profile:
         for group, fit in fits.items():
             where = f"collectives.{name}.{group}."
             if not (group.isdigit() and int(group) >= 2):
-                raise ConfigError(f"profile {path}: field 'collectives.{name}' has group size {group!r}, expected "
+                raise ConfigError(f"--profile {path}: field 'collectives.{name}' has group size {group!r}, expected "
                                   f"an integer >= 2", code="bad_profile")
             latency = _field(path, fit, "latency_s", number, where)
             if not (math.isfinite(latency) and latency >= 0):
-                raise ConfigError(f"profile {path}: field '{where}latency_s' is {latency!r}, expected >= 0",
+                raise ConfigError(f"--profile {path}: field '{where}latency_s' is {latency!r}, expected >= 0",
                                   code="bad_profile")
             collectives[name][int(group)] = LinkFit(float(latency),
                                                     float(_field(path, fit, "bandwidth_gbps", number, where, True)),
                                                     list(fit.get("sizes_bytes", [])), list(fit.get("seconds", [])))
     if not isinstance(d.get("models", []), list):
-        raise ConfigError(f"profile {path}: field 'models' is {d['models']!r}, expected a list of model times",
+        raise ConfigError(f"--profile {path}: field 'models' is {d['models']!r}, expected a list of model times",
                           code="bad_profile")
     models = [_model_times(path, m, i) for i, m in enumerate(d.get("models", []))]
     return Profile(device=device, device_name=_field(path, d, "device_name", str),
@@ -258,7 +256,7 @@ def _model_times(path: str, d: Any, i: int) -> ModelTimes:
                 # A least-squares part may come out a little below 0 on a noisy machine: finite is what is checked.
                 value = _field(path, p, key, (int, float), at)
                 if not math.isfinite(value):
-                    raise ConfigError(f"profile {path}: field '{at}{key}' is {value!r}, expected a finite number",
+                    raise ConfigError(f"--profile {path}: field '{at}{key}' is {value!r}, expected a finite number",
                                       code="bad_profile")
                 point[key] = float(value)
         point["runs"] = dict(p.get("runs", {}))
@@ -270,6 +268,6 @@ def _model_times(path: str, d: Any, i: int) -> ModelTimes:
 def check_device(profile: Profile, path: str, device: str) -> None:
     """Refuse a profile measured on another device type than the one planned for."""
     if profile.device != device:
-        raise ConfigError(f"profile {path} was measured on {profile.device} ({profile.device_name}), but the plan is "
+        raise ConfigError(f"--profile {path} was measured on {profile.device} ({profile.device_name}), but the plan is "
                           f"for --device {device}; calibrate on {device} (`tune_parallelism.py calibrate --device "
                           f"{device}`) or plan with --device {profile.device}", code="bad_profile")

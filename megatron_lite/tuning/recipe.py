@@ -69,6 +69,7 @@ from megatron_lite.model.arithmetic import (
     transformer_layers_per_stage,
 )
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
+from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.calibration import Profile
 from megatron_lite.tuning.throughput import Hardware, predict_from_model_times, predict_step_seconds
@@ -156,6 +157,23 @@ def savers(tp: int, pp: int, seq_length: int, max_stage_layers: int, cp: int = 1
 
 
 OFFLOAD_PARAM_JSON = "zero3_offload_param.json"
+OFFLOAD_PARAM = {"zero_optimization": {"offload_param": {"device": "cpu"}}}
+"""What the ZeRO-3 parameter-offload candidates add to the run's DeepSpeed config, written beside the plan."""
+
+
+def offload_json_problem(plan_output: str, overwrite: bool) -> Optional[str]:
+    """Why plan must not write OFFLOAD_PARAM_JSON beside `plan_output`, or None: a file of that name with other
+    contents is the user's (a plan's own, from an earlier run, is the same bytes and is kept)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(plan_output)), OFFLOAD_PARAM_JSON)
+    if overwrite or not os.path.lexists(path):
+        return None
+    try:
+        if read_json(path) == OFFLOAD_PARAM:
+            return None
+    except UnreadableFile:
+        pass
+    return (f"--output {plan_output} writes the ZeRO-3 candidates' {OFFLOAD_PARAM_JSON} beside it, and {path} "
+            f"already exists with other contents; give --output in another folder, or add --overwrite to replace it")
 
 
 def validate_candidate(config: Config, world_size: int) -> Config:
@@ -410,7 +428,7 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     budget = int(gpu_memory_gb * memory.GIB * (1.0 - memory_margin))
     os.makedirs(workdir, exist_ok=True)
     offload_param_json = os.path.join(workdir, OFFLOAD_PARAM_JSON)
-    write_text(offload_param_json, json.dumps({"zero_optimization": {"offload_param": {"device": "cpu"}}}))
+    write_text(offload_param_json, json.dumps(OFFLOAD_PARAM))
 
     micro_sizes = [2 ** k for k in range(int(math.log2(max_micro_batch)) + 1)]
     kept, rejected = [], []

@@ -29,7 +29,11 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lite.atomic import atomic_file, write_text
+from megatron_lite.targets import OVERWRITE_HELP, target_problem
 from megatron_lite.tuning.sweep import collect
+
+REPORT_FILES = ("report.md", "report.csv")
+"""What marks a folder as holding a report (its PNGs are written with them): replaced only with --overwrite."""
 
 COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s", "tflops_per_rank", "mfu",
            "ms_per_iteration", "predicted_ms_per_iteration", "predicted_over_measured", "predicted_from",
@@ -207,7 +211,7 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
     out_dir = out_dir or results_dir
     os.makedirs(out_dir, exist_ok=True)
     ranked = [r for r in rows if r["rank_by_metric"] is not None]
-    md_path, csv_path = os.path.join(out_dir, "report.md"), os.path.join(out_dir, "report.csv")
+    md_path, csv_path = (os.path.join(out_dir, name) for name in REPORT_FILES)
     with atomic_file(csv_path, "w", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(COLUMNS), extrasaction="ignore")
         writer.writeheader()
@@ -245,7 +249,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--sort-by", default="tokens_per_s",
                         help="column to rank by (default tokens_per_s; ms_per_iteration ranks ascending)")
     parser.add_argument("--output", default=None, help="folder for the report (default: --results)")
+    parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP + " (an earlier report's files)")
     args = parser.parse_args(list(argv))
+    out_dir = args.output or args.results
+    why = target_problem("--output" if args.output else "--results", out_dir,
+                         [os.path.join(out_dir, name) for name in REPORT_FILES], args.overwrite)
+    if why:
+        parser.error(why)
     if not os.path.isdir(args.results):
         parser.error(f"--results {args.results}: no such folder; run `tune_parallelism.py sweep` first")
     start = time.time()

@@ -33,6 +33,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lite.atomic import write_text
 from megatron_lite.config import ConfigError
+from megatron_lite.flag_numbers import add_number
+from megatron_lite.reading import UnreadableFile, read_json
+from megatron_lite.targets import blocking_file
 from megatron_lite.training import records
 from megatron_lite.training.distributed import free_port
 from megatron_lite.tuning.recipe import LAYOUT_FLAGS
@@ -309,27 +312,28 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--plan", required=True, help="plan JSON from `tune_parallelism.py plan`")
     parser.add_argument("--results", required=True, help="folder for the run folders and results.jsonl")
     parser.add_argument("--launcher", required=True, help="launcher command template (placeholders above)")
-    parser.add_argument("--train-iters", type=int, default=10)
-    parser.add_argument("--warmup-iters", type=int, default=2, help="first iterations left out of the timing")
-    parser.add_argument("--time-limit", type=float, default=900.0, help="seconds per run before it is killed")
+    add_number(parser, "--train-iters", minimum=2, default=10)
+    add_number(parser, "--warmup-iters", minimum=0, default=2, help="first iterations left out of the timing")
+    add_number(parser, "--time-limit", kind=float, above=0, maximum=7 * 24 * 3600, default=900.0,
+               help="seconds per run before it is killed")
     parser.add_argument("--retry", nargs="+", default=[], choices=FINAL_FAILURES,
                         help="rerun runs with these statuses (completed runs are never rerun)")
     parser.add_argument("--only", nargs="+", default=[], help="run only candidates whose name contains one of these")
-    parser.add_argument("--max-runs", type=int, default=None, help="the first N candidates of the plan")
+    add_number(parser, "--max-runs", minimum=1, default=None, example=4, help="the first N candidates of the plan")
     parser.add_argument("--script", default=None, help="training script (default: this checkout's pretrain_gpt.py)")
-    parser.add_argument("--repeats", type=int, default=1,
+    add_number(parser, "--repeats", minimum=1, default=1,
                         help="runs per candidate, in passes of alternating order; each candidate's result is its "
                              "fastest (on a shared machine, 2 keeps a slow spell from deciding the ranking)")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1 (1: each candidate runs once), got {args.repeats}")
     if args.train_iters <= args.warmup_iters:
         parser.error(f"--train-iters {args.train_iters} must be larger than --warmup-iters {args.warmup_iters}")
+    if blocking_file(args.results):  # an existing --results folder is resumed (completed runs are kept)
+        parser.error(f"--results {args.results} cannot be created: {blocking_file(args.results)} is a file; give a "
+                     f"folder path whose parents are folders")
     try:
-        with open(args.plan) as f:
-            plan = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        parser.error(f"--plan {args.plan}: {e}")
+        plan = read_json(args.plan)
+    except UnreadableFile as e:
+        parser.error(f"--plan {e}")
     start = time.time()
     counts = sweep(plan, args.results, args.launcher, fixed, args.train_iters, args.warmup_iters, args.time_limit,
                    args.retry, args.only, args.max_runs, args.script, log=lambda s: print(s, flush=True),

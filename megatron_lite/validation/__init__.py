@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.validation.numbers import numbers_of
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
 from megatron_lite.validation.rules import (
@@ -25,16 +26,21 @@ from megatron_lite.validation.rules import (
 Rule = Callable[[Config, List[str]], Config]
 
 # (name, rule, the sections it needs to have passed); a section comes after those it needs.
+NUMBERS = {s: f"numbers of {s}" for s in ("model", "parallel", "batch", "optimizer", "precision", "data", "training",
+                                          "logging")}
+"""A rule per config section checking its numbers first (validation/numbers.py); every rule needs those of the
+sections it reads, so it compares and divides values known to be finite and in range."""
 SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
-    ("parallel", parallel_rules, ()),
+    *((name, numbers_of(section), ()) for section, name in NUMBERS.items()),
+    ("parallel", parallel_rules, (NUMBERS["parallel"], NUMBERS["model"])),
     ("model", model_rules, ("parallel",)),
-    ("batch", batch_rules, ("parallel",)),
-    ("training", training_rules, ()),
-    ("optimizer", optimizer_rules, ()),
-    ("precision", precision_rules, ()),
-    ("logging", logging_rules, ()),
-    ("tokenizer", tokenizer_rules, ("parallel", "model")),
-    ("data", data_rules, ("batch", "training")),
+    ("batch", batch_rules, ("parallel", NUMBERS["batch"])),
+    ("training", training_rules, (NUMBERS["training"],)),
+    ("optimizer", optimizer_rules, (NUMBERS["optimizer"], NUMBERS["training"])),
+    ("precision", precision_rules, (NUMBERS["precision"], NUMBERS["parallel"])),
+    ("logging", logging_rules, (NUMBERS["logging"], NUMBERS["parallel"])),
+    ("tokenizer", tokenizer_rules, ("parallel", "model", NUMBERS["data"])),
+    ("data", data_rules, ("batch", "training", NUMBERS["data"])),
     ("tokenizer-data", tokenizer_matches_data, ("tokenizer", "data")),
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
     ("checkpoint", checkpoint_rules, ("parallel", "model", "tokenizer")),

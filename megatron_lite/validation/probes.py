@@ -5,14 +5,15 @@ group exists, so a missing file or an empty split costs one clear line.
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 from typing import List, Optional
 
 from megatron_lite.config import Config, ConfigError, pad_vocab_size, vocab_padding_note
 from megatron_lite.data.tokenizer import (
-    GPT2_HINT, SENTENCEPIECE_TYPES, TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer,
+    GPT2_HINT, SENTENCEPIECE_TYPES, TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer, file_refusal,
 )
+from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.validation.rules import split_rules
 
 DATA_HINT = ("give the prefix of a .bin/.idx pair written by tools/preprocess_data.py "
@@ -29,21 +30,24 @@ TOKENIZER_FILES_NAME = {"SentencePieceTokenizer": "a SentencePiece model", "Hugg
 
 
 def check_readable_file(path: str, flag: str, hint: str) -> None:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: no such file; {hint}")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{flag} {path}: file is not readable (permissions); {hint}")
+    refusal = file_refusal(path, flag, hint)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def data_path_weight_rules(data_path) -> None:
+    """--data-path's weights positive and finite (training's, and evaluate.py's own --data-path)."""
+    for weight, prefix in data_path:
+        if not 0 < weight < math.inf:  # a NaN weight passes `weight <= 0`, then breaks the sample counts
+            raise ConfigError(f"--data-path weight {weight:g} for '{prefix}' must be a positive finite number, "
+                              f"e.g. 1 (weights are relative)")
 
 
 def data_rules(config: Config, notes: List[str]) -> Config:
     """Weights, readable and well-formed .bin/.idx pairs, and a split that leaves every wanted split data."""
     d = config.data
-    if d.num_workers < 0:
-        raise ConfigError(f"--num-workers must be 0 or more, got {d.num_workers}")
     split_rules(d.split)
-    for weight, prefix in d.data_path:
-        if weight <= 0:
-            raise ConfigError(f"--data-path weight {weight:g} for '{prefix}' must be positive")
+    data_path_weight_rules(d.data_path)
     if not d.data_path:
         return config
     for _, prefix in d.data_path:
@@ -175,10 +179,9 @@ def deepspeed_rules(config: Config, notes: List[str]) -> Config:
     if t.deepspeed_config_contents is None:
         check_readable_file(path, "--deepspeed-config", "give a DeepSpeed JSON file")
         try:
-            with open(path) as f:
-                contents = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"--deepspeed-config {path}: not valid JSON ({e})") from None
+            contents = read_json(path)
+        except UnreadableFile as e:
+            raise ConfigError(f"--deepspeed-config {e}") from None
         if not isinstance(contents, dict):
             raise ConfigError(f"--deepspeed-config {path}: must hold a JSON object, got {type(contents).__name__}")
         config = config.replace(training__deepspeed_config_contents=contents)

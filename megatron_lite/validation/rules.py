@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from megatron_lite import batching
 from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
-from megatron_lite.model.partition import layers_per_stage_uniform
+from megatron_lite.model.partition import check_partition_method, layers_per_stage_uniform
 
-PARTITION_METHODS = ("cost", "profile", "uniform", "parameters")
 
 
 def flag(name: str) -> str:
@@ -23,29 +22,12 @@ def flag(name: str) -> str:
     return flag_for(name)
 
 
-def require_at_least_one(section, names: Iterable[str]) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag(name)} must be at least 1, got {value}")
-
-
-def require_not_negative(section, names: Iterable[str]) -> None:
-    for name in names:
-        value = getattr(section, name)
-        if value < 0:
-            raise ConfigError(f"{flag(name)} must be 0 or more, got {value}")
-
-
 def parallel_rules(config: Config, notes: List[str]) -> Config:
     p = config.parallel
-    require_at_least_one(p, ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     world, tp, pp = p.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     cp = p.context_parallel_size
     if world < 1:
         raise ConfigError(f"world size {world} (WORLD_SIZE / SLURM_NTASKS) must be at least 1")
-    if cp < 1:
-        raise ConfigError(f"--context-parallel-size {cp} must be at least 1 (1 = no context parallelism)")
     if p.cp_comm_type != "a2a":
         raise ConfigError(f"--cp-comm-type {p.cp_comm_type}: ring attention (p2p) is not built here; use "
                           f"--cp-comm-type a2a (all-to-all over heads, DeepSpeed-Ulysses style)", code="cp_comm_type")
@@ -79,35 +61,12 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
         )
     if p.distributed_backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"--distributed-backend {p.distributed_backend} is not nccl or gloo")
-    if not 0 < p.distributed_timeout_minutes < math.inf:
-        raise ConfigError(f"--distributed-timeout-minutes must be a positive number of minutes, got "
-                          f"{p.distributed_timeout_minutes:g}; e.g. 10 (Megatron-LM's default) or 0.5 for 30 s")
-    _check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
+    check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
     return config.replace(parallel__data_parallel_size=world // (tp * pp * cp))
-
-
-def _check_partition_method(method: str, num_layers: int, pp: int) -> None:
-    if method in PARTITION_METHODS or method.startswith("type:"):
-        return
-    example = ",".join(map(str, layers_per_stage_uniform(max(num_layers, pp), pp)))
-    try:
-        counts = [int(c) for c in method.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"--pipeline-partition-method '{method}' is not one of {', '.join(PARTITION_METHODS)}, type:<regex>, "
-            f"or comma-separated layer counts like {example}"
-        ) from None
-    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
-        raise ConfigError(
-            f"--pipeline-partition-method {method} must list {pp} stage layer counts, each >= 1, summing to "
-            f"--num-layers {num_layers}; e.g. {example}"
-        )
 
 
 def model_rules(config: Config, notes: List[str]) -> Config:
     m, tp, pp = config.model, config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    require_at_least_one(m, ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
-                             "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by"))
     hidden, heads = m.hidden_size, m.num_attention_heads
     ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.swiglu)
     if hidden % heads:
@@ -135,16 +94,12 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     groups = _query_groups(m, tp)
     if m.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization {m.normalization} is not one of {', '.join(NORMALIZATIONS)}")
-    if m.norm_epsilon <= 0:
-        raise ConfigError(f"--norm-epsilon {m.norm_epsilon} must be positive, e.g. 1e-5")
     if m.openai_gelu and m.swiglu:
         raise ConfigError("--openai-gelu chooses GeLU's approximation, but --swiglu gates with SiLU and has no GeLU; "
                           "drop one of them")
     if m.use_rope_scaling and m.position_embedding_type != "rope":
         raise ConfigError("--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope; "
                           f"got {m.position_embedding_type}")
-    if m.use_rope_scaling and not m.rope_scaling_factor >= 1.0:
-        raise ConfigError(f"--rope-scaling-factor {m.rope_scaling_factor} must be at least 1, e.g. 8 (Llama 3.1)")
     if m.attention_backend not in ("auto", "sdpa", "fused"):
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
@@ -173,10 +128,6 @@ def model_rules(config: Config, notes: List[str]) -> Config:
             f"stages get unequal layer counts (uniform split: {', '.join(map(str, counts))}), "
             f"the partitioner balances by cost"
         )
-    for name in ("hidden_dropout", "attention_dropout"):
-        value = getattr(m, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{flag(name)} {value} must be in [0, 1), e.g. 0.1")
     _check_sequence_parallel(config)
     _check_context_parallel(config, groups)
     granularity = _recompute_granularity(m, notes)
@@ -324,30 +275,17 @@ def batch_rules(config: Config, notes: List[str]) -> Config:
 
 def optimizer_rules(config: Config, notes: List[str]) -> Config:
     o, train_iters = config.optimizer, config.training.train_iters
-    if o.lr <= 0:
-        raise ConfigError(f"--lr must be positive, got {o.lr}")
-    if o.min_lr < 0 or o.min_lr > o.lr:
+    if o.min_lr > o.lr:
         raise ConfigError(f"--min-lr {o.min_lr} must be between 0 and --lr {o.lr}")
     if o.lr_decay_style not in ("constant", "linear", "cosine"):
         raise ConfigError(f"--lr-decay-style {o.lr_decay_style} is not constant, linear or cosine")
-    require_not_negative(o, ("lr_warmup_iters",))
-    if o.lr_decay_iters is not None and o.lr_decay_iters < 1:
-        raise ConfigError(f"--lr-decay-iters must be at least 1, got {o.lr_decay_iters}")
     decay_iters = o.lr_decay_iters if o.lr_decay_iters is not None else train_iters
-    if o.lr_warmup_iters > decay_iters and decay_iters >= 1:  # a --train-iters below 1 is the training rule's
+    if o.lr_warmup_iters > decay_iters:
         raise ConfigError(
             f"--lr-warmup-iters {o.lr_warmup_iters} is longer than the decay "
             f"({'--lr-decay-iters' if o.lr_decay_iters is not None else '--train-iters'} {decay_iters}); "
             f"use --lr-warmup-iters {max(decay_iters // 10, 0)}"
         )
-    if o.clip_grad < 0:
-        raise ConfigError(f"--clip-grad must be 0 (off) or positive, got {o.clip_grad}")
-    if o.weight_decay < 0:
-        raise ConfigError(f"--weight-decay must be 0 or positive, got {o.weight_decay}")
-    if not (0 <= o.adam_beta1 < 1 and 0 <= o.adam_beta2 < 1):
-        raise ConfigError(f"--adam-beta1 {o.adam_beta1} and --adam-beta2 {o.adam_beta2} must be in [0, 1)")
-    if o.adam_eps <= 0:
-        raise ConfigError(f"--adam-eps must be positive, got {o.adam_eps}")
     return config.replace(optimizer__lr_decay_iters=decay_iters)
 
 
@@ -364,11 +302,6 @@ def precision_rules(config: Config, notes: List[str]) -> Config:
                           "--zero-stage 1 with --fp16, or --bf16")
     if p.loss_scale is not None and not p.fp16:
         raise ConfigError(f"--loss-scale {p.loss_scale} only applies with --fp16; drop it or add --fp16")
-    if p.loss_scale is not None and p.loss_scale <= 0:
-        raise ConfigError(f"--loss-scale must be positive, got {p.loss_scale}; omit it for dynamic scaling")
-    if p.initial_loss_scale <= 0 or p.min_loss_scale <= 0:
-        raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive, e.g. 4294967296 and 1")
-    require_at_least_one(p, ("loss_scale_window", "hysteresis"))
     return _gradient_accumulation_dtype(config)
 
 
@@ -396,8 +329,6 @@ def _gradient_accumulation_dtype(config: Config) -> Config:
 
 def training_rules(config: Config, notes: List[str]) -> Config:
     t = config.training
-    require_at_least_one(t, ("train_iters", "eval_interval", "save_interval", "keep_last", "exit_interval"))
-    require_not_negative(t, ("eval_iters",))
     if t.save_interval is not None and not t.save:
         raise ConfigError(f"--save-interval {t.save_interval} needs --save DIR to say where checkpoints go")
     if t.keep_last is not None and not t.save:
@@ -410,7 +341,6 @@ def training_rules(config: Config, notes: List[str]) -> Config:
 
 
 def logging_rules(config: Config, notes: List[str]) -> Config:
-    require_at_least_one(config.logging, ("log_interval",))
     if config.logging.log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {config.logging.log_level} is not one of {', '.join(LOG_LEVELS)}")
     if config.logging.timing_breakdown and config.parallel.zero_stage >= 2:
@@ -422,7 +352,7 @@ def logging_rules(config: Config, notes: List[str]) -> Config:
 def split_rules(split: Sequence[float]) -> Tuple[float, float, float]:
     """The --split weights as given -> normalised (train, valid, test)."""
     text = format_split(split)
-    if len(split) != 3 or any(w < 0 for w in split) or sum(split) <= 0:
+    if len(split) != 3 or not all(0 <= w < math.inf for w in split) or not sum(split) > 0:
         raise ConfigError(f"--split '{text}' must be up to three non-negative numbers with a positive sum, e.g. 969,30,1")
     total = sum(split)
     return tuple(w / total for w in split)

@@ -118,6 +118,16 @@ def test_generate_with_a_tokenizer_of_another_vocabulary_is_refused(zero1_run, t
     assert "has 600 pieces, but the model" in line and "vocabulary of 400" in line
 
 
+def test_generate_with_a_tokenizer_folder_under_sentencepiece_says_it_is_a_folder_of_another_type(zero1_run,
+                                                                                                  tmp_path):
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    line = _error(run_tool("tools/generate.py", "--load", zero1_run, "--tokenizer-model", str(folder), "--prompt",
+                           "def", check=False))
+    assert f"--tokenizer-model {folder} is a folder" in line and "HuggingFaceTokenizer" in line, line
+
+
 def test_a_killed_reshards_temporary_folder_is_removed_by_the_next_reshard(zero1_run, tmp_path):
     import subprocess
     import sys

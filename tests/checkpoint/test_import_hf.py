@@ -270,6 +270,14 @@ REFUSALS = {
     "sliding window": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",
                                                  sliding_window=16),
                        "sliding_window = 16 is shorter than --seq-length 32"),
+    "no heads": (lambda f, d: _edit_config(f, d, num_attention_heads=0),
+                 "num_attention_heads = 0 must be at least 1"),
+    "no heads (Mistral)": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",
+                                                     num_attention_heads=0),
+                           "num_attention_heads = 0 must be at least 1"),
+    "infinite layers": (lambda f, d: _edit_config(f, d, num_hidden_layers=float("inf")),
+                        "num_hidden_layers"),
+    "nan epsilon": (lambda f, d: _edit_config(f, d, rms_norm_eps=float("nan")), "must be a finite number, got nan"),
 }
 
 
@@ -279,4 +287,35 @@ def test_an_hf_folder_we_cannot_represent_exits_2_naming_the_field_or_tensor_and
     folder = make(hf["llama"][0], tmp_path / "in")
     line = error_line(import_hf(folder, tmp_path / "out", check=False))
     assert expected in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def _convert(*argv):
+    """convert_checkpoint.py's main() in this process: (exit status, its one error line or '')."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = convert_checkpoint.main([str(a) for a in argv])
+    return error_line(subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue()))
+
+
+def test_an_unknown_partition_method_is_refused_naming_the_target_flag_in_import_hf_and_reshard(hf, imported,
+                                                                                                 tmp_path):
+    line = _convert("import-hf", "--input", hf["llama"][0], "--output", tmp_path / "a",
+                    "--target-pipeline-partition-method", "bogus")
+    assert "--target-pipeline-partition-method 'bogus' is not one of cost" in line, line
+    line = _convert("reshard", "--load", imported[("llama", 1, 1)], "--save", tmp_path / "b",
+                    "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+                    "--target-pipeline-partition-method", "bogus")
+    assert "--target-pipeline-partition-method 'bogus' is not one of cost" in line, line
+    line = _convert("reshard", "--load", imported[("llama", 1, 1)], "--save", tmp_path / "c",
+                    "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
+                    "--target-pipeline-partition-method", "type:(")
+    assert "--target-pipeline-partition-method type:( is not a regular expression" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_seq_length_past_the_models_positions_names_import_hfs_own_flag_and_the_config_field(hf, tmp_path):
+    line = _convert("import-hf", "--input", hf["llama"][0], "--output", tmp_path / "out", "--seq-length", "100000")
+    assert "--seq-length 100000 is longer than" in line and "max_position_embeddings 16384" in line, line
+    assert "use --seq-length 16384 or less" in line and "--max-position-embeddings" not in line, line
     assert not (tmp_path / "out").exists()

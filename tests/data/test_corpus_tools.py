@@ -16,7 +16,7 @@ def test_make_corpus_is_deterministic_and_respects_both_caps(tmp_path):
     assert 0 < len(docs) <= 12 and sum(len(d["text"].encode()) for d in docs) <= 150_000
     assert all(d["path"].endswith(".py") and d["text"] for d in docs)
     assert proc.stdout.startswith(f"wrote {len(docs)} documents")
-    run_tool("make_corpus.py", "--output", first, "--max-docs", 3)
+    run_tool("make_corpus.py", "--output", first, "--max-docs", 3, "--overwrite")
     assert len(first.read_text(encoding="utf-8").splitlines()) == 3
 
 

@@ -67,11 +67,14 @@ def _rewrite(profile_path, tmp_path, change):
 
 
 def test_a_missing_or_malformed_profile_is_refused_naming_the_file_and_the_field(profile_path, tmp_path):
-    with pytest.raises(ConfigError, match=r"profile .*nowhere.json: cannot read it"):
+    with pytest.raises(ConfigError, match=r"^--profile .*nowhere.json: no such file; write one with"):
         calibration.load(str(tmp_path / "nowhere.json"))
     (tmp_path / "text.json").write_text("import os")
     with pytest.raises(ConfigError, match=r"text.json: not JSON"):
         calibration.load(str(tmp_path / "text.json"))
+    (tmp_path / "bytes.json").write_bytes(bytes([0x91, 0x00, 0xff]) * 8)  # was a UnicodeDecodeError traceback
+    with pytest.raises(ConfigError, match=r"^--profile .*bytes.json: not UTF-8 text \(byte 0x91 at offset 0\)"):
+        calibration.load(str(tmp_path / "bytes.json"))
     bad = _rewrite(profile_path, tmp_path, lambda d: d.pop("memory_gbps"))
     with pytest.raises(ConfigError, match=r"bad.json: field 'memory_gbps' is missing"):
         calibration.load(bad)

@@ -179,7 +179,7 @@ def test_tune_parallelism_help_exits_0_and_lists_the_commands():
 def test_estimate_memory_refuses_a_negative_gpu_memory_naming_the_flag():
     r = subprocess.run([sys.executable, "tools/estimate_memory.py", "--world-size", "1", "--vocab-size", "128",
                         "--gpu-memory-gb", "-1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--gpu-memory-gb must be a positive number of GiB" in r.stderr
+    assert r.returncode == 2 and "argument --gpu-memory-gb: must be more than 0, got -1; e.g. 80" in r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 

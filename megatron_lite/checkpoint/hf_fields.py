@@ -1,0 +1,47 @@
+"""Numbers read from a Hugging Face config.json: whole where a count is meant, finite, in range, refused by name.
+
+A config.json is text anyone can edit, and JSON has no integer type of its own: `"num_attention_heads": 0`,
+`"num_hidden_layers": Infinity` (Python's json reads it) or `"rms_norm_eps": NaN` would reach a division
+or int() before validation sees them. hf_gpt2.py and hf_llama.py read every number through these, so each
+such value is one line naming the file and the field, with the rule from flag_numbers.problem() that the
+flags use:
+
+    hf/config.json: num_attention_heads = 0 must be at least 1
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.flag_numbers import problem
+
+REQUIRED = object()
+
+
+def _value(c: dict, key: str, default: Any) -> Any:
+    if key in c and c[key] is not None:
+        return c[key]
+    if default is REQUIRED:
+        raise KeyError(key)
+    return default
+
+
+def whole(c: dict, key: str, where: str, default: Any = REQUIRED, minimum: int = 1) -> int:
+    """c[key] as a count (a float that is a whole number, as some exporters write, is taken)."""
+    value = _value(c, key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    why = problem(value, True, minimum=minimum)
+    if why:
+        raise CheckpointError(f"{where}: {key} = {value!r} {why}")
+    return value
+
+
+def real(c: dict, key: str, where: str, default: Any = REQUIRED, minimum=None, above=None, maximum=None,
+         below=None) -> float:
+    """c[key] as a finite number within the bounds."""
+    value = _value(c, key, default)
+    why = problem(value, False, minimum=minimum, above=above, maximum=maximum, below=below)
+    if why:
+        raise CheckpointError(f"{where}: {key} = {value!r} {why}")
+    return float(value)

@@ -1,0 +1,86 @@
+"""Every number of a Config finite, whole where a count is meant, and in its field's range: one rule for all.
+
+The range is the field's (config.py: `option(..., minimum=1)`), the check flag_numbers.problem(), the one
+the tools' own flags use; a whole number is at most flag_numbers.WHOLE_MAX unless its field says otherwise.
+It runs before every other section, which then compare and divide numbers known to be sane: a NaN passes
+every `<` test, and 1e15 minutes overflows timedelta after the process group exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Callable, List, Optional, Sequence
+
+from megatron_lite.config import Config, ConfigError, flag_fields
+from megatron_lite.flag_numbers import problem
+
+BOUNDS = ("minimum", "maximum", "above", "below")
+
+
+def _kinds(section: str, field: dataclasses.Field):
+    """The field's number type (int or float), and whether it holds a tuple of them; (None, False) for a
+    field that is not a number (a path, a choice, the data path's nested pairs)."""
+    owner = next(f.default_factory for f in dataclasses.fields(Config) if f.name == section)
+    hint = typing.get_type_hints(owner)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    if hint in (int, float):
+        return hint, False
+    if typing.get_origin(hint) is tuple:
+        inner = set(typing.get_args(hint)) - {Ellipsis}
+        if len(inner) == 1 and next(iter(inner)) in (int, float):
+            return next(iter(inner)), True
+    return None, False
+
+
+def numbers_of(section: str) -> Callable[[Config, List[str]], Config]:
+    """number_rules for one config section: validation runs one per section, so a bad number skips only the
+    rules that read that section, and the others still report their own problems."""
+    def rule(config: Config, notes: List[str]) -> Config:
+        return number_rules(config, notes, (section,))
+
+    rule.__name__ = f"number_rules[{section}]"
+    return rule
+
+
+def _example(field: dataclasses.Field, bounds: dict):
+    default = field.default
+    if isinstance(default, tuple):
+        default = default[0] if default else None
+    for candidate in (default, bounds.get("minimum")):
+        if candidate is not None:
+            return candidate
+    return 1
+
+
+def _shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def number_rules(config: Config, notes: List[str], sections: Optional[Sequence[str]] = None) -> Config:
+    """ConfigError naming each flag (of `sections`, default all) whose value is not a finite number in its
+    range, with a value that works."""
+    problems = []
+    for section, field in flag_fields():
+        if sections is not None and section not in sections:
+            continue
+        kind, many = _kinds(section, field)
+        value = getattr(getattr(config, section), field.name)
+        if kind is None or value is None:
+            continue
+        bounds = {k: field.metadata[k] for k in BOUNDS if k in field.metadata}
+        for item in (value if many else (value,)):
+            if kind is float and isinstance(item, int) and not isinstance(item, bool):
+                item = float(item)  # code may write lr=1 for 1.0
+            why = problem(item, kind is int, **bounds)
+            if why:
+                problems.append(f"{field.metadata['flag']} {why}, got {_shown(item)}; e.g. "
+                                f"{_shown(_example(field, bounds))}")
+                break
+    if len(problems) == 1:
+        raise ConfigError(problems[0], code="number_out_of_range")
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)),
+                          codes=["number_out_of_range"] * len(problems))
+    return config
