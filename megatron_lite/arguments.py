@@ -23,7 +23,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_lite import config as config_module
 from megatron_lite.config import Config, ConfigError, flag_fields, parse_data_path, parse_split  # noqa: F401
 from megatron_lite.training.distributed import is_rank_zero_from_environment
+from megatron_lite.flag_numbers import number
 from megatron_lite.validation import validate
+from megatron_lite.validation.numbers import bounds_of, example_of
 from megatron_lite.validation.resume import with_checkpoint_args
 
 LAUNCHER_FLAGS = (
@@ -98,10 +100,12 @@ def _add_flag(group, section: str, field: dataclasses.Field) -> None:
         kwargs["action"] = action
     else:
         value_type = _value_type(section, field)
-        if "parse" not in meta and value_type in (int, float):
-            kwargs["type"] = value_type
         if "parse" not in meta and "nargs" in meta and typing.get_origin(value_type) is tuple:
-            kwargs["type"] = typing.get_args(value_type)[0]
+            value_type = typing.get_args(value_type)[0]
+        if "parse" not in meta and value_type in (int, float):
+            # argparse refuses nan, 1e30 or -1 where the field's range does not hold it, naming the flag
+            bounds = bounds_of(field)
+            kwargs["type"] = number(value_type, example_of(field, bounds), **bounds)
         for key in ("choices", "nargs", "metavar"):
             if key in meta:
                 kwargs[key] = meta[key]
@@ -113,6 +117,7 @@ def _add_flag(group, section: str, field: dataclasses.Field) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
+        usage="%(prog)s [flags: --help lists them, with Megatron-LM's names]",  # not the 3-screen list of all
         description="Pretrain a GPT with tensor, pipeline and data parallelism (Megatron-LM flag names).",
         allow_abbrev=False,
     )

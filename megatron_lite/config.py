@@ -143,9 +143,9 @@ class ModelConfig:
     """Base of the rotary frequencies."""
     untie_embeddings_and_output_weights: bool = option(False, "--untie-embeddings-and-output-weights")
     """Give the output head its own weight instead of reusing the embedding."""
-    init_method_std: float = option(0.02, "--init-method-std", minimum=0)
+    init_method_std: float = option(0.02, "--init-method-std", minimum=0, maximum=100)
     """Standard deviation of the normal weight initialisation."""
-    norm_epsilon: float = option(1e-5, "--norm-epsilon", above=0, aliases=("--layernorm-epsilon",))
+    norm_epsilon: float = option(1e-5, "--norm-epsilon", above=0, maximum=1, aliases=("--layernorm-epsilon",))
     """Epsilon of every LayerNorm or RMSNorm (--layernorm-epsilon is its older name, as in Megatron-LM)."""
     normalization: str = option("LayerNorm", "--normalization", choices=NORMALIZATIONS)
     """Normalisation of the layers and the final norm: LayerNorm (GPT-2) or RMSNorm (Llama)."""
@@ -163,7 +163,7 @@ class ModelConfig:
     """Drop the bias of every linear layer (attention and MLP), as Llama does."""
     use_rope_scaling: bool = option(False, "--use-rope-scaling")
     """Llama 3.1's rotary frequency scaling (low/high-frequency factors 1 and 4, original context 8192)."""
-    rope_scaling_factor: float = option(8.0, "--rope-scaling-factor", minimum=1)
+    rope_scaling_factor: float = option(8.0, "--rope-scaling-factor", minimum=1, maximum=1024)
     """With --use-rope-scaling: the factor long wavelengths are divided by."""
     recompute_activations: bool = option(False, "--recompute-activations")
     """Megatron-LM's shorthand for --recompute-granularity selective (recompute the attention core in
@@ -221,7 +221,8 @@ class ParallelConfig:
     """Offload optimizer state to CPU through ZeRO (--pipeline-model-parallel-size 1, --zero-stage >= 1)."""
     distributed_backend: Optional[str] = option(None, "--distributed-backend", choices=("nccl", "gloo"))
     """Collective backend; when not given, nccl with CUDA, gloo otherwise."""
-    distributed_timeout_minutes: float = option(10.0, "--distributed-timeout-minutes", above=0, maximum=TIMEOUT_MINUTES_MAX)
+    distributed_timeout_minutes: float = option(10.0, "--distributed-timeout-minutes", above=0,
+                                                maximum=TIMEOUT_MINUTES_MAX)
     """How long a rank waits in a collective (and at start-up for the others) before the run ends with an
     error naming it: another rank is stuck or died. Fractions allowed (0.5 = 30 s)."""
 
@@ -241,9 +242,9 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = option(1e-4, "--lr", above=0)
+    lr: float = option(1e-4, "--lr", above=0, maximum=10)
     """Peak learning rate."""
-    min_lr: float = option(0.0, "--min-lr", minimum=0)
+    min_lr: float = option(0.0, "--min-lr", minimum=0, maximum=10)
     """Learning rate at the end of decay."""
     lr_decay_style: str = option("cosine", "--lr-decay-style", choices=("constant", "linear", "cosine"))
     """Shape of the decay from --lr to --min-lr."""
@@ -251,15 +252,15 @@ class OptimizerConfig:
     """Iterations of linear warmup from 0 to --lr."""
     lr_decay_iters: Optional[int] = option(None, "--lr-decay-iters", minimum=1)
     """Iterations over which the learning rate decays to --min-lr; when not given, --train-iters."""
-    weight_decay: float = option(0.01, "--weight-decay", minimum=0)
+    weight_decay: float = option(0.01, "--weight-decay", minimum=0, maximum=10)
     """AdamW weight decay, not applied to biases and norms."""
     adam_beta1: float = option(0.9, "--adam-beta1", minimum=0, below=1)
     """AdamW beta1."""
     adam_beta2: float = option(0.999, "--adam-beta2", minimum=0, below=1)
     """AdamW beta2."""
-    adam_eps: float = option(1e-8, "--adam-eps", above=0)
+    adam_eps: float = option(1e-8, "--adam-eps", above=0, maximum=1)
     """AdamW epsilon."""
-    clip_grad: float = option(1.0, "--clip-grad", minimum=0)
+    clip_grad: float = option(1.0, "--clip-grad", minimum=0, maximum=1e6)
     """Clip the global gradient norm to this; 0 disables clipping."""
 
 
@@ -269,11 +270,11 @@ class PrecisionConfig:
     """Train in bfloat16."""
     fp16: bool = option(False, "--fp16")
     """Train in float16 with loss scaling (needs --zero-stage 1 and a device with fp16 kernels)."""
-    loss_scale: Optional[float] = option(None, "--loss-scale", above=0)
+    loss_scale: Optional[float] = option(None, "--loss-scale", above=0, maximum=2.0 ** 40)
     """Static loss scale for fp16; when not given, dynamic."""
-    initial_loss_scale: float = option(2.0 ** 32, "--initial-loss-scale", above=0)
+    initial_loss_scale: float = option(2.0 ** 32, "--initial-loss-scale", above=0, maximum=2.0 ** 40)
     """Starting dynamic loss scale."""
-    min_loss_scale: float = option(1.0, "--min-loss-scale", above=0)
+    min_loss_scale: float = option(1.0, "--min-loss-scale", above=0, maximum=2.0 ** 40)
     """Floor of the dynamic loss scale."""
     loss_scale_window: int = option(1000, "--loss-scale-window", minimum=1)
     """Steps without overflow before the dynamic scale grows."""

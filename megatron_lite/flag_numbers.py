@@ -21,6 +21,9 @@ WHOLE_MAX = 2 ** 31 - 1
 """The largest count a flag takes unless it names its own maximum: C's int, which SentencePiece's options,
 numpy's seeds and torch's sizes per dimension hold; a count past it is a typo, not a plan."""
 
+GPU_MEMORY_GB_MAX = 1 << 16
+"""--gpu-memory-gb at most: 64 TiB per device, past any accelerator; a larger value is a typo (MB for GB)."""
+
 
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)

@@ -11,10 +11,13 @@ python3 -m pip install -q torch==2.13.0
 python3 -m pip install -q --no-build-isolation -e .
 mkdir -p "$OUT"
 
-python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 1500
-python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --vocab-size 2000 --model-prefix "$OUT/spm"
-python3 tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/corpus" \
-    --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" --append-eod --workers 2
+# A rerun keeps the data an earlier run made: the tools refuse to write over an output (--overwrite would).
+[[ -f $OUT/corpus.jsonl ]] || python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 1500
+[[ -f $OUT/spm.model ]] || python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --vocab-size 2000 \
+    --model-prefix "$OUT/spm"
+[[ -f $OUT/corpus_text_document.idx ]] || python3 tools/preprocess_data.py --input "$OUT/corpus.jsonl" \
+    --output-prefix "$OUT/corpus" --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" \
+    --append-eod --workers 2
 
 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node 2 pretrain_gpt.py \
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 \

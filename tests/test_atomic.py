@@ -83,3 +83,26 @@ def test_a_full_disk_is_one_write_error_naming_the_final_path_and_leaves_nothing
                     f.write(b"\0" * (128 * 1024))
         assert str(info.value) == f"cannot write {os.path.join(small, 'ckpt')}: No space left on device"
         assert listing(small) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2 exchange", "rename aside"])
+def test_replacing_a_folder_publishes_the_new_one_whole_and_a_failure_leaves_the_old_one(tmp_path, monkeypatch,
+                                                                                          exchange):
+    import megatron_lite.atomic as atomic
+
+    if not exchange:  # a system without renameat2: the previous folder is renamed aside first
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old").write_text("previous")
+    with pytest.raises(RuntimeError):
+        with atomic_folder(str(out), replace=True) as tmp:
+            with open(os.path.join(tmp, "new"), "w") as f:
+                f.write("half")
+            raise RuntimeError("killed mid-write")
+    assert sorted(os.listdir(out)) == ["old"] and sorted(os.listdir(tmp_path)) == ["out"]
+    with atomic_folder(str(out), replace=True) as tmp:
+        with open(os.path.join(tmp, "new"), "w") as f:
+            f.write("whole")
+    assert sorted(os.listdir(out)) == ["new"] and (out / "new").read_text() == "whole"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # neither the temporary nor the previous folder is left

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.arguments import parse_args  # noqa: E402
 from megatron_lite.config import Config, ConfigError  # noqa: E402
-from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.flag_numbers import GPU_MEMORY_GB_MAX, add_number  # noqa: E402
 from megatron_lite.model import memory  # noqa: E402
 from megatron_lite.deepspeed_config import deepspeed_config  # noqa: E402
 
@@ -74,12 +74,13 @@ def layout_line(config: Config) -> str:
             f"{_recompute(config.model)}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        prog="estimate_memory.py",
         description="Per-stage memory estimate. Every other flag is a pretrain_gpt.py flag (model, layout, batch, "
                     "precision); --data-path is not needed (give --vocab-size).", allow_abbrev=False)
     add_number(parser, "--world-size", minimum=1, required=True, example=8, help="GPUs (processes) in the job")
-    add_number(parser, "--gpu-memory-gb", kind=float, above=0, default=None, example=80,
+    add_number(parser, "--gpu-memory-gb", kind=float, above=0, maximum=GPU_MEMORY_GB_MAX, default=None, example=80,
                help="say whether the peak fits in this many GiB")
     add_number(parser, "--memory-margin", kind=float, minimum=0, below=1, default=0.0,
                         help="fraction of --gpu-memory-gb kept free (the CUDA context, allocator cache, "
@@ -91,6 +92,11 @@ def main(argv=None) -> int:
     add_number(parser, "--sequence-step", minimum=1, default=1024,
                         help="with --longest-sequence: lengths are multiples of this (default 1024)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     own, model_argv = parser.parse_known_args(argv)
     if own.longest_sequence and own.gpu_memory_gb is None:
         parser.error("--longest-sequence needs --gpu-memory-gb (the memory the sequence must fit in)")

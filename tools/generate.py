@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
                help="which iter_XXXXXXX of a folder (default: latest)")
     p.add_argument("--prompt", required=True, help="text to continue")
     add_number(p, "--max-new-tokens", minimum=1, maximum=1 << 20, default=64)
-    add_number(p, "--temperature", kind=float, minimum=0, default=0.0, example=0.8,
+    add_number(p, "--temperature", kind=float, minimum=0, maximum=100, default=0.0, example=0.8,
                help="0 = greedy (default); higher = more random")
     add_number(p, "--top-k", minimum=0, default=0, help="sample among the k most likely tokens (0 = all)")
     add_number(p, "--top-p", kind=float, above=0, maximum=1, default=1.0,

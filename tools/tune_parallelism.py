@@ -23,20 +23,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.config import ConfigError  # noqa: E402
-from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.flag_numbers import GPU_MEMORY_GB_MAX, add_number  # noqa: E402
 from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 
-def _plan(argv) -> int:
-    from megatron_lite.tuning import calibration, recipe
-    from megatron_lite.tuning.throughput import Hardware
+def plan_parser() -> argparse.ArgumentParser:
+    from megatron_lite.tuning import recipe
 
     parser = argparse.ArgumentParser(prog="tune_parallelism.py plan", allow_abbrev=False,
                                      description="Candidate layouts for a cluster. Every flag not listed here is a "
                                                  "pretrain_gpt.py flag describing the model and the batch.")
     add_number(parser, "--nodes", minimum=1, required=True, example=4)
     add_number(parser, "--gpus-per-node", minimum=1, required=True, example=8)
-    add_number(parser, "--gpu-memory-gb", kind=float, above=0, required=True, example=80, help="memory per GPU, GiB")
+    add_number(parser, "--gpu-memory-gb", kind=float, above=0, maximum=GPU_MEMORY_GB_MAX, required=True, example=80,
+               help="memory per GPU, GiB")
     add_number(parser, "--memory-margin", kind=float, minimum=0, below=1, default=0.1,
                help="fraction of GPU memory kept free for the CUDA context, allocator cache and fragmentation "
                     "(default 0.1)")
@@ -51,10 +51,10 @@ def _plan(argv) -> int:
                         help="largest --context-parallel-size tried (1, 2, 4, ...; default: up to the heads per TP "
                              "rank; 1 plans without context parallelism)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
-    add_number(parser, "--peak-tflops", kind=float, above=0, default=312.0,
+    add_number(parser, "--peak-tflops", kind=float, above=0, maximum=1e6, default=312.0,
                help="16-bit dense peak per GPU (A100 312)")
-    add_number(parser, "--intra-node-gbps", kind=float, above=0, default=150.0)
-    add_number(parser, "--inter-node-gbps", kind=float, above=0, default=25.0)
+    add_number(parser, "--intra-node-gbps", kind=float, above=0, maximum=1e6, default=150.0)
+    add_number(parser, "--inter-node-gbps", kind=float, above=0, maximum=1e6, default=25.0)
     parser.add_argument("--profile", default=None,
                         help="a profile from `tune_parallelism.py calibrate` (measured on --device): predict step "
                              "times from it instead of --peak-tflops and the --*-gbps constants")
@@ -65,6 +65,14 @@ def _plan(argv) -> int:
                                                        f"{recipe.OFFLOAD_PARAM_JSON} is written beside it")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_number(parser, "--show", minimum=0, default=30, help="rows of the table to print")
+    return parser
+
+
+def _plan(argv) -> int:
+    from megatron_lite.tuning import calibration, recipe
+    from megatron_lite.tuning.throughput import Hardware
+
+    parser = plan_parser()
     own, model_argv = parser.parse_known_args(argv)
     if own.output:
         why = (target_problem("--output", own.output, [own.output], own.overwrite)
@@ -93,7 +101,7 @@ def _plan(argv) -> int:
     return 0 if p.candidates else 1
 
 
-def _calibrate(argv) -> int:
+def calibrate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_parallelism.py calibrate", allow_abbrev=False,
                                      description="Measure this machine for `plan --profile` (about a minute with "
                                                  "the defaults): GEMM FLOP/s at a few token counts, the bandwidth of "
@@ -124,6 +132,11 @@ def _calibrate(argv) -> int:
     add_number(parser, "--model-passes", minimum=1, default=1,
                help="with model flags: times every run is measured, in passes of alternating order, each keeping "
                     "its fastest (2 on a shared machine: its slow spells last tens of seconds)")
+    return parser
+
+
+def _calibrate(argv) -> int:
+    parser = calibrate_parser()
     argv = list(argv)
     model_argv = []
     if "--" in argv:

@@ -22,8 +22,8 @@ if [[ -z ${HF_MODEL:-} ]]; then
         # A corpus and a byte-level BPE tokenizer.json, then a random Llama with grouped-query attention,
         # SwiGLU, RMSNorm and Llama 3.1 RoPE scaling over that vocabulary, saved as a hub model is.
         [[ -f $OUT/corpus.jsonl ]] || python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 400
-        python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --model-type byte-level-bpe --vocab-size 2000 \
-            --model-prefix "$OUT/tokenizer"
+        [[ -f $OUT/tokenizer/tokenizer.json ]] || python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" \
+            --model-type byte-level-bpe --vocab-size 2000 --model-prefix "$OUT/tokenizer"
         python3 - "$OUT/tokenizer" "$HF_MODEL" <<'EOF'
 import shutil, sys, tokenizers, torch, transformers
 source, folder = sys.argv[1], sys.argv[2]

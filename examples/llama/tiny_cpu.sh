@@ -12,9 +12,11 @@ OUT=${LLAMA_TINY_DIR:-llama_tiny}
 ITERS=${LLAMA_TINY_ITERS:-60}
 mkdir -p "$OUT"
 
+# Each step once: a rerun keeps what an earlier (maybe interrupted) run made; the tools refuse to overwrite.
+[[ -f $OUT/corpus.jsonl ]] || python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 600
+[[ -f $OUT/spm.model ]] || python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --vocab-size 2000 \
+    --model-prefix "$OUT/spm"
 if [[ ! -f $OUT/corpus_text_document.idx ]]; then
-    python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 600
-    python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --vocab-size 2000 --model-prefix "$OUT/spm"
     python3 tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/corpus" \
         --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" --append-eod --workers 2
 fi

@@ -242,7 +242,7 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
             "plots": series, "plot_paths": paths, "accuracy": accuracy}
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_parallelism.py report", allow_abbrev=False,
                                      description="Rank a sweep's runs; write report.md, report.csv and PNG plots.")
     parser.add_argument("--results", required=True, help="the sweep's results folder")
@@ -250,6 +250,11 @@ def main(argv: Sequence[str]) -> int:
                         help="column to rank by (default tokens_per_s; ms_per_iteration ranks ascending)")
     parser.add_argument("--output", default=None, help="folder for the report (default: --results)")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP + " (an earlier report's files)")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
     args = parser.parse_args(list(argv))
     out_dir = args.output or args.results
     why = target_problem("--output" if args.output else "--results", out_dir,

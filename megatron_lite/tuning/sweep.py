@@ -300,12 +300,7 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
     return counts
 
 
-def main(argv: Sequence[str]) -> int:
-    argv = list(argv)
-    fixed: List[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, fixed = argv[:cut], argv[cut + 1:]
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_parallelism.py sweep", allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description=__doc__.split("\n\n", 1)[1])
@@ -322,8 +317,18 @@ def main(argv: Sequence[str]) -> int:
     add_number(parser, "--max-runs", minimum=1, default=None, example=4, help="the first N candidates of the plan")
     parser.add_argument("--script", default=None, help="training script (default: this checkout's pretrain_gpt.py)")
     add_number(parser, "--repeats", minimum=1, default=1,
-                        help="runs per candidate, in passes of alternating order; each candidate's result is its "
-                             "fastest (on a shared machine, 2 keeps a slow spell from deciding the ranking)")
+               help="runs per candidate, in passes of alternating order; each candidate's result is its fastest (on "
+                    "a shared machine, 2 keeps a slow spell from deciding the ranking)")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    fixed: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, fixed = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.train_iters <= args.warmup_iters:
         parser.error(f"--train-iters {args.train_iters} must be larger than --warmup-iters {args.warmup_iters}")

@@ -44,7 +44,13 @@ def numbers_of(section: str) -> Callable[[Config, List[str]], Config]:
     return rule
 
 
-def _example(field: dataclasses.Field, bounds: dict):
+def bounds_of(field: dataclasses.Field) -> dict:
+    """The field's range, as flag_numbers.problem() takes it."""
+    return {k: field.metadata[k] for k in BOUNDS if k in field.metadata}
+
+
+def example_of(field: dataclasses.Field, bounds: dict):
+    """A value that works, for a refusal to suggest: the default, else the least allowed."""
     default = field.default
     if isinstance(default, tuple):
         default = default[0] if default else None
@@ -69,14 +75,14 @@ def number_rules(config: Config, notes: List[str], sections: Optional[Sequence[s
         value = getattr(getattr(config, section), field.name)
         if kind is None or value is None:
             continue
-        bounds = {k: field.metadata[k] for k in BOUNDS if k in field.metadata}
+        bounds = bounds_of(field)
         for item in (value if many else (value,)):
             if kind is float and isinstance(item, int) and not isinstance(item, bool):
                 item = float(item)  # code may write lr=1 for 1.0
             why = problem(item, kind is int, **bounds)
             if why:
                 problems.append(f"{field.metadata['flag']} {why}, got {_shown(item)}; e.g. "
-                                f"{_shown(_example(field, bounds))}")
+                                f"{_shown(example_of(field, bounds))}")
                 break
     if len(problems) == 1:
         raise ConfigError(problems[0], code="number_out_of_range")

@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from megatron_lite.checkpoint.format import METADATA
 from tests.checkpoint.conftest import data_args, error_line, run_tool, scalars
 from tests.checkpoint.hf_models import VOCAB, hf_loss, save_gpt2, save_llama
 from tests.data.corpus_mix import load_tool
@@ -277,7 +278,8 @@ REFUSALS = {
                            "num_attention_heads = 0 must be at least 1"),
     "infinite layers": (lambda f, d: _edit_config(f, d, num_hidden_layers=float("inf")),
                         "num_hidden_layers"),
-    "nan epsilon": (lambda f, d: _edit_config(f, d, rms_norm_eps=float("nan")), "must be a finite number, got nan"),
+    "nan epsilon": (lambda f, d: _edit_config(f, d, rms_norm_eps=float("nan")), "rms_norm_eps = nan must be a finite "
+                                                                                "number"),
 }
 
 
@@ -319,3 +321,39 @@ def test_a_seq_length_past_the_models_positions_names_import_hfs_own_flag_and_th
     assert "--seq-length 100000 is longer than" in line and "max_position_embeddings 16384" in line, line
     assert "use --seq-length 16384 or less" in line and "--max-position-embeddings" not in line, line
     assert not (tmp_path / "out").exists()
+
+
+def _converted(*argv):
+    """Whether convert_checkpoint.py's main() in this process exits 0."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return convert_checkpoint.main([str(a) for a in argv]) == 0
+
+
+def _files(folder):
+    """Every file under `folder` with its bytes: what a replaced or refused output holds."""
+    return {os.path.relpath(os.path.join(root, n), folder): open(os.path.join(root, n), "rb").read()
+            for root, _, names in os.walk(folder) for n in names}
+
+
+def test_checkpoint_commands_replace_an_earlier_output_only_with_overwrite_and_never_their_source(hf, imported,
+                                                                                                 tmp_path):
+    source, out = imported[("llama", 1, 1)], tmp_path / "resharded"
+    reshard = ["reshard", "--load", source, "--save", out, "--target-tensor-model-parallel-size", "1",
+               "--no-optimizer"]
+    assert _converted(*reshard, "--target-pipeline-model-parallel-size", "1")
+    first = _files(out)
+    line = _convert(*reshard, "--target-pipeline-model-parallel-size", "2")
+    assert f"--save {out} already exists" in line and "--overwrite" in line, line
+    assert _files(out) == first
+    assert _converted(*reshard, "--target-pipeline-model-parallel-size", "2", "--overwrite")
+    assert _files(out) != first and json.loads((out / "iter_0000000" / METADATA).read_text())["layout"]["pipeline_model_parallel_size"] == 2
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temporary, no previous copy left
+    before = _files(source)
+    line = _convert("reshard", "--load", source, "--save", source, "--target-tensor-model-parallel-size", "1",
+                    "--target-pipeline-model-parallel-size", "2", "--overwrite")
+    assert f"--save {source} is where --load {source} is read from" in line, line
+    line = _convert("import-hf", "--input", hf["llama"][0], "--output", hf["llama"][0], "--overwrite")
+    assert f"--output {hf['llama'][0]} is where --input {hf['llama'][0]} is read from" in line, line
+    line = _convert("merge", "--load", source, "--output", os.path.join(source, "latest"), "--overwrite")
+    assert "is where --load" in line, line
+    assert _files(source) == before
