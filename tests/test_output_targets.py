@@ -4,14 +4,14 @@ exit 2, one line naming the flag, nothing written. With --overwrite the previous
 Each tool's main() runs in this process (tests/data/corpus_mix.py's load_tool): the refusals come before the
 tool reads its inputs, so the inputs of the refused cases need not exist.
 """
-import contextlib
-import io
 import json
 import os
 
 import pytest
 
+from tests import tool_calls
 from tests.data.corpus_mix import load_tool
+from tests.tool_calls import snapshot
 
 TOOLS = {name: load_tool(name) for name in ("train_tokenizer", "preprocess_data", "merge_datasets", "make_corpus",
                                             "tune_parallelism", "convert_checkpoint", "synthetic_data")}
@@ -22,33 +22,12 @@ PLAN = ["plan", "--nodes", "1", "--gpus-per-node", "2", "--gpu-memory-gb", "80",
 
 def call(tool, *argv):
     """(exit status, stdout, stderr) of tools/<tool>.py's main(argv) in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = TOOLS[tool].main([str(a) for a in argv])
-        except SystemExit as e:  # argparse
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+    return tool_calls.call(TOOLS[tool].main, argv)
 
 
 def refused(tool, *argv):
     """The one error line of a refusal (exit 2, no traceback)."""
-    code, out, err = call(tool, *argv)
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    return lines[0]
-
-
-def snapshot(folder):
-    """Every path under `folder` with its bytes (folders as None): what a refusal must leave as it was."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            found[os.path.join(root, name)] = None
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.join(root, name)] = f.read()
-    return found
+    return tool_calls.refusal(TOOLS[tool].main, argv)
 
 
 @pytest.fixture(scope="module")

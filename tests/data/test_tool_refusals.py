@@ -5,9 +5,7 @@ naming the flag and the file; an --overwrite replaces an output whole or, when i
 The tools' main() runs in this process (tests/data/corpus_mix.py's load_tool): argparse's refusals, and the
 tool's own ones, come before any input is opened, so the inputs of the refused cases need not exist.
 """
-import contextlib
 import errno
-import io
 import json
 import os
 import re
@@ -15,7 +13,9 @@ import re
 import pytest
 
 from megatron_lite.atomic import AtomicFile, WriteError
+from tests import tool_calls
 from tests.data.corpus_mix import load_tool
+from tests.tool_calls import hidden, snapshot
 
 TOOLS = {name: load_tool(name) for name in ("train_tokenizer", "preprocess_data", "merge_datasets", "make_corpus",
                                             "synthetic_data")}
@@ -23,39 +23,14 @@ TOOLS = {name: load_tool(name) for name in ("train_tokenizer", "preprocess_data"
 
 def call(tool, *argv):
     """(exit status, stdout, stderr) of tools/<tool>.py's main(argv) in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = TOOLS[tool].main([str(a) for a in argv])
-        except SystemExit as e:  # argparse
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
+    return tool_calls.call(TOOLS[tool].main, argv)
 
 
 def refused(tool, *argv):
-    """The one error line of a refusal (exit 2, no traceback)."""
-    code, out, err = call(tool, *argv)
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, out, err)
-    assert lines[0].startswith(f"{tool}.py: error: "), lines[0]
-    return lines[0]
-
-
-def snapshot(folder):
-    """Every path under `folder` with its bytes (folders as None)."""
-    found = {}
-    for root, dirs, files in os.walk(folder):
-        for name in dirs:
-            found[os.path.join(root, name)] = None
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                found[os.path.join(root, name)] = f.read()
-    return found
-
-
-def hidden(folder):
-    """Dot-files under `folder`: temporaries or previous copies an overwrite left behind."""
-    return [os.path.join(root, n) for root, dirs, files in os.walk(folder) for n in dirs + files if n.startswith(".")]
+    """The one error line of a refusal (exit 2, no traceback), which names the tool."""
+    line = tool_calls.refusal(TOOLS[tool].main, argv)
+    assert line.startswith(f"{tool}.py: error: "), line
+    return line
 
 
 # Refused by every numeric flag: not finite, a fraction where a count is meant or out of range, and huge.
