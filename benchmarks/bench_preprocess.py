@@ -86,7 +86,8 @@ def bare_sentencepiece(texts, model: str, workers: int, chunk: int) -> None:
 def preprocess(path: str, model: str, workers: int, chunk: int, out_dir: str) -> None:
     argv = ["--input", path, "--output-prefix", os.path.join(out_dir, f"w{workers}"), "--tokenizer-type",
             "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod", "--workers", str(workers),
-            "--chunk-documents", str(chunk), "--log-interval", str(10 ** 9)]
+            "--chunk-documents", str(chunk), "--log-interval", str(10 ** 9),
+            "--overwrite"]  # the same prefix each round
     with open(os.devnull, "w") as devnull:
         stdout, sys.stdout = sys.stdout, devnull
         try:

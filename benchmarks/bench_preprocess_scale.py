@@ -142,7 +142,8 @@ def run_tool(path: str, model: str, workers: int, out_dir: str, interval: float)
     """
     command = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--input", path, "--output-prefix",
                os.path.join(out_dir, "out"), "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-               model, "--append-eod", "--workers", str(workers), "--log-interval", str(10 ** 12)]
+               model, "--append-eod", "--workers", str(workers), "--log-interval", str(10 ** 12),
+               "--overwrite"]  # the same prefix each run
     peak = [0, 0]
     high_water = {}
     start, cpu = time.perf_counter(), children_cpu()

@@ -242,9 +242,9 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = option(1e-4, "--lr", above=0, maximum=10)
+    lr: float = option(1e-4, "--lr", above=0)
     """Peak learning rate."""
-    min_lr: float = option(0.0, "--min-lr", minimum=0, maximum=10)
+    min_lr: float = option(0.0, "--min-lr", minimum=0)
     """Learning rate at the end of decay."""
     lr_decay_style: str = option("cosine", "--lr-decay-style", choices=("constant", "linear", "cosine"))
     """Shape of the decay from --lr to --min-lr."""

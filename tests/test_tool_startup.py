@@ -92,7 +92,7 @@ ISSUE_43 = [
     ("pretrain_gpt.py", ["--data-path", "inf", "{missing}", "1", "{missing}", "--tokenizer-type", "NullTokenizer",
                          "--vocab-size", "128"], ["--data-path weight inf", "positive finite number"]),
     ("pretrain_gpt.py", ["--distributed-timeout-minutes", "1e15"],
-     ["--distributed-timeout-minutes must be at most", "got 1e+15"]),
+     ["--distributed-timeout-minutes: must be at most 10000000, got 1e15"]),
     ("tools/tune_parallelism.py", ["plan", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80",
                                    "--profile", "{binary}", *MODEL], ["--profile {binary}", "not UTF-8 text"]),
     ("tools/convert_checkpoint.py", ["import-hf", "--input", "{missing}", "--output", "{folder}"],

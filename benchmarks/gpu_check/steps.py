@@ -331,12 +331,13 @@ def calibrate(ctx: Context):
 def predicted_step(ctx: Context, model_argv: List[str], micro: int, profile: str = None) -> float:
     """The plan's predicted step seconds for this machine (one GPU) at `micro` and no recompute, priced
     by the calibrated profile, else by the constants (--peak-tflops of the GPU)."""
-    out = os.path.join(ctx.work_dir, "plan.json")
+    out = os.path.join(ctx.work_dir, f"plan-{'calibrated' if profile else 'constants'}.json")
     flags = ["--profile", profile] if profile else ["--peak-tflops", "989"]
     memory = "8" if ctx.dry_run else "80"
     ctx.run([ctx.python, "tools/tune_parallelism.py", "plan", "--nodes", "1", "--gpus-per-node", "1", "--gpu-memory-gb",
              memory, "--max-micro-batch", str(micro), "--order", "throughput",
-             "--device", "cpu" if ctx.dry_run else "cuda", *flags, "--output", out, *model_argv], budget=120,
+             "--device", "cpu" if ctx.dry_run else "cuda", *flags, "--output", out, "--overwrite", *model_argv],
+            budget=120,
             check=True)
     with open(out) as f:
         candidates = json.load(f)["candidates"]
@@ -420,12 +421,14 @@ def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
     if not os.path.exists(prefix + "_text_document.idx"):
         os.makedirs(folder, exist_ok=True)
         corpus = os.path.join(folder, "corpus.jsonl")
-        ctx.run([ctx.python, "tools/make_corpus.py", "--output", corpus, "--max-docs", str(docs)], check=True)
+        # --overwrite: what an interrupted earlier call left in this scratch folder is made again
+        ctx.run([ctx.python, "tools/make_corpus.py", "--output", corpus, "--max-docs", str(docs), "--overwrite"],
+                check=True)
         ctx.run([ctx.python, "tools/train_tokenizer.py", "--input", corpus, "--vocab-size", str(vocab),
-                 "--model-prefix", model], check=True)
+                 "--model-prefix", model, "--overwrite"], check=True)
         ctx.run([ctx.python, "tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix,
                  "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model + ".model", "--append-eod",
-                 "--workers", "2"], check=True)
+                 "--workers", "2", "--overwrite"], check=True)
     return prefix + "_text_document", model + ".model"
 
 

@@ -102,7 +102,7 @@ def test_reshard_to_tensor_parallel_size_0_is_a_clear_error(zero1_run, tmp_path)
     line = _error(run_tool("tools/convert_checkpoint.py", "reshard", "--load", zero1_run, "--save",
                            str(tmp_path / "out"), "--target-tensor-model-parallel-size", "0",
                            "--target-pipeline-model-parallel-size", "1", "--no-optimizer", check=False))
-    assert "--target-tensor-model-parallel-size 0 must be at least 1" in line and not (tmp_path / "out").exists()
+    assert "--target-tensor-model-parallel-size: must be at least 1, got 0" in line and not (tmp_path / "out").exists()
 
 
 def test_generate_with_a_tokenizer_of_another_vocabulary_is_refused(zero1_run, tmp_path):

@@ -67,7 +67,7 @@ def test_uniform_with_layers_not_divisible_gives_extra_layers_to_early_stages():
 def test_explicit_layer_counts():
     specs = gpt_like(6)
     assert stage_layer_counts(specs, partition(specs, 3, "1,2,3")) == [1, 2, 3]
-    with pytest.raises(ConfigError, match="must list 3 layer counts"):
+    with pytest.raises(ConfigError, match="must list 3 stage layer counts"):
         partition(specs, 3, "1,2,2")
 
 
