@@ -91,6 +91,24 @@ def parse_split(split: str) -> Tuple[float, float, float]:
     return tuple(weights + [0.0] * (3 - len(weights)))
 
 
+def parse_window_size(text: str) -> Tuple[int, int]:
+    """Megatron-LM's --window-size 'L,R' (a token sees the L tokens before it, itself, and R after it) or 'L'
+    (= 'L,0') -> (L, R). Syntax only: the values are validation's."""
+    parts = text.split(",")
+    try:
+        window = tuple(int(p) for p in parts)
+    except ValueError:
+        window = ()
+    if len(window) not in (1, 2):
+        raise ConfigError(f"--window-size '{text}' must be L or L,R (tokens seen before and after a token), e.g. "
+                          f"127,0 for a 128-token causal window")
+    return window if len(window) == 2 else (window[0], 0)
+
+
+def format_window_size(window: Tuple[int, int]) -> List[str]:
+    return [f"{window[0]},{window[1]}"]
+
+
 def format_split(split: Tuple[float, ...]) -> str:
     """(969.0, 30.0, 1.0) -> '969,30,1', as the user wrote it."""
     return ",".join(f"{w:g}" for w in split)
@@ -188,6 +206,19 @@ class ModelConfig:
     """Turn off the fused scaled-masked softmax kernel (eager torch ops instead)."""
     attention_softmax_in_fp32: bool = option(True, "--attention-softmax-in-fp32", action="boolean_optional")
     """Softmax of bf16/fp16 attention scores in fp32; --no-attention-softmax-in-fp32 keeps the input dtype."""
+    reset_attention_mask: bool = option(False, "--reset-attention-mask")
+    """Documents packed into one sample do not see each other: a token attends only to the earlier tokens
+    of its own document (the one an end-of-document token closes), as Megatron-LM's flag."""
+    reset_position_ids: bool = option(False, "--reset-position-ids")
+    """Positions restart at 0 after each end-of-document token (learned and rotary positions alike)."""
+    window_size: Optional[Tuple[int, int]] = option(None, "--window-size", parse=parse_window_size,
+                                                    unparse=format_window_size, metavar="L[,R]")
+    """Sliding-window attention, as Megatron-LM and Transformer Engine write it: a token attends to the L
+    tokens before it and itself (R, the tokens after it, is 0 for causal training); 127,0 is gpt-oss's
+    128-token window. A single number L means L,0. Default: no window."""
+    window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1)
+    """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
+    others through the window (gpt-oss: 2)."""
 
 
 @dataclass(frozen=True)

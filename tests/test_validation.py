@@ -72,6 +72,12 @@ RULES = [
     pytest.param(number_rules, layout(1, model__num_layers=0), r"^--num-layers must be at least 1, got 0; e\.g\. 2$", id="layers-below-one"),
     pytest.param(number_rules, layout(1, model__hidden_size=-8), r"^--hidden-size must be at least 1, got -8; e\.g\. 64$",
                  id="hidden-below-one"),
+    pytest.param(model_rules, cfg(model__window_size=(0, 0)), r"^--window-size 0,0: L, the earlier tokens a token "
+                 r"sees, must be 1 or more; e\.g\. --window-size 127,0", id="window-empty"),
+    pytest.param(model_rules, cfg(model__window_size=(8, 2)), r"^--window-size 8,2: R, the later tokens a token sees, "
+                 r"must be 0 in causal training; use --window-size 8,0$", id="window-looks-ahead"),
+    pytest.param(model_rules, cfg(model__window_attn_skip_freq=2), r"^--window-attn-skip-freq 2 chooses the global "
+                 r"layers among windowed ones; add --window-size L", id="skip-freq-without-window"),
     pytest.param(number_rules, layout(1, model__hidden_dropout=1.0), r"^--hidden-dropout must be less than 1, got 1; e\.g\. 0\.1$",
                  id="dropout-range"),
     pytest.param(model_rules, layout(1, model__position_embedding_type="rope", model__hidden_size=60,

@@ -19,6 +19,7 @@ import numpy as np
 from megatron_lite.config import format_split
 from megatron_lite.data import indices
 from megatron_lite.data.blended import BlendedDataset
+from megatron_lite.data.documents import document_ids, positions_in_documents
 from megatron_lite.data.index_cache import load_or_build, mapped_file
 from megatron_lite.data.indexed_dataset import IndexedDataset, data_file_path
 
@@ -54,8 +55,11 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, split: str, documents: Tuple[int, int], seq_length: int,
                  num_samples: Optional[int], seed: int, cache_path: Optional[str], eod_token: int,
-                 eod_mask_loss: bool, vocab_size: Optional[int] = None) -> None:
+                 eod_mask_loss: bool, vocab_size: Optional[int] = None, reset_position_ids: bool = False,
+                 with_document_ids: bool = False) -> None:
         self.indexed = indexed
+        self.reset_position_ids = reset_position_ids
+        self.with_document_ids = with_document_ids
         self.vocab_size = vocab_size
         self.split = split
         self.seq_length = seq_length
@@ -136,8 +140,15 @@ class GPTDataset:
         if self.eod_mask_loss:
             # As Megatron-LM: no loss where the input is an eod, whose next token starts an unrelated document.
             loss_mask[tokens == self.eod_token] = 0.0
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+        item = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
                 "position_ids": np.arange(self.seq_length, dtype=np.int64)}
+        if self.reset_position_ids or self.with_document_ids:
+            ids = document_ids(tokens, self.eod_token)
+            if self.reset_position_ids:
+                item["position_ids"] = positions_in_documents(ids)
+            if self.with_document_ids:
+                item["document_ids"] = ids
+        return item
 
 
 def check_splits(datasets: Sequence[IndexedDataset], split: Sequence[float],
@@ -171,14 +182,16 @@ def _tokens(ds: IndexedDataset, documents: Tuple[int, int]) -> int:
 
 def build_train_valid_test_datasets(data_path: Sequence[Tuple[float, str]], split: Sequence[float], seq_length: int,
                                     num_samples: Sequence[Optional[int]], seed: int, cache_path: Optional[str],
-                                    eod_token: int, eod_mask_loss: bool, vocab_size: Optional[int] = None):
+                                    eod_token: int, eod_mask_loss: bool, vocab_size: Optional[int] = None,
+                                    reset_position_ids: bool = False, with_document_ids: bool = False):
     """(train, valid, test); None for a split without documents or with 0 samples requested.
 
     data_path: (weight, prefix) pairs; split: (train, valid, test) weights. Several
     weighted prefixes are blended per split: each prefix gives a GPTDataset with
     its share of the samples (plus a small margin), and a BlendedDataset
     interleaves them in proportion to the weights. With vocab_size, a token id
-    at or past it is an error naming the data file.
+    at or past it is an error naming the data file. reset_position_ids: positions restart after each
+    end-of-document token; with_document_ids: samples carry each token's document (data/documents.py).
     """
     datasets = [IndexedDataset(prefix) for _, prefix in data_path]
     ranges = check_splits(datasets, split, num_samples)
@@ -190,7 +203,8 @@ def build_train_valid_test_datasets(data_path: Sequence[Tuple[float, str]], spli
             result.append(None)
             continue
         common = dict(seq_length=seq_length, seed=seed, cache_path=cache_path, eod_token=eod_token,
-                      eod_mask_loss=eod_mask_loss, vocab_size=vocab_size)
+                      eod_mask_loss=eod_mask_loss, vocab_size=vocab_size, reset_position_ids=reset_position_ids,
+                      with_document_ids=with_document_ids)
         if len(datasets) == 1:
             result.append(GPTDataset(datasets[0], name, ranges[0][i], num_samples=wanted, **common))
             continue

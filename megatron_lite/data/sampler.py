@@ -46,25 +46,32 @@ class PretrainingSampler:
 
 
 BATCH_KEYS = ("tokens", "position_ids", "labels", "loss_mask")
+DOCUMENT_KEY = "document_ids"
+"""The fifth array, in samples of a run with document masking (data/documents.py)."""
 
 
 def collate_arrays(samples: Sequence[Dict[str, np.ndarray]]) -> Tuple[np.ndarray, ...]:
-    """Dataset items -> the four stacked arrays [micro, seq] of BATCH_KEYS."""
-    return tuple(np.stack([s[key] for s in samples]) for key in BATCH_KEYS)
+    """Dataset items -> the four stacked arrays [micro, seq] of BATCH_KEYS (and the document ids, when
+    the items carry them)."""
+    keys = BATCH_KEYS + ((DOCUMENT_KEY,) if DOCUMENT_KEY in samples[0] else ())
+    return tuple(np.stack([s[key] for s in samples]) for key in keys)
 
 
 def as_batch(arrays: Sequence[np.ndarray], context_parallel: Tuple[int, int] = (0, 1)):
     """The four arrays -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine
-    takes them (tensors sharing the arrays' memory). context_parallel (rank, size) with size > 1: that
-    CP rank's part of the sequence, the mask as loss weights (data/context_parallel.py)."""
+    takes them (tensors sharing the arrays' memory); with document ids, ((tokens, position_ids,
+    document_ids), (labels, loss_mask)). context_parallel (rank, size) with size > 1: that CP rank's part
+    of the sequence, the mask as loss weights (data/context_parallel.py); the document ids stay whole."""
+    arrays, documents = tuple(arrays[:4]), tuple(arrays[4:])
     if context_parallel[1] > 1:
         arrays = context_parallel_part(arrays, *context_parallel)
-    tokens, position_ids, labels, loss_mask = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
-    return (tokens, position_ids), (labels, loss_mask)
+    tokens, position_ids, labels, loss_mask, *documents = (torch.from_numpy(np.ascontiguousarray(a))
+                                                           for a in arrays + documents)
+    return (tokens, position_ids, *documents), (labels, loss_mask)
 
 
 def collate(samples: Sequence[Dict[str, np.ndarray]], context_parallel: Tuple[int, int] = (0, 1)):
-    """Dataset items -> ((tokens, position_ids), (labels, loss_mask))."""
+    """Dataset items -> ((tokens, position_ids[, document_ids]), (labels, loss_mask))."""
     return as_batch(collate_arrays(samples), context_parallel)
 
 

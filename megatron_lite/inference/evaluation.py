@@ -21,6 +21,7 @@ from megatron_lite.checkpoint.reshard import target_config
 from megatron_lite.config import Config, ConfigError, format_split
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.tokenizer import build_tokenizer
+from megatron_lite.model.attention_mask import needs_document_ids
 from megatron_lite.parallel import state
 from megatron_lite.training.checkpointing import load_weights
 from megatron_lite.training.distributed import init_distributed
@@ -104,7 +105,8 @@ def _dataset(config: Config, split_name: str):
         datasets = build_train_valid_test_datasets(
             config.data.data_path, config.data.split, config.model.seq_length,
             (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs), t.seed, config.data.data_cache_path,
-            tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size)
+            tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size,
+            reset_position_ids=config.model.reset_position_ids, with_document_ids=needs_document_ids(config.model))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     dataset = datasets[SPLITS.index(split_name)]

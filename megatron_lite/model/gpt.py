@@ -4,7 +4,12 @@
 
 Micro-batches are ((tokens, position_ids), (labels, loss_mask)). Only the
 hidden states [b, s, h] cross pipeline stages; the causal mask is implicit in
-the softmax kernel of each stage.
+the softmax kernel of each stage, and a sliding window is built by each layer.
+With --reset-attention-mask (or --reset-position-ids under RoPE) the inputs are
+(tokens, position_ids, document_ids) and every stage passes (hidden states,
+document ids) on: the int32 [b, s] ids of the whole sequence are what each layer
+builds its document mask and rotary positions from (model/attention_mask.py);
+a fixed shape, and no gradient, as DeepSpeed's pipeline engine needs.
 
 Every layer seeds its own initialisation from (seed, position in the list), so
 weights do not depend on which stage builds a layer nor on TP: a pipeline of
@@ -71,8 +76,12 @@ class EmbeddingPipe(nn.Module):
                 normal_init(config.init_method_std)(self.position_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, inputs: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens, position_ids = inputs
+    def forward(self, inputs: Tuple[torch.Tensor, ...]):
+        tokens, position_ids, *documents = inputs
+        x = self._embed(tokens, position_ids)
+        return (x, documents[0]) if documents else x
+
+    def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s] -> [b, s, h]
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
@@ -101,11 +110,19 @@ class TransformerLayerPipe(TransformerLayer):
             super().__init__(config, layer_number, sequence_parallel)
 
 
+def _hidden(x):
+    """The hidden states of what a stage passes on (the document ids end with the last layer)."""
+    return x[0] if isinstance(x, tuple) else x
+
+
 class FinalLayerNormPipe(nn.LayerNorm):
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__(config.hidden_size, eps=config.norm_epsilon)
         if sequence_parallel:  # it normalises this rank's sequence shard
             set_sequence_parallel_parameters(self)
+
+    def forward(self, x) -> torch.Tensor:
+        return super().forward(_hidden(x))
 
 
 class FinalRMSNormPipe(RMSNorm):
@@ -116,6 +133,9 @@ class FinalRMSNormPipe(RMSNorm):
         super().__init__(config.hidden_size, config.norm_epsilon)
         if sequence_parallel:
             set_sequence_parallel_parameters(self)
+
+    def forward(self, x) -> torch.Tensor:
+        return super().forward(_hidden(x))
 
 
 def final_norm_class(config: ModelConfig):
@@ -234,9 +254,12 @@ class GPTModel(nn.Module):
                 fn = module
             self._forward_fns.append(fn)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels=None, loss_mask=None) -> torch.Tensor:
-        """Logits [b, s, V/tp]; or, given labels and loss_mask, the micro-batch loss."""
-        x = run_stage(self._forward_fns, (tokens, position_ids), self.model_config)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels=None, loss_mask=None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s, V/tp]; or, given labels and loss_mask, the micro-batch loss. document_ids [b, s]
+        (whole sequence): with --reset-attention-mask / --reset-position-ids (data/documents.py)."""
+        inputs = (tokens, position_ids) + ((document_ids,) if document_ids is not None else ())
+        x = run_stage(self._forward_fns, inputs, self.model_config)
         if labels is None:
             return x
         return self.loss(x, (labels, loss_mask))

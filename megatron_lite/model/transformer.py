@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.attention_mask import allowed_keys, layer_window, positions_in_documents
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.model.norms import build_norm
 from megatron_lite.parallel.context_parallel import (
@@ -90,12 +91,18 @@ class RotaryEmbedding(nn.Module):
             inv_freq = llama3_scaled_frequencies(inv_freq, scaling_factor)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        # q [b, np, s, hd] and k [b, ng, s, hd] at positions offset..offset+s-1, rotated by one cos/sin table
+    def forward(self, q: torch.Tensor, k: torch.Tensor, offset: int = 0,
+                positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        # q [b, np, s, hd] and k [b, ng, s, hd] at positions offset..offset+s-1 (one cos/sin table), or at
+        # `positions` [b, s] (positions restarting per document: a table per sample, [b, 1, s, hd])
         s, half = q.shape[2], q.shape[3] // 2
-        positions = torch.arange(offset, offset + s, device=q.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]; both halves of a head turn by these angles
-        cos = freqs.cos().to(q.dtype).repeat(1, 2)  # [s, hd]
+        if positions is None:
+            positions = torch.arange(offset, offset + s, device=q.device, dtype=torch.float32)
+            freqs = torch.outer(positions, self.inv_freq)  # [s, hd/2]; both halves of a head turn by these angles
+        else:
+            freqs = (positions.to(torch.float32)[..., None] * self.inv_freq)[:, None]  # [b, 1, s, hd/2]
+        cos = freqs.cos().to(q.dtype)
+        cos = torch.cat((cos, cos), dim=-1)  # [.., s, hd]
         sin = freqs.sin().to(q.dtype)
         signed_sin = torch.cat((-sin, sin), dim=-1)
         # Rotate-half, x cos + [-x2, x1] sin, written as x cos + roll(x, hd/2) [-sin, sin]: the same products,
@@ -141,6 +148,14 @@ class ParallelAttention(nn.Module):
             attn_mask_type="causal", scale=self.scale,
             softmax_in_fp32=config.attention_softmax_in_fp32, fusion=config.masked_softmax_fusion,
         )
+        # Documents and windows: an explicit mask (model/attention_mask.py), True = masked for this kernel.
+        self.masked_softmax = FusedScaleMaskSoftmax(
+            attn_mask_type="padding", scale=self.scale,
+            softmax_in_fp32=config.attention_softmax_in_fp32, fusion=config.masked_softmax_fusion,
+        )
+        self.window = layer_window(config, layer_number)
+        self.document_mask = config.reset_attention_mask
+        self.document_positions = config.reset_position_ids and config.position_embedding_type == "rope"
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.dropout_rng = layer_split_rng(layer_number)
         self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base,
@@ -152,9 +167,11 @@ class ParallelAttention(nn.Module):
         self.recompute_core = config.recompute_granularity == "selective"
         self.context_parallel = cp_world_size()
 
-    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """kv_cache (generation only): an object with `offset` (tokens already cached) and
-        `append(k, v) -> (all keys, all values)`; x then holds the tokens after those."""
+        `append(k, v) -> (all keys, all values)`; x then holds the tokens after those. documents: [b, s]
+        each token's document in the whole sequence (data/documents.py), with --reset-attention-mask or
+        --reset-position-ids."""
         offset = 0 if kv_cache is None else kv_cache.offset
         # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, (np + 2 ng) hd], np heads and ng groups here
         qkv = self.query_key_value(x)
@@ -169,15 +186,19 @@ class ParallelAttention(nn.Module):
         if self.context_parallel > 1:
             q, k, v = self._whole_sequences(q, k, v)
         if self.rotary is not None:
-            q, k = self.rotary(q, k, offset)
+            positions = positions_in_documents(documents) if self.document_positions else None
+            q, k = self.rotary(q, k, offset, positions)
+        mask = None
+        if not offset and (self.window is not None or self.document_mask):  # training, or a prompt's prefill
+            mask = allowed_keys(q.shape[2], q.device, documents if self.document_mask else None, self.window)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():
             # Only q, k, v (views of qkv) and the context are kept; the [b, np, s, s] scores,
             # probabilities and dropout mask are made again in backward, with the same mask.
-            context = checkpoint(self._core, q, k, v)
+            context = checkpoint(self._core, q, k, v, 0, mask)
         else:
-            context = self._core(q, k, v, offset)
+            context = self._core(q, k, v, offset, mask)
         context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
@@ -196,8 +217,10 @@ class ParallelAttention(nn.Module):
         whole = heads_to_sequence(packed.view(b, heads + 2 * groups, s, hd))
         return whole.split((heads // c, groups // c, groups // c), dim=1)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0,
+              mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Scores, causal softmax, dropout, x V: q [b, np, s, hd], k and v [b, ng, s', hd] -> [b, np, s, hd].
+        mask: bool [b or 1, 1, s, s], True where a query may attend a key (documents, window), else causal.
 
         A group's np/ng query heads are adjacent, so viewing q as [b, ng, (np/ng) s, hd] multiplies each
         group's keys and values once, without repeating them per head."""
@@ -209,14 +232,16 @@ class ParallelAttention(nn.Module):
                 # One kernel for scores, causal softmax, dropout and values (grouped keys and values
                 # read per group); its dropout draws from the stream forked above like nn.Dropout would.
                 p = self.attention_dropout.p if self.training else 0.0
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale,
-                                                      enable_gqa=groups != heads)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                      scale=self.scale, enable_gqa=groups != heads)
             grouped_q = q.reshape(b, groups, heads // groups * s, hd)
             scores = torch.matmul(grouped_q, k.transpose(-2, -1)).view(b, heads, s, -1)  # [b, np, s, s']
             if offset:
                 # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
                 # that SDPA's is_causal and the fused kernel handle.
                 probs = self.attention_dropout(self._softmax_after_cache(scores, offset))
+            elif mask is not None:
+                probs = self.attention_dropout(self.masked_softmax(scores, ~mask))
             else:
                 probs = self.attention_dropout(self.softmax(scores))
             context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd]
@@ -224,9 +249,11 @@ class ParallelAttention(nn.Module):
 
     def _softmax_after_cache(self, scores: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal softmax for queries at positions offset.. over keys 0..offset+s-1 (not square, so
-        not the fused kernel's case)."""
+        not the fused kernel's case); a windowed layer also masks the keys more than its window behind."""
         s, keys = scores.shape[-2], scores.shape[-1]
         future = torch.ones(s, keys, dtype=torch.bool, device=scores.device).triu(offset + 1)
+        if self.window is not None:
+            future |= torch.ones(s, keys, dtype=torch.bool, device=scores.device).tril(offset - self.window - 1)
         probs = torch.softmax(scores.float().masked_fill(future, float("-inf")) / math.sqrt(self.head_dim), dim=-1)
         return probs.to(scores.dtype)
 
@@ -281,6 +308,14 @@ class TransformerLayer(nn.Module):
         with get_rng_tracker().fork(self.dropout_rng):
             return x + self.hidden_dropout(branch)
 
-    def forward(self, x: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        x = self._residual(x, self.attention(self.input_layernorm(x), kv_cache))
+    def forward(self, x, kv_cache=None):
+        """x: hidden states [b, s, h]; or, when samples carry documents, (hidden states, document ids
+        [b, s]), which the layer passes on to the next (what crosses pipeline stages)."""
+        if isinstance(x, tuple):
+            hidden, documents = x
+            return self._layer(hidden, kv_cache, documents), documents
+        return self._layer(x, kv_cache)
+
+    def _layer(self, x: torch.Tensor, kv_cache=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self._residual(x, self.attention(self.input_layernorm(x), kv_cache, documents))
         return self._residual(x, self.mlp(self.post_attention_layernorm(x)))

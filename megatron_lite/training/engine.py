@@ -150,10 +150,10 @@ class Engine:
         return path
 
     def _next_on_device(self, data_iter: Iterator):
-        """(tokens, position_ids, labels, loss_mask) of the next micro-batch, where the model is.
-        (The pipeline engine moves its micro-batches itself.)"""
-        (tokens, position_ids), (labels, loss_mask) = next(data_iter)
-        return [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask)]
+        """(tokens, position_ids, labels, loss_mask[, document_ids]) of the next micro-batch, where the
+        model is: GPTModel.forward's arguments. (The pipeline engine moves its micro-batches itself.)"""
+        (tokens, position_ids, *documents), (labels, loss_mask) = next(data_iter)
+        return [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask, *documents)]
 
     def _grad_norm(self) -> Optional[float]:
         inner = deepspeed_compat.inner_optimizer(self.optimizer)

@@ -24,6 +24,7 @@ from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.data import workers
 from megatron_lite.data.workers import TRAINER_SIGNALS
+from megatron_lite.model.attention_mask import needs_document_ids
 from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
@@ -214,6 +215,7 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
         config.data.data_path, config.data.split, config.model.seq_length,
         (t.train_iters * gbs, t.eval_iters * gbs, t.eval_iters * gbs), t.seed, config.data.data_cache_path,
         tokenizer.eod, config.data.eod_mask_loss, vocab_size=config.model.vocab_size,
+        reset_position_ids=config.model.reset_position_ids, with_document_ids=needs_document_ids(config.model),
     )
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,

@@ -130,6 +130,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         )
     _check_sequence_parallel(config)
     _check_context_parallel(config, groups)
+    _check_attention_mask(m, notes)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
                           model__recompute_granularity=granularity, model__num_query_groups=groups)
@@ -197,6 +198,31 @@ def _check_sequence_parallel(config: Config) -> None:
                           f"(LayerNorms, row-parallel biases) are summed over TP once per step in the pipeline "
                           f"engine, which ZeRO 2/3 do not use; use --zero-stage 1 (or 0)",
                           code="sequence_parallel_with_zero")
+
+
+def _check_attention_mask(m, notes: List[str]) -> None:
+    """--window-size, --window-attn-skip-freq, --reset-attention-mask: values the masks can be built from,
+    and a note of the path attention takes with them (model/attention_mask.py)."""
+    if m.window_size is not None:
+        left, right = m.window_size
+        if left < 1:
+            raise ConfigError(f"--window-size {left},{right}: L, the earlier tokens a token sees, must be 1 or more; "
+                              f"e.g. --window-size 127,0 (a 128-token window)")
+        if right != 0:
+            raise ConfigError(f"--window-size {left},{right}: R, the later tokens a token sees, must be 0 in causal "
+                              f"training; use --window-size {left},0")
+        if left >= m.seq_length - 1:
+            notes.append(f"note: --window-size {left},0 covers every --seq-length {m.seq_length} sequence: windowed "
+                         f"layers attend as global ones (generation past {m.seq_length} tokens still uses the window)")
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        raise ConfigError(f"--window-attn-skip-freq {m.window_attn_skip_freq} chooses the global layers among "
+                          f"windowed ones; add --window-size L (e.g. 127) or drop it")
+    masked = [name for name, on in (("--reset-attention-mask", m.reset_attention_mask),
+                                    ("--window-size", m.window_size is not None)) if on]
+    if masked:
+        kernel = "the fused softmax's padding mask" if m.attention_backend == "fused" else "SDPA with a boolean mask"
+        notes.append(f"note: {' and '.join(masked)}: attention takes an explicit [micro, 1, seq, seq] mask "
+                     f"({kernel}; every block is computed, masked ones included)")
 
 
 def _check_context_parallel(config: Config, groups: int) -> None:

@@ -22,28 +22,45 @@ def global_batches(config, steps, seed=0):
                                                        config.model.seq_length + 1), generator=g)
 
 
-def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None):
+def documents_of(config, tokens, eod):
+    """(position ids, document ids or None) of token rows [n, seq] as the dataset makes them
+    (data/documents.py): positions restart after `eod` with --reset-position-ids, and the document ids
+    come along when the model needs them (model/attention_mask.py)."""
+    from megatron_lite.data.documents import document_ids, positions_in_documents
+    from megatron_lite.model.attention_mask import needs_document_ids
+
+    m = config.model
+    if eod is None or not (m.reset_position_ids or needs_document_ids(m)):
+        return torch.arange(tokens.shape[1]).expand_as(tokens).contiguous(), None
+    ids = torch.stack([torch.from_numpy(document_ids(row.numpy(), eod)) for row in tokens])
+    positions = (torch.stack([torch.from_numpy(positions_in_documents(row.numpy())) for row in ids])
+                 if m.reset_position_ids else torch.arange(tokens.shape[1]).expand_as(tokens).contiguous())
+    return positions, ids if needs_document_ids(m) else None
+
+
+def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=None):
     """Megatron's order: each micro-step takes the next micro x DP samples, rank r its r-th slice; a
     context-parallel rank (cp = (rank, size)) its part of their sequences. loss_mask(labels) -> mask
-    (default: every token counts)."""
+    (default: every token counts). eod: the end-of-document token, for --reset-attention-mask and
+    --reset-position-ids (the document ids stay whole under CP, as data/sampler.py keeps them)."""
     from megatron_lite.data.context_parallel import context_parallel_part
 
     micro = config.batch.micro_batch_size
     seq = config.model.seq_length
-    positions = torch.arange(seq).expand(micro, seq).contiguous()
     for step in batches:
         for m in range(config.batch.gradient_accumulation_steps):
             window = step[m * micro * dp:(m + 1) * micro * dp]
             sample = window[dp_rank * micro:(dp_rank + 1) * micro]
             labels = sample[:, 1:].contiguous()
-            arrays = (sample[:, :-1].contiguous(), positions, labels,
-                      torch.ones(micro, seq) if loss_mask is None else loss_mask(labels))
+            tokens = sample[:, :-1].contiguous()
+            positions, documents = documents_of(config, tokens, eod)
+            arrays = (tokens, positions, labels, torch.ones(micro, seq) if loss_mask is None else loss_mask(labels))
             if cp[1] > 1:
                 arrays = context_parallel_part(arrays, *cp)
-            yield (arrays[0], arrays[1]), (arrays[2], arrays[3])
+            yield (arrays[0], arrays[1], *([] if documents is None else [documents])), (arrays[2], arrays[3])
 
 
-def dense_losses(config, batches, micro_batch_size=None, loss_mask=None):
+def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
 
     By default each step is one forward over the whole global batch. With dropout, pass
@@ -57,7 +74,6 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None):
     model = GPTModel(config)
     model_parallel_seed(config.training.seed, config.model.num_layers)
     optimizer = build_optimizer(model, config.optimizer)
-    seq = config.model.seq_length
     losses = []
     for step in batches:
         optimizer.zero_grad()
@@ -65,9 +81,9 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None):
         total = 0.0
         for chunk in chunks:
             tokens, labels = chunk[:, :-1], chunk[:, 1:]
-            positions = torch.arange(seq).expand_as(tokens)
+            positions, documents = documents_of(config, tokens, eod)
             mask = torch.ones(labels.shape) if loss_mask is None else loss_mask(labels)
-            loss = model(tokens, positions, labels, mask) / len(chunks)
+            loss = model(tokens, positions, labels, mask, document_ids=documents) / len(chunks)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)

@@ -29,7 +29,7 @@ def with_eods(batches):
     return torch.where(torch.rand(batches.shape, generator=g) < 0.125, torch.full_like(batches, EOD), batches)
 
 
-def _train(tp, cp, pp, dp, extra, steps, masked):
+def _train(tp, cp, pp, dp, extra, steps, masked, eod=None):
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
@@ -41,22 +41,23 @@ def _train(tp, cp, pp, dp, extra, steps, masked):
     batches = global_batches(config, steps)
     batches = with_eods(batches) if masked else batches
     data = micro_batches(config, batches, state.get_data_parallel_rank(), dp,
-                         cp=(state.get_context_parallel_rank(), cp), loss_mask=eod_mask if masked else None)
+                         cp=(state.get_context_parallel_rank(), cp), loss_mask=eod_mask if masked else None, eod=eod)
     losses = [engine.train_step(data).loss for _ in range(steps)]
     return {"rank": dist.get_rank(), "losses": losses, "coord": state.describe()}
 
 
-def run_layout(tp, cp, pp, dp, extra=(), masked=True):
-    return run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, tuple(extra), STEPS, masked)
+def run_layout(tp, cp, pp, dp, extra=(), masked=True, eod=None):
+    return run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, tuple(extra), STEPS, masked, eod)
 
 
-def dense_reference(extra, masked=True):
+def dense_reference(extra, masked=True, eod=None):
     config = tiny_config(extra=extra)
     batches = global_batches(config, STEPS)
     # A micro-batch's loss is its own masked mean (Megatron-LM's and ours at every layout); with uneven
     # masks that differs from the whole batch's, so the reference runs the same micro-batches.
     return dense_losses(config, with_eods(batches) if masked else batches,
-                        micro_batch_size=config.batch.micro_batch_size, loss_mask=eod_mask if masked else None)
+                        micro_batch_size=config.batch.micro_batch_size, loss_mask=eod_mask if masked else None,
+                        eod=eod)
 
 
 def assert_matches(results, reference, tolerance=1e-5):
@@ -117,3 +118,28 @@ def test_dropout_streams_differ_across_context_parallel_ranks_and_agree_across_t
         assert same((0, 0), (1, 0), name) and not same((0, 0), (0, 1), name), name
     for name in ("layer-1-tp-rank", "layer-1-sequence-shard", "model-parallel-rng"):  # a stream per (TP, CP) rank
         assert not same((0, 0), (1, 0), name) and not same((0, 0), (0, 1), name), name
+
+
+# Packed documents that do not see each other, positions restarting per document, a sliding window on every
+# other layer (layers 2 and 4 global): each layout computes the dense single-process losses, with the
+# document ids crossing pipeline stages and the mask built over the whole sequence after CP's all-to-all.
+DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", "6", "--window-attn-skip-freq", "2",
+             *ROPE)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+@pytest.mark.parametrize("tp, cp, pp, dp, extra", [
+    (2, 1, 2, 1, ("--sequence-parallel",)),
+    (1, 2, 2, 1, ()),
+    (2, 2, 1, 1, ()),
+    (1, 1, 2, 2, ("--zero-stage", "1")),
+])
+def test_document_masking_and_a_sliding_window_match_the_dense_losses_under_every_layout(tp, cp, pp, dp, extra,
+                                                                                         backend):
+    model = DOCUMENTS + ("--attention-backend", backend)
+    assert_matches(run_layout(tp, cp, pp, dp, extra + model, eod=EOD), dense_reference(model, eod=EOD))
+
+
+def test_the_document_mask_changes_the_losses_so_the_layouts_test_can_fail():
+    with_documents = dense_reference(DOCUMENTS, eod=EOD)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(with_documents, dense_reference(ROPE, eod=EOD)))
