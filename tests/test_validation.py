@@ -337,3 +337,14 @@ def test_recompute_activations_means_selective_as_in_megatron_and_says_what_it_d
     assert config.model.recompute_granularity == "selective"
     assert any("before this version it recomputed whole layers, which is now --recompute-granularity full "
                "--recompute-method uniform --recompute-num-layers 1" in n for n in notes)
+
+
+def test_a_resume_that_changes_the_window_is_refused_and_one_that_changes_document_masking_is_not():
+    from megatron_lite.validation.resume import resume_differences
+
+    saved = Config.from_dict(cfg(model__window_size=(127, 0), model__window_attn_skip_freq=2).to_dict())  # as read
+    assert resume_differences(saved, cfg(model__window_size=(127, 0), model__window_attn_skip_freq=2,
+                                         model__reset_attention_mask=True, model__reset_position_ids=True)) == []
+    problems = resume_differences(saved, cfg(model__window_size=(63, 0)))
+    assert any(p.startswith("--window-size: checkpoint") for p in problems), problems
+    assert any(p.startswith("--window-attn-skip-freq: checkpoint 2") for p in problems), problems

@@ -42,6 +42,10 @@ def check_gpt2(m: ModelConfig) -> None:
         raise CheckpointError("export-hf: the model was trained with --untie-embeddings-and-output-weights; "
                               "GPT2LMHeadModel ties its output head to the word embedding, so it cannot hold a "
                               "separate head")
+    if m.window_size is not None:
+        raise CheckpointError(f"export-hf: the model attends through --window-size {m.window_size[0]},0; "
+                              f"GPT2LMHeadModel attends globally (the Llama-family block exports windows as "
+                              f"MistralForCausalLM)")
 
 
 def mapping(m: ModelConfig) -> List[Mapped]:

@@ -53,21 +53,15 @@ def architecture(hf: dict, where: str):
     return known[0], ARCHITECTURES[known[0]]
 
 
-def _sliding_window(hf: dict, fields: dict, seq_length: Optional[int], where: str) -> Optional[str]:
-    """Mistral's sliding window: attention here is full causal, which equals windowed attention only for
-    sequences no longer than the window; the window becomes the model's maximum positions."""
+def _sliding_window(hf: dict, fields: dict, where: str) -> Optional[str]:
+    """Mistral's sliding window -> --window-size: transformers' mask keeps a key when it is fewer than
+    sliding_window tokens behind the query (masking_utils' sliding-window overlay), so a token sees itself
+    and the sliding_window - 1 before it: --window-size sliding_window - 1,0, on every layer."""
     if hf.get("sliding_window") is None or hf.get("use_sliding_window") is False:
         return None
-    window = whole(hf, "sliding_window", where)
-    if window >= fields["max_position_embeddings"]:
-        return None
-    if seq_length is not None and seq_length > window:
-        raise CheckpointError(f"{where}: sliding_window = {window} is shorter than --seq-length {seq_length}; "
-                              f"attention here is full causal, which computes a sliding window's attention only "
-                              f"up to the window: use --seq-length {window} or less")
-    fields["max_position_embeddings"] = window
-    return (f"sliding_window {window} < max_position_embeddings: the imported model's maximum positions are "
-            f"{window} (full causal attention equals the window's up to there)")
+    window = whole(hf, "sliding_window", where, minimum=2)
+    fields["window_size"] = (window - 1, 0)
+    return f"sliding_window {window}: --window-size {window - 1},0 (a token sees itself and {window - 1} before it)"
 
 
 def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Optional[str],
@@ -80,7 +74,7 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
         raise CheckpointError(f"{where}: lacks {e.args[0]}, which the model's shape needs") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: a model field has a value of the wrong kind ({e})") from None
-    notes = [n for n in [_sliding_window(hf, fields, seq_length, where)] if n]
+    notes = [n for n in [_sliding_window(hf, fields, where)] if n]
     positions = fields["max_position_embeddings"]
     if seq_length is not None and seq_length > positions:  # said here: validation would name a training flag
         raise CheckpointError(f"--seq-length {seq_length} is longer than the model's {positions} positions "

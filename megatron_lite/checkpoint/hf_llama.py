@@ -59,6 +59,18 @@ def check_llama(m: ModelConfig) -> None:
                               f"{', '.join(missing)} (GPT-2-shaped models export as GPT2LMHeadModel instead)")
     if m.padded_vocab_size is None:
         raise CheckpointError("the model config has no vocabulary size; give --vocab-size N or a --tokenizer-model")
+    if m.window_size is not None and m.window_attn_skip_freq is not None:
+        raise CheckpointError(f"--window-attn-skip-freq {m.window_attn_skip_freq}: neither LlamaForCausalLM nor "
+                              f"MistralForCausalLM has layers that alternate windowed and global attention (Mistral "
+                              f"windows every layer); this model has no Hugging Face architecture here")
+
+
+def _architecture(m: ModelConfig) -> dict:
+    """Llama, or Mistral when every layer attends through a window (sliding_window = L + 1: transformers
+    counts the token itself)."""
+    if m.window_size is None:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": m.window_size[0] + 1}
 
 
 def mapping(m: ModelConfig) -> List[Mapped]:
@@ -127,7 +139,7 @@ def hf_config(m: ModelConfig) -> dict:
     which transformers 4.x and 5.x both read). bos/eos token ids are left None: the tokenizer's, not the model's."""
     check_llama(m)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **_architecture(m),
         "vocab_size": vocab_size(m), "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
@@ -169,7 +181,7 @@ def _rope(c: dict, where: str) -> dict:
 
 def model_fields(c: dict, where: str) -> dict:
     """Our ModelConfig fields for a LlamaForCausalLM / MistralForCausalLM config.json; a field we cannot
-    represent is refused by name. Mistral's sliding window is the caller's (it depends on the sequence length)."""
+    represent is refused by name. Mistral's sliding window is the caller's (checkpoint/hf_import.py)."""
     heads, hidden = whole(c, "num_attention_heads", where), whole(c, "hidden_size", where)
     groups = whole(c, "num_key_value_heads", where, heads)
     if c.get("head_dim") not in (None, hidden // heads) or hidden % heads:

@@ -186,7 +186,7 @@ class ParallelAttention(nn.Module):
         if self.context_parallel > 1:
             q, k, v = self._whole_sequences(q, k, v)
         if self.rotary is not None:
-            positions = positions_in_documents(documents) if self.document_positions else None
+            positions = positions_in_documents(documents) if self.document_positions and documents is not None else None
             q, k = self.rotary(q, k, offset, positions)
         mask = None
         if not offset and (self.window is not None or self.document_mask):  # training, or a prompt's prefill

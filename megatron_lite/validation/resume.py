@@ -23,7 +23,10 @@ MODEL_FIELDS = (
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
+    ("model", "window_size"), ("model", "window_attn_skip_freq"),
 )
+# Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
+# (Megatron-LM lets a resumed run change them); the window is the model's own.
 # DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
 # ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
 LAYOUT_FIELDS = (("parallel", "tensor_model_parallel_size"), ("parallel", "pipeline_model_parallel_size"),
@@ -53,6 +56,8 @@ def _applies(field: str, saved: Config) -> bool:
         return position == "rope"
     if field == "rope_scaling_factor":
         return saved.model.use_rope_scaling
+    if field == "window_attn_skip_freq":
+        return saved.model.window_size is not None
     return True
 
 

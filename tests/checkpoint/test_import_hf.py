@@ -268,9 +268,9 @@ REFUSALS = {
     "biases": (lambda f, d: _edit_config(f, d, attention_bias=True), "attention_bias = True is not supported"),
     "tied head": (lambda f, d: _edit_config(f, d, tie_word_embeddings=True),
                   "ties the output head to the embedding (tie_word_embeddings), but lm_head.weight differs"),
-    "sliding window": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",
-                                                 sliding_window=16),
-                       "sliding_window = 16 is shorter than --seq-length 32"),
+    "sliding window of 1": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"],
+                                                      model_type="mistral", sliding_window=1),
+                            "sliding_window = 1 must be at least 2"),
     "no heads": (lambda f, d: _edit_config(f, d, num_attention_heads=0),
                  "num_attention_heads = 0 must be at least 1"),
     "no heads (Mistral)": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",
@@ -357,3 +357,25 @@ def test_checkpoint_commands_replace_an_earlier_output_only_with_overwrite_and_n
     line = _convert("merge", "--load", source, "--output", os.path.join(source, "latest"), "--overwrite")
     assert "is where --load" in line, line
     assert _files(source) == before
+
+
+def test_a_mistral_with_a_sliding_window_imports_as_a_window_and_exports_back_as_mistral_bit_for_bit(tmp_path):
+    import transformers
+    from safetensors.torch import load_file
+
+    from tests.checkpoint.hf_models import _perturb, llama_config
+
+    fields = llama_config(rope_scaling=None).to_dict()
+    fields.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=8)
+    torch.manual_seed(13)
+    mistral = _perturb(transformers.MistralForCausalLM(transformers.MistralConfig.from_dict(fields)), 13).eval()
+    mistral.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", tp=2, pp=2)
+    saved = json.loads((tmp_path / "ckpt" / "iter_0000000" / METADATA).read_text())["config"]["model"]
+    assert saved["window_size"] == [7, 0] and saved["window_attn_skip_freq"] is None
+    assert _converted("export-hf", "--load", tmp_path / "ckpt", "--output", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["MistralForCausalLM"] and config["sliding_window"] == 8
+    original, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())

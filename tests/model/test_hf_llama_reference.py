@@ -154,3 +154,55 @@ def test_a_gpt2_shaped_model_or_a_mismatched_hf_model_is_refused_with_the_flag()
     tied = tiny_config(extra=llama_flags(untie=False))
     with pytest.raises(CheckpointError, match="--untie-embeddings-and-output-weights"):
         from_hf(to_hf(GPTModel(config).state_dict(), config.model), tied.model)
+
+
+def packed_documents(eod, lengths, seed=1):
+    """One row of documents of these lengths, each closed by `eod`: (packed tokens [1, s], the documents)."""
+    g = torch.Generator().manual_seed(seed)
+    documents = [torch.randint(0, eod, (n,), generator=g) for n in lengths]
+    for d in documents:
+        d[-1] = eod
+    return torch.cat(documents)[None], documents
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_packed_micro_batch_with_document_masking_gives_transformers_logits_of_each_document_alone(attention):
+    from tests.model.gpt_layouts import documents_of
+
+    config = tiny_config(extra=llama_flags() + ["--reset-attention-mask", "--reset-position-ids"])
+    ours = our_model(config)
+    hf = hf_model(hf_config(config.model), attention)
+    load_into_hf(hf, to_hf(ours.state_dict(), config.model))
+    eod = VOCAB - 1
+    tokens, documents = packed_documents(eod, [9, 3, 14, 6])  # 32 tokens, four documents
+    positions, ids = documents_of(config, tokens, eod)
+    with torch.no_grad():
+        packed = ours(tokens, positions, document_ids=ids)[..., :VOCAB]
+        alone = torch.cat([hf(d[None]).logits for d in documents], dim=1)
+        unmasked = ours(tokens, torch.arange(SEQ)[None])[..., :VOCAB]
+    assert relative_error(alone, packed) <= 1e-5
+    assert relative_error(alone, unmasked) > 1e-2  # without the document mask the later documents differ
+
+
+@pytest.mark.parametrize("window", [4, 7])
+def test_a_mistral_sliding_window_gives_transformers_eager_logits_at_four_times_the_window(window):
+    from megatron_lite.checkpoint.hf_import import imported_config
+    from megatron_lite.checkpoint import hf_llama as module
+    from megatron_lite.validation import validate
+
+    seq = 4 * window
+    config = tiny_config(extra=llama_flags())
+    hf_dict = dict(hf_config(config.model), architectures=["MistralForCausalLM"], model_type="mistral",
+                   sliding_window=window, max_position_embeddings=64)
+    imported, notes = imported_config(hf_dict, module, 1, 1, None, seq, "config.json",
+                                      lambda c: validate(c, 1)[0])
+    assert imported.model.window_size == (window - 1, 0), notes
+    ours = our_model(imported)
+    hf = transformers.MistralForCausalLM._from_config(transformers.MistralConfig.from_dict(hf_dict),
+                                                      attn_implementation="eager", dtype=torch.float32).eval()
+    load_into_hf(hf, to_hf(ours.state_dict(), imported.model))
+    tokens = torch.randint(0, VOCAB, (BATCH, seq), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ours(tokens, torch.arange(seq).expand(BATCH, seq))[..., :VOCAB]
+        theirs = hf(tokens).logits
+    assert relative_error(theirs, expected) <= 1e-5

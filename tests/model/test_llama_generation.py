@@ -1,5 +1,5 @@
 """Decoding the Llama-family block with a KV cache of query groups gives the logits of recomputing the
-whole sequence (fused and SDPA paths alike)."""
+whole sequence (fused and SDPA paths alike), through a sliding window too."""
 import pytest
 import torch
 
@@ -7,15 +7,19 @@ from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA, with_groups
 
 
+WINDOW = ("--window-size", "5", "--window-attn-skip-freq", "2")  # layers 1 and 3 see 5 tokens back
+
+
+@pytest.mark.parametrize("window", [(), WINDOW], ids=["global", "window"])
 @pytest.mark.parametrize("groups", [2, 1])
 @pytest.mark.parametrize("backend", ["sdpa", "fused"])
-def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, backend):
+def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, backend, window):
     from megatron_lite.inference.generation import forward_tokens
     from megatron_lite.inference.kv_cache import KVCache
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    config = tiny_config(extra=with_groups(groups) + ("--attention-backend", backend))
+    config = tiny_config(extra=with_groups(groups) + ("--attention-backend", backend) + window)
     model = GPTModel(config).eval()
     model_parallel_seed(config.training.seed, config.model.num_layers)
     tokens = torch.randint(0, config.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -39,3 +43,19 @@ def test_llama_flags_parse_as_megatron_lm_names_them():
     assert tiny_config(extra=("--layernorm-epsilon", "1e-6")).model.norm_epsilon == 1e-6
     # without --group-query-attention every head is its own group
     assert tiny_config().model.num_query_groups == tiny_config().model.num_attention_heads
+
+
+def test_a_windowed_model_decodes_other_logits_than_a_global_one_so_the_window_is_honoured():
+    from megatron_lite.inference.generation import forward_tokens
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    tokens = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for name, window in (("global", ()), ("window", WINDOW)):
+        config = tiny_config(extra=LLAMA + window)
+        model_parallel_seed(config.training.seed, config.model.num_layers)
+        with torch.no_grad():
+            logits[name] = forward_tokens(GPTModel(config).eval(), config, tokens, 0, None)
+    same = (logits["global"] - logits["window"]).abs().amax(dim=-1)[0]
+    assert same[:6].max() <= 1e-6 and same[6:].min() > 1e-4  # a 5-token window differs from token 6 on
