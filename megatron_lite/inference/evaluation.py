@@ -21,7 +21,7 @@ from megatron_lite.checkpoint.reshard import target_config
 from megatron_lite.config import Config, ConfigError, format_split
 from megatron_lite.data.gpt_dataset import build_train_valid_test_datasets
 from megatron_lite.data.tokenizer import build_tokenizer
-from megatron_lite.model.attention_mask import needs_document_ids
+from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.parallel import state
 from megatron_lite.training.checkpointing import load_weights
 from megatron_lite.training.distributed import init_distributed

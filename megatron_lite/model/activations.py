@@ -77,10 +77,11 @@ flight for the send.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import recompute_chunks
+from megatron_lite.model.attention_options import needs_document_ids
 
 # The layer's own rules (transformer.py, parallel/qkv.py, parallel/context_parallel.py) are imported where
 # they are used: their modules import torch, and tools/estimate_memory.py checks its flags before torch starts.
@@ -236,14 +237,42 @@ def norm_bytes(config: Config, device: str = "cuda") -> int:
     return (2 * d.e * d.bsh + 2 * statistic * d.bs) // d.r
 
 
+def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool = False,
+                         path: Optional[str] = None) -> int:
+    """What one layer keeps for its document / window mask beyond causal attention (model/attention_mask.py),
+    by the path it takes (`path`; None: the larger, as the data decides the path):
+      mask      a bool [b or 1, 1, S, S] (b with --reset-attention-mask: one per sample; the same on every
+                TP and CP rank, which hold whole sequences inside attention): flash SDPA keeps it converted
+                to the queries' dtype, the fused softmax and SDPA's math path none of it; selective
+                recompute's checkpoint keeps the bool mask it is given instead
+      segments  (documents, attended one by one) a bound, not an exact count: the documents' outputs and
+                their concatenations, which the context no longer is (at most 2 e b S n_c d), and a
+                windowed layer's mask per document longer than the window (at most e b S^2); the s x s
+                terms of the fused and math paths shrink to the documents' own (the sum of their squared
+                lengths), counted at one document per sample, their most
+    Measured: tests/model/test_memory.py (exact for the mask, the bound for documents one by one)."""
+    m, d = config.model, dims(config, device)
+    if m.window_size is None and not m.reset_attention_mask:
+        return 0
+    flash = attention_kernel(config, device) == "flash"
+    masks = d.b * d.S * d.S if m.reset_attention_mask else d.S * d.S
+    by_path = {"mask": masks if selective else d.e * masks if flash else 0}
+    if m.reset_attention_mask:
+        outputs = 2 * d.e * d.b * d.S * d.attention_heads * d.head_dim
+        windows = d.e * d.b * d.S * d.S if m.window_size is not None else 0
+        by_path["segments"] = 0 if selective else outputs + windows
+    return by_path[path] if path is not None else max(by_path.values())
+
+
 def _layer_bytes(config: Config, device: str, selective: bool) -> int:
     m, d = config.model, dims(config, device)
     total = 2 * norm_bytes(config, device)
     total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bsh // d.t
     if not selective:
         total += attention_core_bytes(config, device)
-    if m.position_embedding_type == "rope":
-        total += 2 * d.e * d.S * d.head_dim
+    total += attention_mask_bytes(config, device, selective)
+    if m.position_embedding_type == "rope":  # per sample when positions restart with each document
+        total += 2 * d.e * d.S * d.head_dim * (d.b if m.reset_position_ids and needs_document_ids(m) else 1)
     if d.g < d.t:
         total += d.e * (d.local_heads + 2) * d.head_dim * d.h
     total += (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t
@@ -329,6 +358,7 @@ def head_transient_bytes(config: Config) -> int:
 
 def stage_output_bytes(config: Config) -> int:
     """What crosses a pipeline stage boundary per micro-batch: [b, s, h] (this rank's s = S/c tokens), or
-    [b, s/t, h] under sequence parallelism (also the size of each pipeline-engine buffer)."""
+    [b, s/t, h] under sequence parallelism (also the size of each pipeline-engine buffer); with document
+    ids, also their int32 [b, S] (the whole sequence, model/attention_mask.py)."""
     d = dims(config, "cuda")
-    return d.e * d.bsh // d.r
+    return d.e * d.bsh // d.r + (4 * d.b * d.S if needs_document_ids(config.model) else 0)

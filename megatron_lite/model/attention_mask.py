@@ -19,23 +19,6 @@ from typing import Optional
 
 import torch
 
-from megatron_lite.config import ModelConfig
-
-
-def needs_document_ids(model: ModelConfig) -> bool:
-    """Whether samples carry document ids to every stage: the mask needs them, and so do rotary positions
-    that restart per document (learned positions are looked up once, from the data's position ids)."""
-    return model.reset_attention_mask or (model.reset_position_ids and model.position_embedding_type == "rope")
-
-
-def layer_window(model: ModelConfig, layer_number: int) -> Optional[int]:
-    """The left extent L of layer `layer_number`'s window (counted from 1), or None for global attention."""
-    if model.window_size is None:
-        return None
-    every = model.window_attn_skip_freq
-    if every is not None and layer_number % every == 0:
-        return None
-    return model.window_size[0]
 
 
 def allowed_keys(length: int, device: torch.device, documents: Optional[torch.Tensor] = None,
@@ -61,3 +44,26 @@ def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     first[:, 1:] = documents[:, 1:] != documents[:, :-1]
     starts = torch.where(first, index, torch.zeros_like(index))
     return index - torch.cummax(starts, dim=-1).values
+
+
+SEGMENTS_PER_TOKEN = 1 / 32
+"""Attention runs document by document (causal within each, blocks between documents skipped) while a
+micro-batch holds at most this many documents per token, else over the whole sequence with the mask.
+Measured on CPU (2 threads, SDPA, b 2 x s 1024, 4 heads of 64, forward + backward): 8 documents per
+sample 25 ms by document against 67 ms masked and 45-50 ms plain causal; 32 per sample 38 against 67;
+128 per sample 119 against 68 (each document is a kernel call of its own: about 0.4 ms here)."""
+
+
+def document_segments(documents: torch.Tensor) -> Optional[list]:
+    """[b, s] document ids -> per sample, the [start, end) token ranges of its documents; None when there
+    are too many for document-by-document attention to pay (SEGMENTS_PER_TOKEN)."""
+    b, s = documents.shape
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    if int(starts.sum()) > b * s * SEGMENTS_PER_TOKEN:
+        return None
+    rows = []
+    for row in starts:
+        first = row.nonzero().flatten().tolist()
+        rows.append(list(zip(first, first[1:] + [s])))
+    return rows

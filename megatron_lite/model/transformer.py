@@ -20,6 +20,7 @@ checkpoint (model/recompute.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention_mask import allowed_keys, layer_window, positions_in_documents
+from megatron_lite.model.attention_mask import allowed_keys, document_segments, positions_in_documents
+from megatron_lite.model.attention_options import layer_window
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.model.norms import build_norm
 from megatron_lite.parallel.context_parallel import (
@@ -188,17 +190,20 @@ class ParallelAttention(nn.Module):
         if self.rotary is not None:
             positions = positions_in_documents(documents) if self.document_positions and documents is not None else None
             q, k = self.rotary(q, k, offset, positions)
-        mask = None
-        if not offset and (self.window is not None or self.document_mask):  # training, or a prompt's prefill
+        mask, segments = None, None
+        if self.document_mask and documents is not None and not offset:
+            segments = document_segments(documents)  # few documents: attend document by document
+        if segments is None and not offset and (self.window is not None or self.document_mask):
             mask = allowed_keys(q.shape[2], q.device, documents if self.document_mask else None, self.window)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
+        core = self._core if segments is None else functools.partial(self._by_document, segments=segments)
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():
             # Only q, k, v (views of qkv) and the context are kept; the [b, np, s, s] scores,
             # probabilities and dropout mask are made again in backward, with the same mask.
-            context = checkpoint(self._core, q, k, v, 0, mask)
+            context = checkpoint(core, q, k, v, 0, mask)
         else:
-            context = self._core(q, k, v, offset, mask)
+            context = core(q, k, v, offset, mask)
         context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
         context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
@@ -216,6 +221,21 @@ class ParallelAttention(nn.Module):
         packed = torch.cat([t.reshape(b, c, t.shape[1] // c, s, hd) for t in (q, k, v)], dim=2)
         whole = heads_to_sequence(packed.view(b, heads + 2 * groups, s, hd))
         return whole.split((heads // c, groups // c, groups // c), dim=1)
+
+    def _by_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, mask, segments):
+        """The attention core document by document (segments: per sample, its documents' token ranges):
+        causal inside each, through the window where a document is longer than it; the blocks between
+        documents, which the mask would zero, are never computed."""
+        rows = []
+        for r, ranges in enumerate(segments):
+            parts = []
+            for a, e in ranges:
+                inside = None
+                if self.window is not None and e - a > self.window + 1:
+                    inside = allowed_keys(e - a, q.device, None, self.window)
+                parts.append(self._core(q[r:r + 1, :, a:e], k[r:r + 1, :, a:e], v[r:r + 1, :, a:e], 0, inside))
+            rows.append(torch.cat(parts, dim=2))
+        return torch.cat(rows)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0,
               mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.data import workers
 from megatron_lite.data.workers import TRAINER_SIGNALS
-from megatron_lite.model.attention_mask import needs_document_ids
+from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing

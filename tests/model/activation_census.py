@@ -33,7 +33,32 @@ def _model_and_batch(config):
     arrays = (tokens, torch.arange(s).expand(b, s).contiguous(), tokens, torch.ones(b, s))
     if cp > 1:
         arrays = tuple(t.clone() for t in context_parallel_part(arrays, cp_rank(), cp))
-    return model, params, arrays[:2], arrays[2:]
+    return model, params, arrays[:2] + documents(config, b, s), arrays[2:]
+
+
+DOCUMENTS_PER_SAMPLE = 8
+
+
+def documents(config, b, s, per_sample=None):
+    """(document ids [b, s] int32,) of `per_sample` (DOCUMENTS_PER_SAMPLE) documents in each sample when the
+    model takes them (model/attention_mask.py), else ()."""
+    per_sample = DOCUMENTS_PER_SAMPLE if per_sample is None else per_sample
+    from megatron_lite.model.attention_options import needs_document_ids
+
+    if not needs_document_ids(config.model):
+        return ()
+    g = torch.Generator().manual_seed(5)
+    starts = torch.zeros(b, s, dtype=torch.int32)
+    for row in starts:
+        row[torch.randperm(s - 1, generator=g)[:per_sample - 1] + 1] = 1
+    return (starts.cumsum(dim=1, dtype=torch.int32),)
+
+
+def _detached(x):
+    """What the pipeline engine hands the next stage: the hidden states as a leaf (with the document ids)."""
+    if isinstance(x, tuple):
+        return (x[0].detach().clone().requires_grad_(True),) + x[1:]
+    return x.detach().clone().requires_grad_(True)
 
 
 def saved_bytes_per_stage(config):
@@ -47,6 +72,8 @@ def saved_bytes_per_stage(config):
     for a, z in zip(bounds[:-1], bounds[1:]):
         if isinstance(x, torch.Tensor):  # what the pipeline engine hands the next stage
             x = x.detach().requires_grad_(True)
+        elif isinstance(x[0], torch.Tensor) and x[0].is_floating_point():  # (hidden states, document ids)
+            x = (x[0].detach().requires_grad_(True),) + x[1:]
         kept = {}
 
         def keep(t):
@@ -62,7 +89,8 @@ def saved_bytes_per_stage(config):
             if z == len(model._forward_fns):
                 x = model.loss(x, labels_and_mask)
             else:
-                keep(x)
+                for t in (x if isinstance(x, tuple) else (x,)):
+                    keep(t)
         results.append(sum(kept.values()))
     return results
 
@@ -78,7 +106,11 @@ def _keeping_checkpoint_inputs(keep):
 
     def counted(function, *args):
         for arg in args:
-            keep(arg)
+            # A chunk's input under full recompute may be (hidden states, document ids): the ids are the
+            # stage's input, kept once per stage whatever recompute does (stage_output_bytes counts them).
+            for t in (arg if isinstance(arg, tuple) else (arg,)):
+                if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool:
+                    keep(t)
         return real(function, *args)
 
     recompute.checkpoint, transformer.checkpoint = counted, counted
@@ -94,7 +126,7 @@ def saved_bytes_per_layer(config):
     later layer's input is (a sequence shard of the embedding at micro batch 1 is a view of the whole
     [1, s, h] output: the first stage's business, counted by saved_bytes_per_stage)."""
     model, params, inputs, _ = _model_and_batch(config)
-    x = model._forward_fns[0](inputs).detach().clone().requires_grad_(True)
+    x = _detached(model._forward_fns[0](inputs))
     kept = {}
 
     def keep(t):
@@ -104,5 +136,5 @@ def saved_bytes_per_layer(config):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t), \
             _keeping_checkpoint_inputs(keep):
         y = run_stage(model._forward_fns[1:2], x, config.model)
-    y.sum().backward()  # recompute and backward run as in training (nothing more is counted)
+    (y[0] if isinstance(y, tuple) else y).sum().backward()  # recompute and backward run as in training (nothing more is counted)
     return sum(kept.values())

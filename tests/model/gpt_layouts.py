@@ -27,7 +27,7 @@ def documents_of(config, tokens, eod):
     (data/documents.py): positions restart after `eod` with --reset-position-ids, and the document ids
     come along when the model needs them (model/attention_mask.py)."""
     from megatron_lite.data.documents import document_ids, positions_in_documents
-    from megatron_lite.model.attention_mask import needs_document_ids
+    from megatron_lite.model.attention_options import needs_document_ids
 
     m = config.model
     if eod is None or not (m.reset_position_ids or needs_document_ids(m)):

@@ -29,8 +29,13 @@ def with_eods(batches):
     return torch.where(torch.rand(batches.shape, generator=g) < 0.125, torch.full_like(batches, EOD), batches)
 
 
-def _train(tp, cp, pp, dp, extra, steps, masked, eod=None):
+def _train(tp, cp, pp, dp, extra, steps, masked, eod=None, documents_path=None):
     import torch.distributed as dist
+
+    from megatron_lite.model import attention_mask
+
+    if documents_path is not None:  # attend document by document ("segments") or through the mask
+        attention_mask.SEGMENTS_PER_TOKEN = 1.0 if documents_path == "segments" else 0.0
 
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
@@ -46,8 +51,8 @@ def _train(tp, cp, pp, dp, extra, steps, masked, eod=None):
     return {"rank": dist.get_rank(), "losses": losses, "coord": state.describe()}
 
 
-def run_layout(tp, cp, pp, dp, extra=(), masked=True, eod=None):
-    return run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, tuple(extra), STEPS, masked, eod)
+def run_layout(tp, cp, pp, dp, extra=(), masked=True, eod=None, documents_path=None):
+    return run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, tuple(extra), STEPS, masked, eod, documents_path)
 
 
 def dense_reference(extra, masked=True, eod=None):
@@ -127,6 +132,7 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", 
              *ROPE)
 
 
+@pytest.mark.parametrize("path", ["mask", "segments"])
 @pytest.mark.parametrize("backend", ["sdpa", "fused"])
 @pytest.mark.parametrize("tp, cp, pp, dp, extra", [
     (2, 1, 2, 1, ("--sequence-parallel",)),
@@ -135,9 +141,12 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", 
     (1, 1, 2, 2, ("--zero-stage", "1")),
 ])
 def test_document_masking_and_a_sliding_window_match_the_dense_losses_under_every_layout(tp, cp, pp, dp, extra,
-                                                                                         backend):
+                                                                                         backend, path):
+    """Both paths a document-masked layer takes (model/attention_mask.py): the whole sequence through the
+    mask, or document by document; the dense reference's own path is the mask (few tokens per document)."""
     model = DOCUMENTS + ("--attention-backend", backend)
-    assert_matches(run_layout(tp, cp, pp, dp, extra + model, eod=EOD), dense_reference(model, eod=EOD))
+    assert_matches(run_layout(tp, cp, pp, dp, extra + model, eod=EOD, documents_path=path),
+                   dense_reference(model, eod=EOD))
 
 
 def test_the_document_mask_changes_the_losses_so_the_layouts_test_can_fail():

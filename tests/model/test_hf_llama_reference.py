@@ -165,10 +165,14 @@ def packed_documents(eod, lengths, seed=1):
     return torch.cat(documents)[None], documents
 
 
+@pytest.mark.parametrize("path", ["mask", "segments"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_a_packed_micro_batch_with_document_masking_gives_transformers_logits_of_each_document_alone(attention):
+def test_a_packed_micro_batch_with_document_masking_gives_transformers_logits_of_each_document_alone(attention, path,
+                                                                                                   monkeypatch):
+    from megatron_lite.model import attention_mask
     from tests.model.gpt_layouts import documents_of
 
+    monkeypatch.setattr(attention_mask, "SEGMENTS_PER_TOKEN", 1.0 if path == "segments" else 0.0)
     config = tiny_config(extra=llama_flags() + ["--reset-attention-mask", "--reset-position-ids"])
     ours = our_model(config)
     hf = hf_model(hf_config(config.model), attention)

@@ -272,3 +272,67 @@ def test_estimate_peak_bytes_is_the_stage_total_the_training_loop_logs():
             + max(st.activations + st.transient, st.reduction_transient, st.step_transient))
         assert st.between_steps == st.weights + st.gradients + st.optimizer_states + st.communication_buffers
     assert memory.estimate_peak_bytes(config, 0, ds_config) == stages[0].peak  # no GPU here: device defaults to cpu
+
+
+MASKS = {"window": ["--window-size", "6"], "documents": ["--reset-attention-mask"],
+         "documents+rope": ["--reset-attention-mask", "--reset-position-ids", "--position-embedding-type", "rope",
+                            "--window-size", "6", "--window-attn-skip-freq", "2"]}
+"""Document masks (one per sample), windows (one per layer) and per-sample rotary tables (model/attention_mask.py)."""
+
+
+def _mask_rows(tp, backend, masks):
+    rows = []
+    for recompute in ("none", "selective", "full"):
+        for dropout in (False, True):
+            extra = ["--micro-batch-size", "2", "--global-batch-size", "8", "--attention-backend", backend]
+            extra += (["--hidden-dropout", "0.1", "--attention-dropout", "0.1"] if dropout else []) + RECOMPUTE[recompute]
+            rows.append(((recompute, dropout), None, tiny_config(tp, 1, 1, extra + MASKS[masks])))
+    return rows
+
+
+def _mask_census(configs, path, per_sample):
+    from megatron_lite.model import attention_mask
+    from megatron_lite.parallel import state
+    from tests.model import activation_census
+
+    attention_mask.SEGMENTS_PER_TOKEN = 1.0 if path == "segments" else 0.0
+    activation_census.DOCUMENTS_PER_SAMPLE = per_sample
+    state.initialize(1, 1)
+    return [activation_census.saved_bytes_per_layer(config) for config in configs]
+
+
+@pytest.mark.parametrize("masks, path, per_sample", [
+    (masks, path, per_sample) for masks in MASKS for path, per_sample in (("mask", 8), ("segments", 1), ("segments", 8))
+    if masks != "window" or path == "mask"])  # a window alone has no documents to attend one by one
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+def test_one_layers_activations_with_document_masks_and_windows_match_the_estimate(backend, masks, path,
+                                                                                    per_sample):
+    """SDPA's flash kernel keeps the mask in the queries' dtype, the fused softmax none of it; selective
+    recompute keeps the bool mask it is given; rotary tables per sample when positions restart. Attended
+    document by document, within the estimate's bound (one document per sample is its most: the s x s
+    terms shrink with more); the estimate without a path is the larger path's."""
+    from megatron_lite.model import activations
+
+    rows = _mask_rows(1, backend, masks)
+    measured = run_distributed(_mask_census, 1, [config for _, _, config in rows], path, per_sample)[0]
+    for (case, _, config), got in zip(rows, measured):
+        selective = config.model.recompute_granularity == "selective"
+        mask = activations.attention_mask_bytes(config, "cpu", selective)
+        for_path = activations.attention_mask_bytes(config, "cpu", selective, path)
+        want = activations.stage_layer_bytes(config, 1, "cpu")[0] - mask + for_path
+        if config.model.recompute_granularity == "full":
+            want = activations.stage_layer_bytes(config, 1, "cpu")[0]  # the chunk's input only
+        assert (got == want) if path == "mask" else (got <= want), (case, got, want)
+
+
+def _masked_census(pp):
+    return saved_bytes_per_stage(tiny_config(1, pp, 1, ["--micro-batch-size", "2", "--global-batch-size", "8"]
+                                             + MASKS["documents+rope"]))
+
+
+def test_a_pipeline_stage_with_document_ids_keeps_what_the_estimate_says():
+    """The int32 document ids cross every stage boundary beside the hidden states."""
+    config = tiny_config(1, 2, 1, ["--micro-batch-size", "2", "--global-batch-size", "8"] + MASKS["documents+rope"])
+    measured = run_distributed(_masked_census, 1, 2)[0]
+    stages = memory.estimate(config, deepspeed_config(config), device=census_device())
+    assert measured == [st.activations_per_micro_batch for st in stages]
