@@ -326,13 +326,23 @@ def test_one_layers_activations_with_document_masks_and_windows_match_the_estima
 
 
 def _masked_census(pp):
+    from megatron_lite.model import attention_mask
+
+    attention_mask.SEGMENTS_PER_TOKEN = 0.0  # through the mask: the path whose bytes are exact
     return saved_bytes_per_stage(tiny_config(1, pp, 1, ["--micro-batch-size", "2", "--global-batch-size", "8"]
                                              + MASKS["documents+rope"]))
 
 
 def test_a_pipeline_stage_with_document_ids_keeps_what_the_estimate_says():
-    """The int32 document ids cross every stage boundary beside the hidden states."""
+    """The int32 document ids cross every stage boundary beside the hidden states; each layer keeps its
+    mask (the estimate takes the larger of the mask's and the document-by-document bound, as data decides)."""
+    from megatron_lite.model import activations
+    from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
+
     config = tiny_config(1, 2, 1, ["--micro-batch-size", "2", "--global-batch-size", "8"] + MASKS["documents+rope"])
     measured = run_distributed(_masked_census, 1, 2)[0]
     stages = memory.estimate(config, deepspeed_config(config), device=census_device())
-    assert measured == [st.activations_per_micro_batch for st in stages]
+    bound = activations.attention_mask_bytes(config, "cpu") - activations.attention_mask_bytes(config, "cpu",
+                                                                                               path="mask")
+    layers = transformer_layers_per_stage(config, stage_bounds(config, estimate=True))
+    assert measured == [st.activations_per_micro_batch - n * bound for st, n in zip(stages, layers)]
