@@ -16,7 +16,7 @@ def indexed(tmp_path):
 def make(indexed, tmp_path, num_samples=None, seed=1234, documents=None, **kw):
     return GPTDataset(indexed, "train", documents or (0, indexed.num_documents), SEQ, num_samples, seed,
                       str(tmp_path / "cache"), eod_token=kw.pop("eod_token", -1),
-                      eod_mask_loss=kw.pop("eod_mask_loss", False))
+                      eod_mask_loss=kw.pop("eod_mask_loss", False), **kw)
 
 
 @pytest.mark.parametrize("seq_length", [1, 7, 64])
@@ -137,3 +137,42 @@ def test_a_token_outside_the_vocabulary_is_an_error_naming_the_data_file_even_fr
             list(batches)
     finally:
         batches._shutdown_workers()
+
+
+def test_document_ids_count_the_ends_before_each_token_and_positions_restart_after_each_end():
+    from megatron_lite.data.documents import document_ids, positions_in_documents
+
+    tokens = np.array([5, 6, 0, 7, 8, 9, 0, 0, 3])  # 0 ends a document, and belongs to it
+    ids = document_ids(tokens, 0)
+    assert ids.dtype == np.int32 and ids.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 3]
+    assert positions_in_documents(ids).tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 0]
+
+
+def test_items_carry_document_ids_and_restarting_positions_only_when_asked(indexed, tmp_path):
+    from megatron_lite.data.documents import document_ids
+
+    plain = make(indexed, tmp_path)
+    eod = int(plain[0]["tokens"][SEQ // 2])  # a token of the first sample's middle stands for the end of a document
+    plain = make(indexed, tmp_path, eod_token=eod)
+    both = make(indexed, tmp_path, eod_token=eod, reset_position_ids=True, with_document_ids=True)
+    i = 0
+    item = both[i]
+    assert "document_ids" not in plain[i] and np.array_equal(plain[i]["position_ids"], np.arange(SEQ))
+    assert np.array_equal(item["document_ids"], document_ids(item["tokens"], eod))
+    end = int(np.flatnonzero(item["tokens"] == eod)[0])
+    assert item["position_ids"][end + 1] == 0 and np.array_equal(item["position_ids"][:end + 1], np.arange(end + 1))
+    positions_only = make(indexed, tmp_path, eod_token=eod, reset_position_ids=True)[i]
+    assert "document_ids" not in positions_only and np.array_equal(positions_only["position_ids"], item["position_ids"])
+
+
+def test_a_batch_with_document_ids_keeps_them_whole_on_every_context_parallel_rank():
+    from megatron_lite.data.sampler import collate
+
+    samples = [{"tokens": np.arange(8), "position_ids": np.arange(8), "labels": np.arange(8) + 1,
+                "loss_mask": np.ones(8, dtype=np.float32), "document_ids": np.array([0, 0, 1, 1, 1, 2, 2, 2],
+                                                                                   dtype=np.int32)}] * 2
+    (tokens, positions, documents), (labels, weights) = collate(samples, context_parallel=(1, 2))
+    assert tokens.tolist() == [[4, 5, 6, 7]] * 2 and positions.shape == labels.shape == weights.shape == (2, 4)
+    assert documents.tolist() == [[0, 0, 1, 1, 1, 2, 2, 2]] * 2
+    (tokens, positions), _ = collate([{k: v for k, v in s.items() if k != "document_ids"} for s in samples])
+    assert tokens.shape == (2, 8)

@@ -43,10 +43,10 @@ def losses_by_iteration(text):
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"iteration\s+(\d+)/\d+ .*?\| loss (\S+)", text)}
 
 
-def _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, launcher=None):
+def _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, launcher=None, extra=()):
     result = pretrain(corpus, tp * pp * dp, layout(tp, pp) + ["--train-iters", "4", "--eval-interval", "2",
                                                                 "--save", str(tmp_path / "ckpt"), "--save-interval", "1",
-                                                                "--keep-last", "2"], launcher=launcher)
+                                                                "--keep-last", "2", *extra], launcher=launcher)
     assert result.returncode == 0, result.stdout + result.stderr
     losses = losses_by_iteration(result.stdout)
     assert sorted(losses) == [1, 2, 3, 4]
@@ -58,9 +58,15 @@ def _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, launcher
     assert glob.glob(str(tmp_path / "ckpt" / "iter_0000004" / "layer_*-model_*-model_states.pt"))
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_pretrain_runs_a_few_steps_saves_keeps_the_last_two_and_evaluates(corpus, tp, pp, dp, tmp_path):
-    _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path)
+# Packed documents apart and a window on every other layer, through the real data pipeline and two stages.
+DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--position-embedding-type", "rope", "--window-size",
+             "8", "--window-attn-skip-freq", "2")
+
+
+@pytest.mark.parametrize("tp, pp, dp, extra", [(2, 1, 1, ()), (1, 2, 1, ()), (1, 1, 2, ()), (1, 2, 1, DOCUMENTS)],
+                         ids=["2-1-1", "1-2-1", "1-1-2", "1-2-1-documents-and-window"])
+def test_pretrain_runs_a_few_steps_saves_keeps_the_last_two_and_evaluates(corpus, tp, pp, dp, extra, tmp_path):
+    _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, extra=extra)
 
 
 def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tmp_path):
