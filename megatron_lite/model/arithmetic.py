@@ -114,15 +114,16 @@ def total_parameters(config: Config) -> int:
     return sum(per_spec) - (0 if config.model.untie_embeddings_and_output_weights else per_spec[-1])
 
 
-def layer_forward_flops(model: ModelConfig, causal: bool) -> float:
+def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0) -> float:
     """Forward FLOPs per token of one transformer layer: the QKV ((a + 2g) d outputs: grouped keys and
     values cost 2 g d h each, not 2h^2), projection and MLP matmuls (two of h x f, three under SwiGLU;
     2 FLOPs per multiply-add) plus the two attention matmuls over s keys (every query head, so 2sh
     each whatever g); `causal` counts the s/2 keys a token attends to on average, otherwise all s
-    (Megatron-LM's accounting)."""
+    (Megatron-LM's accounting). attention_share: the part of those attention matmuls computed
+    (documents attended one by one skip the blocks between them: model/attention_mask.py)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
     matmuls = 3 if model.swiglu else 2
-    return 2 * (qkv_width(model) * h + h * h + matmuls * h * f) + (2 if causal else 4) * s * h
+    return 2 * (qkv_width(model) * h + h * h + matmuls * h * f) + (2 if causal else 4) * s * h * attention_share
 
 
 def head_forward_flops(model: ModelConfig) -> float:
@@ -148,35 +149,44 @@ def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: i
     return chunks + ([(recomputed, layers, False)] if recomputed < layers else [])
 
 
-def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None) -> float:
+def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
+                                      attention_share: float = 1.0) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
     recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
     default), so the last matmul of a recomputed region, whose output nothing keeps, is not run again:
       selective  each layer's scores matmul (2sh; not x V)
       full       each recomputed chunk's layers but its last MLP output projection (2hf)
     layers_per_stage: transformer layers on each pipeline stage (default: one stage), which the chunks
-    of --recompute-method count per stage. Checked against torch's FLOP counter."""
+    of --recompute-method count per stage; attention_share: as training_flops_per_token's. Checked against
+    torch's FLOP counter."""
     m = model
     stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
     if m.recompute_granularity == "selective":
-        return sum(stages) * attention_core_forward_flops(m) / 2  # the scores, not x V
+        # The scores, not x V; documents attended one by one (a share below 1) rerun x V too, all but the
+        # micro-batch's last document's (whose output nothing keeps): counted whole.
+        rerun = 0.5 if attention_share == 1.0 else 1.0
+        return sum(stages) * attention_core_forward_flops(m) * attention_share * rerun
     if m.recompute_granularity != "full":
         return 0.0
     total = 0.0
     for layers in stages:
         for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers, layers):
             if again:
-                total += (end - start) * layer_forward_flops(m, causal=False) - 2.0 * m.hidden_size * m.ffn_hidden_size
+                total += ((end - start) * layer_forward_flops(m, causal=False, attention_share=attention_share)
+                          - 2.0 * m.hidden_size * m.ffn_hidden_size)
     return total
 
 
-def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None) -> float:
+def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
+                             attention_share: float = 1.0) -> float:
     """Megatron-LM's count behind TFLOP/s and MFU: 3x the forward (forward, two backward matmuls),
     plus what activation recompute runs again (recompute_forward_flops_per_token); attention counted
-    over all s keys."""
+    over all s keys, times the share of it computed (attention_share: model/attention_mask.py
+    AttentionWork, below 1 when documents are attended one by one)."""
     v = model.padded_vocab_size or model.vocab_size or 0
-    layers = 3 * model.num_layers * layer_forward_flops(model, causal=False)
-    return layers + recompute_forward_flops_per_token(model, layers_per_stage) + 3 * 2 * model.hidden_size * v
+    layers = 3 * model.num_layers * layer_forward_flops(model, causal=False, attention_share=attention_share)
+    return (layers + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
+            + 3 * 2 * model.hidden_size * v)
 
 
 def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:

@@ -67,3 +67,25 @@ def document_segments(documents: torch.Tensor) -> Optional[list]:
         first = row.nonzero().flatten().tolist()
         rows.append(list(zip(first, first[1:] + [s])))
     return rows
+
+
+class AttentionWork:
+    """The share of full attention a rank has computed since it was last asked: 1 over the whole sequence
+    (plain causal, or through a mask: every block computed), the documents' own sum of squared lengths
+    over S^2 per sample when attending document by document. The training loop scales the attention
+    FLOPs it reports (TFLOP/s, MFU) by it, so skipped blocks are not counted as work."""
+
+    def __init__(self) -> None:
+        self.computed, self.full = 0, 0
+
+    def record(self, computed: int, full: int) -> None:
+        self.computed += computed
+        self.full += full
+
+    def take(self) -> float:
+        share = self.computed / self.full if self.full else 1.0
+        self.computed, self.full = 0, 0
+        return share
+
+
+ATTENTION_WORK = AttentionWork()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention_mask import allowed_keys, document_segments, positions_in_documents
+from megatron_lite.model.attention_mask import ATTENTION_WORK, allowed_keys, document_segments, positions_in_documents
 from megatron_lite.model.attention_options import layer_window
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.model.norms import build_norm
@@ -198,6 +198,9 @@ class ParallelAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
         core = self._core if segments is None else functools.partial(self._by_document, segments=segments)
+        if kv_cache is None and self.training:
+            full = q.shape[0] * q.shape[2] ** 2
+            ATTENTION_WORK.record(full if segments is None else sum((e - a) ** 2 for r in segments for a, e in r), full)
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():
             # Only q, k, v (views of qkv) and the context are kept; the [b, np, s, s] scores,
             # probabilities and dropout mask are made again in backward, with the same mask.

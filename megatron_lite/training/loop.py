@@ -24,6 +24,7 @@ from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.data import workers
 from megatron_lite.data.workers import TRAINER_SIGNALS
+from megatron_lite.model.attention_mask import ATTENTION_WORK
 from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
@@ -262,7 +263,7 @@ def maybe_log(run: Run, stats: StepStats) -> None:
         global_batch_size=interval.global_batch_size,
     )
     scalars = interval_scalars(summary, config.model, config.parallel.world_size,
-                               getattr(run.engine.module, "layers_per_stage", None))
+                               getattr(run.engine.module, "layers_per_stage", None), ATTENTION_WORK.take())
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     run.tb.write("train", scalars, run.iteration)
     run.records.write("interval", iteration=run.iteration, iterations=interval.iterations, seconds=interval.seconds,

@@ -73,12 +73,15 @@ class IntervalStats:
 
 
 def interval_scalars(stats: IntervalStats, model: ModelConfig, world_size: int,
-                     layers_per_stage: Optional[Sequence[int]] = None) -> Dict[str, float]:
-    """layers_per_stage: transformer layers on each pipeline stage (for --recompute-method block)."""
+                     layers_per_stage: Optional[Sequence[int]] = None, attention_share: float = 1.0) -> Dict[str, float]:
+    """layers_per_stage: transformer layers on each pipeline stage (for --recompute-method block);
+    attention_share: the share of full attention this rank computed in the interval (documents attended
+    one by one compute less: model/attention_mask.py AttentionWork)."""
     per_iter = stats.seconds / max(stats.iterations, 1)
     samples_per_s = stats.samples / stats.seconds
     tokens_per_s = samples_per_s * model.seq_length
-    tflops_per_rank = tokens_per_s * training_flops_per_token(model, layers_per_stage) / world_size / 1e12
+    tflops_per_rank = (tokens_per_s * training_flops_per_token(model, layers_per_stage, attention_share)
+                       / world_size / 1e12)
     scalars = {
         "loss": stats.loss, "lr": stats.lr, "ms_per_iteration": per_iter * 1e3, "samples_per_s": samples_per_s,
         "tokens_per_s": tokens_per_s, "tflops_per_rank": tflops_per_rank, "skipped_steps": stats.skipped_steps,

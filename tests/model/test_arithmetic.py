@@ -180,3 +180,34 @@ def test_profile_needs_measured_seconds_unless_estimating():
     seconds = [0.0] + [1.0] * config.model.num_layers + [0.0, 10.0]
     assert arithmetic.stage_bounds(config, seconds) == [0, 4, 7]  # 3 layers, then 1 layer + head
     assert arithmetic.stage_bounds(config.replace(parallel__pipeline_partition_method="uniform")) == [0, 3, 7]
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_documents_attended_one_by_one_count_only_their_attention_in_the_training_flops(recompute, monkeypatch):
+    """The blocks between documents are skipped, and the FLOPs behind TFLOP/s and MFU leave them out: the
+    attention share the layers record (AttentionWork) scales the attention matmuls, as torch counts them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model import attention_mask
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    monkeypatch.setattr(attention_mask, "SEGMENTS_PER_TOKEN", 1.0)
+    config = tiny_config(1, 1, 1, ("--attention-backend", "fused", "--reset-attention-mask")
+                         + RECOMPUTE.get(recompute, ()))
+    m = config.model
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, m.num_layers)
+    b, s = 2, m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s))
+    documents = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * 16 + [1] * 16], dtype=torch.int32)
+    attention_mask.ATTENTION_WORK.take()
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, torch.arange(s).expand(b, s), tokens, torch.ones(b, s), document_ids=documents).backward()
+    share = attention_mask.ATTENTION_WORK.take()
+    assert share == pytest.approx((5 ** 2 + 20 ** 2 + 7 ** 2 + 2 * 16 ** 2) / (2 * 32 ** 2))
+    counted = counter.get_total_flops() / (b * s)
+    # Selective recompute reruns x V for every document but the micro-batch's last, which the count includes.
+    last = 2 * 16 ** 2 * m.hidden_size * m.num_layers / (b * s) if recompute == "selective" else 0
+    assert counted == pytest.approx(arithmetic.training_flops_per_token(m, attention_share=share) - last, rel=1e-6)
+    assert counted < arithmetic.training_flops_per_token(m)
