@@ -23,6 +23,7 @@ MODEL_FIELDS = (
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
+    ("model", "kv_channels"), ("model", "qk_layernorm"),
 )
 # DeepSpeed's own loader reads only files of its own layout; ours moves any ZeRO 0/1 checkpoint to any
 # ZeRO 0/1 run (checkpoint/layout_free.py), but cannot take ZeRO 2/3 files apart or fill a ZeRO 2/3 engine.
@@ -38,6 +39,7 @@ FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
               "data_parallel_size": "the data-parallel size (world size / (TP x CP x PP))",
               "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
+              "kv_channels": "--kv-channels (the head width)",
               "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
 
 
@@ -60,6 +62,8 @@ def _value(config: Config, section: str, name: str):
     value = getattr(getattr(config, section), name)
     if name == "num_query_groups" and value is None:  # saved before grouped-query attention: one per head
         return config.model.num_attention_heads
+    if name == "kv_channels":  # the width, given or implied (a checkpoint saved before the flag implies it)
+        return config.model.head_dim
     return value
 
 
