@@ -42,6 +42,10 @@ def check_gpt2(m: ModelConfig) -> None:
         raise CheckpointError("export-hf: the model was trained with --untie-embeddings-and-output-weights; "
                               "GPT2LMHeadModel ties its output head to the word embedding, so it cannot hold a "
                               "separate head")
+    if m.head_dim * m.num_attention_heads != m.hidden_size:
+        raise CheckpointError(f"export-hf: the model's heads are --kv-channels {m.kv_channels} wide; "
+                              f"GPT2LMHeadModel's are n_embd / n_head = {m.hidden_size // m.num_attention_heads}, so "
+                              f"it cannot hold them")
 
 
 def mapping(m: ModelConfig) -> List[Mapped]:
