@@ -33,7 +33,7 @@ PRETRAIN = {
     "--ffn-hidden-size": ["0"], "--seq-length": ["0"], "--max-position-embeddings": ["0"], "--vocab-size": ["0"],
     "--make-vocab-size-divisible-by": ["0"], "--hidden-dropout": ["-0.1", "1"], "--attention-dropout": ["1.5"],
     "--rotary-base": ["0"], "--init-method-std": ["-0.02", "101"], "--norm-epsilon": ["0", "-1e-5", "2"],
-    "--num-query-groups": ["0"], "--rope-scaling-factor": ["0.5", "2000"], "--recompute-num-layers": ["0"],
+    "--num-query-groups": ["0"], "--kv-channels": ["0", "-8", "12.5"], "--rope-scaling-factor": ["0.5", "2000"], "--recompute-num-layers": ["0"],
     "--tensor-model-parallel-size": ["0"], "--pipeline-model-parallel-size": ["0"],
     "--context-parallel-size": ["0"], "--zero-stage": [], "--distributed-timeout-minutes": ["0", "-1", "1e15"],
     "--micro-batch-size": ["0"], "--global-batch-size": ["0"], "--gradient-accumulation-steps": ["0"],
