@@ -152,7 +152,8 @@ class ParallelAttention(nn.Module):
         self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base,
                                        config.rope_scaling_factor if config.use_rope_scaling else None)
                        if config.position_embedding_type == "rope" else None)
-        self.dense = RowParallelLinear(heads * self.head_dim, h, bias=config.add_bias_linear, input_is_parallel=True,
+        self.dense = RowParallelLinear(heads * self.head_dim, h, bias=config.add_bias_linear,
+                                       input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),
                                        sequence_parallel=sequence_parallel)
         self.recompute_core = config.recompute_granularity == "selective"

@@ -1,4 +1,4 @@
-"""Gradients of replicated parameters that see only this rank's sequence shard, or only its heads, summed over TP.
+"""Gradients of replicated parameters that see only this rank's sequence shard (or heads), summed over TP.
 
 With --sequence-parallel the LayerNorm weights and biases and the row-parallel biases are
 applied to [b, s/tp, h] sequence shards, so each TP rank's gradient covers its own positions
