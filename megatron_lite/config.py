@@ -177,6 +177,14 @@ class ModelConfig:
     num_query_groups: Optional[int] = option(None, "--num-query-groups", minimum=1)
     """Key/value heads with --group-query-attention (1 = multi-query attention); otherwise one per attention
     head (filled by validation)."""
+    kv_channels: Optional[int] = option(None, "--kv-channels", minimum=1)
+    """Width of each attention head (queries, keys and values alike), apart from --hidden-size: attention
+    projects h -> heads x this and back (Qwen3's and Gemma's head_dim); when not given, --hidden-size /
+    --num-attention-heads."""
+    qk_layernorm: bool = option(False, "--qk-layernorm")
+    """Normalise every query and key head after the QKV projection and before RoPE, as Qwen3 does: the
+    --normalization kind over the head's --kv-channels, one weight (and bias) shared by all heads, with
+    --norm-epsilon."""
     add_bias_linear: bool = option(True, "--disable-bias-linear", action="store_false")
     """Drop the bias of every linear layer (attention and MLP), as Llama does."""
     use_rope_scaling: bool = option(False, "--use-rope-scaling")
@@ -219,6 +227,11 @@ class ModelConfig:
     window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1)
     """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
     others through the window (gpt-oss: 2)."""
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: --kv-channels, or --hidden-size / --num-attention-heads when not given."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
 
 @dataclass(frozen=True)

@@ -478,8 +478,8 @@ def before_gradient_reduction(engine, run: Callable[[], None]) -> None:
     """Call run() once per pipeline step, after the step's last backward and before DeepSpeed reduces any
     gradient (the tied weights' all-reduce, then the data-parallel reduction).
 
-    Why: sequence-parallel gradients are summed over TP there, once per step as Megatron-LM does in
-    finalize_model_grads. The pipeline schedule (pipe/schedule.py TrainSchedule) runs ReduceTiedGrads,
+    Why: sequence-parallel (and QK-norm) gradients are summed over TP there, once per step as Megatron-LM
+    does in finalize_model_grads. The pipeline schedule (pipe/schedule.py TrainSchedule) runs ReduceTiedGrads,
     ReduceGrads, OptimizerStep after the last BackwardPass; the engine exposes no hook in between."""
     def wrap(reduce_tied_grads):
         def run_first(self, **kwargs):

@@ -54,6 +54,22 @@ def test_a_context_parallel_size_the_heads_do_not_split_into_exits_2_with_one_li
     assert len(errors) == 1 and "Use --context-parallel-size 1 or 2" in errors[0], out
 
 
+@pytest.mark.parametrize("argv, world, line", [
+    (["--kv-channels", "0"], "1", "--kv-channels: must be at least 1, got 0; e.g. 1"),
+    (["--position-embedding-type", "rope", "--kv-channels", "23"], "1",
+     "--position-embedding-type rope needs an even head dimension (RoPE turns pairs of it); --kv-channels 23. "
+     "Use --kv-channels 24"),
+    (["--qk-layernorm", "--tensor-model-parallel-size", "2", "--zero-stage", "2"], "2",
+     "--qk-layernorm at --tensor-model-parallel-size 2 with --zero-stage 2"),
+], ids=["kv-channels-0", "odd-head-dim-with-rope", "qk-layernorm-at-tp2-zero2"])
+def test_a_head_width_or_qk_norm_that_cannot_work_exits_2_with_one_line_before_any_collective(argv, world, line):
+    proc = _launch(argv, WORLD_SIZE=world)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out
+    errors = [text for text in out.splitlines() if line in text]
+    assert len(errors) == 1, out
+
+
 def test_unknown_flag_exits_2_with_usage():
     proc = _launch(["--tensor-parallel-size", "2"])
     out, _ = proc.communicate(timeout=120)

@@ -82,7 +82,22 @@ RULES = [
                  id="dropout-range"),
     pytest.param(model_rules, layout(1, model__position_embedding_type="rope", model__hidden_size=60,
                                      model__num_attention_heads=4),
-                 r"^--position-embedding-type rope needs an even head dimension", id="rope-even-head-dim"),
+                 r"^--position-embedding-type rope needs an even head dimension \(RoPE turns pairs of it\); "
+                 r"--hidden-size 60 / --num-attention-heads 4 = 15\. Use --kv-channels 16$", id="rope-even-head-dim"),
+    pytest.param(model_rules, layout(1, model__position_embedding_type="rope", model__kv_channels=23),
+                 r"^--position-embedding-type rope needs an even head dimension \(RoPE turns pairs of it\); "
+                 r"--kv-channels 23\. Use --kv-channels 24$", id="rope-even-kv-channels"),
+    pytest.param(number_rules, layout(1, model__kv_channels=0), r"^--kv-channels must be at least 1, got 0; e\.g\. 1$",
+                 id="kv-channels-below-one"),
+    pytest.param(model_rules, layout(2, 2, model__qk_layernorm=True, parallel__zero_stage=2),
+                 r"^--qk-layernorm at --tensor-model-parallel-size 2 with --zero-stage 2: the QK-norm gradients, each "
+                 r"TP rank's over its own heads, are summed over TP once per step in the pipeline engine, which ZeRO "
+                 r"2/3 do not use; use --zero-stage 1 \(or 0\), or --tensor-model-parallel-size 1$",
+                 id="qk-layernorm-tp-with-zero2"),
+    pytest.param(model_rules, layout(8, 8, model__hidden_size=64, model__num_attention_heads=8, model__kv_channels=6,
+                                     model__group_query_attention=True, model__num_query_groups=1),
+                 r"^--num-query-groups 1 at --tensor-model-parallel-size 8: each group's key/value rows \(6 per group\) "
+                 r"are kept in 8 pieces, .* a head dimension \(--kv-channels\) divisible by 8", id="shared-group-rows-vs-kv-channels"),
     pytest.param(batch_rules, dp(layout(1, batch__micro_batch_size=0)), r"^--micro-batch-size must be at least 1, got 0$",
                  id="micro-below-one"),
     pytest.param(batch_rules, dp(layout(8, batch__micro_batch_size=4, batch__global_batch_size=100)),
@@ -188,6 +203,21 @@ RULES = [
                  r"^--seq-length 1026 is not divisible by --context-parallel-size 2 x --tensor-model-parallel-size 2 "
                  r"\(with --sequence-parallel\) = 4: .* Use --seq-length 1024 or 1028$", id="seq-vs-cp-sp"),
 ]
+
+
+def test_kv_channels_frees_the_head_width_from_hidden_over_heads():
+    """Hidden 100 over 8 heads is refused without a head width and taken with one; the width is --kv-channels
+    wherever the model asks for it, hidden / heads when not given."""
+    with pytest.raises(ConfigError, match=r"--hidden-size 100 is not divisible by --num-attention-heads 8.*or give the "
+                                          r"head width with --kv-channels$"):
+        model_rules(layout(1, model__hidden_size=100, model__num_attention_heads=8), [])
+    config, _ = validate(layout(1, model__hidden_size=100, model__num_attention_heads=8, model__kv_channels=16,
+                                model__position_embedding_type="rope", model__qk_layernorm=True))
+    assert config.model.head_dim == 16 and config.model.kv_channels == 16
+    assert validate(layout(1))[0].model.head_dim == 64 // 4
+    # QK-norm at TP 2 trains under ZeRO 0 and 1 (the pipeline engine sums its gradients), and at TP 1 under ZeRO 2
+    for tp, zero in ((2, 1), (1, 2)):
+        validate(layout(2, tp, model__qk_layernorm=True, parallel__zero_stage=zero))
 
 
 def test_swiglu_takes_megatron_lms_default_ffn_width():

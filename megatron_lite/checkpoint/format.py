@@ -150,7 +150,7 @@ def fused_weights(model: Dict[str, Any]) -> Dict[str, Any]:
 
     Checkpoints written before this record existed have the same layout (GPT-2's [Q; K; V] with equal parts)."""
     heads = model["num_attention_heads"]
-    head_dim = model["hidden_size"] // heads
+    head_dim = model.get("kv_channels") or model["hidden_size"] // heads  # ModelConfig.head_dim
     groups = model.get("num_query_groups") or heads
     layout = {"attention.query_key_value": {
         "parts": ["query", "key", "value"], "rows": [heads * head_dim, groups * head_dim, groups * head_dim],

@@ -1,6 +1,7 @@
 """Export to a Hugging Face folder (config.json, model.safetensors, the tokenizer's files): a `GPT2LMHeadModel`
 for GPT-2's block (mapping: checkpoint/hf_gpt2.py), a `LlamaForCausalLM` for the Llama-family block
-(checkpoint/hf_llama.py). The TP and PP shards are merged first; the padded vocabulary rows are dropped
+(checkpoint/hf_llama.py), a `Qwen3ForCausalLM` for the Llama-family block with --qk-layernorm
+(checkpoint/hf_qwen3.py). The TP and PP shards are merged first; the padded vocabulary rows are dropped
 (vocab_size = the tokenizer's). Tensors are written in --dtype (float32 by default: the trained masters).
 Writing needs `safetensors` (a dependency); reading it back, `transformers`.
 """
@@ -13,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lite.checkpoint import hf_gpt2, hf_llama
+from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_qwen3
 from megatron_lite.checkpoint.merge import dense_state_dict
 from megatron_lite.checkpoint.preflight import refuse_filled_folder
 from megatron_lite.checkpoint.reader import CheckpointReader
@@ -33,7 +34,11 @@ def llama_block_flags(config: Config):
 
 
 def architecture_of(config: Config):
-    """The module (hf_llama or hf_gpt2) whose architecture holds the model; refused with the reason when none."""
+    """The module (hf_qwen3, hf_llama or hf_gpt2) whose architecture holds the model; refused with the reason
+    when none."""
+    if config.model.qk_layernorm:
+        hf_qwen3.check_qwen3(config.model)  # QK-norm is Qwen3's: without the Llama-family block, refused
+        return hf_qwen3
     if llama_block_flags(config):
         hf_llama.check_llama(config.model)  # a partly Llama-shaped block is refused, naming what is missing
         return hf_llama

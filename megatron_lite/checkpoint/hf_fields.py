@@ -2,9 +2,9 @@
 
 A config.json is text anyone can edit, and JSON has no integer type of its own: `"num_attention_heads": 0`,
 `"num_hidden_layers": Infinity` (Python's json reads it) or `"rms_norm_eps": NaN` would reach a division
-or int() before validation sees them. hf_gpt2.py and hf_llama.py read every number through these, so each
-such value is one line naming the file and the field, with the rule from flag_numbers.problem() that the
-flags use:
+or int() before validation sees them. hf_gpt2.py, hf_llama.py and hf_qwen3.py read every number through these,
+so each such value is one line naming the file and the field, with the rule from flag_numbers.problem() that
+the flags use:
 
     hf/config.json: num_attention_heads = 0 must be at least 1
 """

@@ -46,6 +46,10 @@ def check_gpt2(m: ModelConfig) -> None:
         raise CheckpointError(f"export-hf: the model attends through --window-size {m.window_size[0]},0; "
                               f"GPT2LMHeadModel attends globally (the Llama-family block exports windows as "
                               f"MistralForCausalLM)")
+    if m.head_dim * m.num_attention_heads != m.hidden_size:
+        raise CheckpointError(f"export-hf: the model's heads are --kv-channels {m.kv_channels} wide; "
+                              f"GPT2LMHeadModel's are n_embd / n_head = {m.hidden_size // m.num_attention_heads}, so "
+                              f"it cannot hold them")
 
 
 def mapping(m: ModelConfig) -> List[Mapped]:

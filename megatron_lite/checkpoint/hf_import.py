@@ -1,12 +1,12 @@
 """A Hugging Face model folder -> a checkpoint of ours at iteration 0, under any TP x PP layout.
 
 `GPT2LMHeadModel` maps through checkpoint/hf_gpt2.py, `LlamaForCausalLM` and `MistralForCausalLM` through
-checkpoint/hf_llama.py: the tables export uses, walked the other way. config.json becomes our model
-flags (a field we cannot represent is refused by name, before anything is written); the weights are
-read one tensor at a time (checkpoint/hf_folder.py), fused and padded to our vocabulary padding, cut
-into the target's TP slices and written per layer file and TP rank, so the importer holds one output
-file and the tensor being cut, not the model; a tensor split by rows is read only in the rows the rank
-holds. Tensors are stored in fp32 (our masters), as a resharded
+checkpoint/hf_llama.py, `Qwen3ForCausalLM` through checkpoint/hf_qwen3.py: the tables export uses, walked
+the other way. config.json becomes our model flags (a field we cannot represent is refused by name,
+before anything is written); the weights are read one tensor at a time (checkpoint/hf_folder.py), fused
+and padded to our vocabulary padding, cut into the target's TP slices and written per layer file and TP
+rank, so the importer holds one output file and the tensor being cut, not the model; a tensor split by
+rows is read only in the rows the rank holds. Tensors are stored in fp32 (our masters), as a resharded
 checkpoint is; the model-states files hold an empty optimizer. The metadata says where the checkpoint
 came from (`imported_from`), so `pretrain_gpt.py --load` starts it at iteration 0 with a fresh optimizer.
 
@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_lite.atomic import atomic_folder, torch_save
-from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mapping, slicing
+from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mapping, hf_qwen3, slicing
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     fused_weights,
@@ -41,7 +41,7 @@ from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.checkpoint.reshard import target_config, write_engine_states
 from megatron_lite.config import Config, ConfigError
 
-ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama) for name in module.ARCHITECTURES}
+ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3) for name in module.ARCHITECTURES}
 
 
 def architecture(hf: dict, where: str):
@@ -53,11 +53,12 @@ def architecture(hf: dict, where: str):
     return known[0], ARCHITECTURES[known[0]]
 
 
-def _sliding_window(hf: dict, fields: dict, where: str) -> Optional[str]:
+def _sliding_window(hf: dict, fields: dict, where: str, switched: bool = False) -> Optional[str]:
     """Mistral's sliding window -> --window-size: transformers' mask keeps a key when it is fewer than
     sliding_window tokens behind the query (masking_utils' sliding-window overlay), so a token sees itself
-    and the sliding_window - 1 before it: --window-size sliding_window - 1,0, on every layer."""
-    if hf.get("sliding_window") is None or hf.get("use_sliding_window") is False:
+    and the sliding_window - 1 before it: --window-size sliding_window - 1,0, on every layer. `switched`: the
+    architecture applies sliding_window only under use_sliding_window (Qwen3's), not unless it is false."""
+    if hf.get("sliding_window") is None or hf.get("use_sliding_window", not switched) is False:
         return None
     window = whole(hf, "sliding_window", where, minimum=2)
     fields["window_size"] = (window - 1, 0)
@@ -74,7 +75,8 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
         raise CheckpointError(f"{where}: lacks {e.args[0]}, which the model's shape needs") from None
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{where}: a model field has a value of the wrong kind ({e})") from None
-    notes = [n for n in [_sliding_window(hf, fields, where)] if n]
+    switched = getattr(module, "SLIDING_WINDOW_SWITCH", False)
+    notes = [n for n in [_sliding_window(hf, fields, where, switched)] if n]
     positions = fields["max_position_embeddings"]
     if seq_length is not None and seq_length > positions:  # said here: validation would name a training flag
         raise CheckpointError(f"--seq-length {seq_length} is longer than the model's {positions} positions "

@@ -7,7 +7,7 @@ maps one-to-one, or one-to-several where we fuse what Llama keeps apart (layer i
     layers.0.word_embeddings             [Vp, h]          -> model.embed_tokens [V, h]
     input_layernorm / post_attention_layernorm            -> model.layers.i.input_layernorm / ...
     attention.query_key_value            [(a + 2g) hd, h] -> self_attn.q_proj [a hd, h]; k_proj, v_proj [g hd, h]
-    attention.dense                      [h, h]           -> self_attn.o_proj
+    attention.dense                      [h, a hd]        -> self_attn.o_proj
     mlp.dense_h_to_4h                    [2 ffn, h]       -> mlp.gate_proj [ffn, h]; mlp.up_proj [ffn, h]
     mlp.dense_4h_to_h                    [h, ffn]         -> mlp.down_proj
     layers.{L+1} (final RMSNorm)                          -> model.norm
@@ -15,7 +15,8 @@ maps one-to-one, or one-to-several where we fuse what Llama keeps apart (layer i
 
 Both sides store linear weights as [out, in] and order query heads alike: query head j uses key/value
 group j // (a/g) (transformers' repeat_kv), and both rotate halves of each head (not interleaved pairs),
-so nothing is permuted. The Vp - V rows that pad the vocabulary for TP are dropped on the way out and
+so nothing is permuted. The head width hd is config.json's head_dim (--kv-channels when it is not
+hidden / heads). The Vp - V rows that pad the vocabulary for TP are dropped on the way out and
 come back as zeros. Only weights are mapped: dtypes are kept, and tokenizer ids are the caller's.
 """
 from __future__ import annotations
@@ -38,8 +39,8 @@ from megatron_lite.model.transformer import (
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 # Derived from rope_theta, not weights; older Llama checkpoints (pytorch_model.bin) still carry them.
 DERIVED_SUFFIX = "rotary_emb.inv_freq"
-FLAGS = "--num-layers, --hidden-size, --num-attention-heads, --num-query-groups, --ffn-hidden-size, --vocab-size, " \
-        "--untie-embeddings-and-output-weights"
+FLAGS = "--num-layers, --hidden-size, --num-attention-heads, --num-query-groups, --kv-channels, --ffn-hidden-size, " \
+        "--vocab-size, --untie-embeddings-and-output-weights"
 
 
 def vocab_size(m: ModelConfig) -> int:
@@ -47,15 +48,16 @@ def vocab_size(m: ModelConfig) -> int:
     return m.vocab_size or m.padded_vocab_size
 
 
-def check_llama(m: ModelConfig) -> None:
-    """LlamaForCausalLM holds our model only with the Llama-family block; say which flags are missing."""
+def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM") -> None:
+    """`architecture` (Llama's, or Qwen3's built on it) holds our model only with the Llama-family block; say
+    which flags are missing."""
     missing = [flag for flag, ok in (("--swiglu", m.swiglu),
                                      ("--normalization RMSNorm", m.normalization == "RMSNorm"),
                                      ("--disable-bias-linear", not m.add_bias_linear),
                                      ("--position-embedding-type rope", m.position_embedding_type == "rope"))
                if not ok]
     if missing:
-        raise CheckpointError(f"LlamaForCausalLM needs the Llama-family block; this model was built without "
+        raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
                               f"{', '.join(missing)} (GPT-2-shaped models export as GPT2LMHeadModel instead)")
     if m.padded_vocab_size is None:
         raise CheckpointError("the model config has no vocabulary size; give --vocab-size N or a --tokenizer-model")
@@ -76,8 +78,16 @@ def _architecture(m: ModelConfig) -> dict:
 def mapping(m: ModelConfig) -> List[Mapped]:
     """Every dense parameter of our Llama-shaped GPT with the Hugging Face tensors it holds, in model order."""
     check_llama(m)
+    if m.qk_layernorm:
+        raise CheckpointError("LlamaForCausalLM has no QK-norm, but this model was built with --qk-layernorm; "
+                              "Qwen3ForCausalLM holds it")
+    return table(m)
+
+
+def table(m: ModelConfig) -> List[Mapped]:
+    """The Llama table, unchecked (checkpoint/hf_qwen3.py adds Qwen3's QK-norm to it)."""
     h, a, layers = m.hidden_size, m.num_attention_heads, m.num_layers
-    g, hd, ffn = m.num_query_groups or a, h // a, m.ffn_hidden_size
+    g, hd, ffn = m.num_query_groups or a, m.head_dim, m.ffn_hidden_size
     vp, v = m.padded_vocab_size, vocab_size(m)
     table = [Mapped("layers.0.word_embeddings.weight", (vp, h), ("model.embed_tokens.weight",), (v,))]
     for i in range(layers):
@@ -115,6 +125,12 @@ def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
     """LlamaForCausalLM's state dict -> our dense one: q/k/v and gate/up fused, the vocabulary padded with zeros
     to padded_vocab_size. A tied model's lm_head.weight (in state_dict(), not in save_pretrained's files) must
     be the embedding itself."""
+    return hf_mapping.from_hf(weights_of(hf, m), mapping(m), FLAGS)
+
+
+def weights_of(hf: StateDict, m: ModelConfig) -> StateDict:
+    """The tensors a table maps: derived buffers dropped, and a tied model's lm_head.weight, which must be
+    the embedding."""
     hf = {k: t for k, t in hf.items() if not is_derived(k)}
     if not m.untie_embeddings_and_output_weights and "lm_head.weight" in hf:
         head = hf.pop("lm_head.weight")
@@ -122,7 +138,7 @@ def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
         if embedding is None or not (head is embedding or torch.equal(head, embedding)):
             raise CheckpointError("the Hugging Face model has its own lm_head.weight but the config ties the output "
                                   "head to the embedding; add --untie-embeddings-and-output-weights")
-    return hf_mapping.from_hf(hf, mapping(m), FLAGS)
+    return hf
 
 
 def rope_scaling(m: ModelConfig) -> Optional[dict]:
@@ -143,7 +159,7 @@ def hf_config(m: ModelConfig) -> dict:
         "vocab_size": vocab_size(m), "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_query_groups or m.num_attention_heads,
-        "head_dim": m.hidden_size // m.num_attention_heads, "hidden_act": "silu",
+        "head_dim": m.head_dim, "hidden_act": "silu",
         "max_position_embeddings": m.max_position_embeddings, "initializer_range": m.init_method_std,
         "rms_norm_eps": m.norm_epsilon, "rope_theta": float(m.rotary_base), "rope_scaling": rope_scaling(m),
         "attention_bias": False, "attention_dropout": m.attention_dropout, "mlp_bias": False,
@@ -184,9 +200,9 @@ def model_fields(c: dict, where: str) -> dict:
     represent is refused by name. Mistral's sliding window is the caller's (checkpoint/hf_import.py)."""
     heads, hidden = whole(c, "num_attention_heads", where), whole(c, "hidden_size", where)
     groups = whole(c, "num_key_value_heads", where, heads)
-    if c.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        raise _refuse(where, "head_dim", c.get("head_dim"), f"is not hidden_size / num_attention_heads = "
-                      f"{hidden} / {heads}; a separate head width (--kv-channels) is not supported")
+    head_dim = whole(c, "head_dim", where) if c.get("head_dim") is not None else None
+    # A head width other than hidden / heads is --kv-channels; the same one is left implied.
+    kv_channels = head_dim if head_dim is not None and (hidden % heads or head_dim != hidden // heads) else None
     if c.get("hidden_act", "silu") != "silu":
         raise _refuse(where, "hidden_act", c.get("hidden_act"), "is not supported: --swiglu gates with silu")
     for key in ("attention_bias", "mlp_bias"):
@@ -198,7 +214,7 @@ def model_fields(c: dict, where: str) -> dict:
                       "embeddings cover the whole head here")
     fields = dict(
         num_layers=whole(c, "num_hidden_layers", where), hidden_size=hidden, num_attention_heads=heads,
-        ffn_hidden_size=whole(c, "intermediate_size", where),
+        kv_channels=kv_channels, ffn_hidden_size=whole(c, "intermediate_size", where),
         max_position_embeddings=whole(c, "max_position_embeddings", where), vocab_size=whole(c, "vocab_size", where),
         norm_epsilon=real(c, "rms_norm_eps", where, 1e-6, above=0), normalization="RMSNorm",
         swiglu=True, group_query_attention=groups != heads, num_query_groups=groups if groups != heads else None,

@@ -53,7 +53,7 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
                               f"{m.num_attention_heads} attention heads and --ffn-hidden-size {m.ffn_hidden_size}; "
                               f"use a TP size that divides both")
     groups = m.num_query_groups or m.num_attention_heads
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = m.head_dim
     if (groups % tp and tp % groups) or (groups < tp and (groups * head_dim) % tp):
         raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not fit the model's {groups} query "
                               f"groups: a TP size must divide the groups, or be a multiple of them that divides "

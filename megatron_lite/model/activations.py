@@ -6,8 +6,8 @@ dropout mask element (1 on CUDA, where native_dropout keeps a bool mask; e on CP
 keeps a mask in the input's dtype: measured), t = TP, r = t with --sequence-parallel and 1 without
 (what divides the residual stream), c = CP, b = micro batch, S = sequence, s = S / c the tokens of a
 sample this rank holds outside attention (S without context parallelism), h = hidden, f = FFN width,
-a = heads, g = key/value groups, d = h / a; per TP rank n = a/t query heads and m = max(g/t, 1)
-groups; inside attention a rank holds all S tokens of n_c = n/c heads and m_c = m_e/c groups, where
+a = heads, g = key/value groups, d = the head width (--kv-channels, h / a when not given); per TP
+rank n = a/t query heads and m = max(g/t, 1) groups; inside attention a rank holds all S tokens of n_c = n/c heads and m_c = m_e/c groups, where
 m_e = m, or c when m < c (keys and values repeated to c groups before the all-to-all). Without
 context parallelism n_c = n, m_c = m. Q = e b S n_c d and K = e b S m_c d bytes of the queries and keys
 attention runs on (QKV = Q + 2K: the fused output, or with context parallelism the all-to-all's):
@@ -23,14 +23,20 @@ attention runs on (QKV = Q + 2K: the fused output, or with context parallelism t
   RoPE: its cos and signed sin tables (shared by q, k) 2 e S d
   g < t: the QKV weight multiplied with, its group's   e (n + 2) d h  (parallel/qkv.py; made per
          K/V rows gathered                                            micro-batch)
-  attention context (the projection's input)           e bsh / t
+  attention context (the projection's input)           e b s n d (e bsh / t when a d = h)
+  QK-norm (--qk-layernorm; `qk_norm_bytes`), on the n + m heads of this rank's s tokens, R = b s (n + m):
+    LayerNorm  input (a view), mean and rstd           2 R x 4 (CUDA) or 2 R e (CPU)
+    RMSNorm    fp32 input (a view at fp32, a copy at   4 R + e R d (+ 4 R d at 16 bits)
+               16 bits), fp32 rstd, normalised input cast back
+    a view keeps the whole QKV output e b s (n + 2m) d unless the attention keeps it already; QK-norm's
+    outputs are new tensors, so (without context parallelism) q and k reach the attention as with RoPE
   MLP  GeLU: its input and output                      2 e bsf / t
        SwiGLU: [gate; up], silu(gate), the product     4 e bsf / t
   attention core (`attention_core_bytes`), by kernel (`attention_kernel`):
     fused   the softmax output                         e n_c S^2 b
             attention dropout (p > 0): mask + output   (k + e) n_c S^2 b
     flash   (SDPA) the fp32 log-sum-exp                4 n_c S b, no S^2 term
-            c > 1: its output [b, n_c, S, d], which    e b S n_c d = e bsh / t
+            c > 1: its output [b, n_c, S, d], which    e b S n_c d = e b s n d
             the all-to-all copies into the projection's input (at c = 1 that input is the output's storage)
     math    (SDPA's fallback: on CPU with dropout)     as fused, in fp32 whatever the inputs
   two hidden dropouts (p > 0): masks                   2 k bsh / r
@@ -101,6 +107,8 @@ class Dims:
     f: int
     a: int
     g: int
+    d: int
+    """Head width (--kv-channels, h / a when not given)."""
 
     @property
     def s(self) -> int:
@@ -117,7 +125,7 @@ class Dims:
 
     @property
     def head_dim(self) -> int:
-        return self.h // self.a
+        return self.d
 
     @property
     def local_heads(self) -> int:
@@ -148,7 +156,8 @@ def dims(config: Config, device: str) -> Dims:
     t = p.tensor_model_parallel_size
     return Dims(e=e, k=1 if device == "cuda" else e, t=t, r=t if p.sequence_parallel else 1,
                 c=p.context_parallel_size, b=config.batch.micro_batch_size, S=m.seq_length, h=m.hidden_size,
-                f=m.ffn_hidden_size, a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads)
+                f=m.ffn_hidden_size, a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads,
+                d=m.head_dim)
 
 
 def attention_kernel(config: Config, device: str) -> str:
@@ -179,24 +188,53 @@ def attention_input_bytes(config: Config, device: str = "cuda", checkpointed: bo
     """Bytes of the q, k, v storages the attention keeps (module docstring), or with `checkpointed`
     what selective recompute's checkpoint keeps of them: its inputs as given. Measured for every case
     (tests/model/test_memory.py)."""
+    return _attention_inputs(config, device, checkpointed)[0]
+
+
+def _attention_inputs(config: Config, device: str, checkpointed: bool) -> Tuple[int, bool]:
+    """(attention_input_bytes, whether they include the whole QKV output, or under context parallelism the
+    whole all-to-all output, that a view keeps)."""
     d = dims(config, device)
     n, m = d.attention_heads, d.attention_groups
     q = d.e * d.b * d.S * n * d.head_dim
     kv = d.e * d.b * d.S * m * d.head_dim
-    rope = config.model.position_embedding_type == "rope"
+    # q and k reach the attention as new tensors (RoPE's, or QK-norm's without an all-to-all after it), else
+    # as views of the QKV output (of the all-to-all output under context parallelism)
+    fresh = config.model.position_embedding_type == "rope" or (config.model.qk_layernorm and d.c == 1)
     kernel = "flash" if checkpointed else attention_kernel(config, device)
     fold_is_view = d.b == 1 or m == 1  # [b, m, ., d] -> [b m, ., d] without a copy
     regroup_is_view = n == m or d.c > 1  # [b, n, S, d] -> [b, m, (n/m) S, d]: see the module docstring
     if kernel == "flash":  # as given
-        q_view, k_view, v_view = not rope, not rope, True
+        q_view, k_view, v_view = not fresh, not fresh, True
     elif kernel == "fused":
-        q_view, k_view, v_view = not rope and regroup_is_view and fold_is_view, not rope and fold_is_view, fold_is_view
+        q_view, k_view, v_view = not fresh and regroup_is_view and fold_is_view, not fresh and fold_is_view, fold_is_view
     elif d.e < 4 or n != m:  # math: fp32 copies of 16-bit inputs, or k and v repeated to n heads
-        return 3 * 4 * d.b * d.S * n * d.head_dim
+        return 3 * 4 * d.b * d.S * n * d.head_dim, False
     else:  # math, fp32: q and k scaled into new tensors
         q_view, k_view, v_view = False, False, fold_is_view
-    whole = q + 2 * kv if (q_view or k_view or v_view) else 0  # a view keeps the whole QKV output
-    return whole + (0 if q_view else q) + (0 if k_view else kv) + (0 if v_view else kv)
+    kept_whole = q_view or k_view or v_view
+    whole = q + 2 * kv if kept_whole else 0  # a view keeps the whole QKV output
+    return whole + (0 if q_view else q) + (0 if k_view else kv) + (0 if v_view else kv), kept_whole
+
+
+def qk_norm_bytes(config: Config, device: str = "cuda", checkpointed: bool = False) -> int:
+    """What --qk-layernorm's two norms keep, on this rank's n query and m key heads of its s tokens (before
+    the all-to-all): LayerNorm its input (a view of the QKV output) with a mean and rstd per head and token
+    (fp32 on CUDA, the input's dtype on CPU); RMSNorm its fp32 input (the input itself in fp32: a view; a
+    copy otherwise), its fp32 rstd and the normalised input cast back. A view keeps the whole QKV output
+    alive, counted here unless the attention keeps it already (`checkpointed` as attention_input_bytes)."""
+    if not config.model.qk_layernorm:
+        return 0
+    d = dims(config, device)
+    rows = d.b * d.s * (d.local_heads + d.local_groups)
+    if config.model.normalization == "RMSNorm":
+        total, keeps_view = 4 * rows + d.e * rows * d.head_dim, d.e == 4
+        total += 0 if keeps_view else 4 * rows * d.head_dim
+    else:
+        total, keeps_view = 2 * (4 if device == "cuda" else d.e) * rows, True
+    if keeps_view and not (d.c == 1 and _attention_inputs(config, device, checkpointed)[1]):
+        total += d.e * d.bs * (d.local_heads + 2 * d.local_groups) * d.head_dim
+    return total
 
 
 def attention_core_bytes(config: Config, device: str = "cuda") -> int:
@@ -267,7 +305,8 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
 def _layer_bytes(config: Config, device: str, selective: bool) -> int:
     m, d = config.model, dims(config, device)
     total = 2 * norm_bytes(config, device)
-    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bsh // d.t
+    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.head_dim
+    total += qk_norm_bytes(config, device, checkpointed=selective)
     if not selective:
         total += attention_core_bytes(config, device)
     total += attention_mask_bytes(config, device, selective)

@@ -13,15 +13,17 @@ The GPT is a list of specs (model/gpt.py `layer_specs`):
     L + 2        head: the embedding again (tied; a full copy of the embedding module on a
                  later stage) or its own [V, h] weight (untied)
 with V the padded vocabulary, h hidden, f FFN width, P max positions, t TP, a heads,
-g key/value groups (a without grouped-query attention), d = h / a the head width.
+g key/value groups (a without grouped-query attention), d the head width (--kv-channels, h / a when
+not given).
 
 One transformer layer (model/transformer.py), each weight [out, in]:
     QKV          [(a + 2g) d, h]   split over TP by Q, K and V rows (parallel/qkv.py)
-    projection   [h, h]            split over TP by columns
+    projection   [h, a d]          split over TP by columns
     MLP in       [f, h]            GeLU; SwiGLU: [2f, h] (gate and up), split over TP by rows
     MLP out      [h, f]            split over TP by columns
     biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear
     two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
+    QK-norm      --qk-layernorm: two norms of d (q and k; LayerNorm 2d each), whole on every rank
 """
 from __future__ import annotations
 
@@ -46,14 +48,24 @@ def mlp_in_width(model: ModelConfig) -> int:
 
 
 def qkv_width(model: ModelConfig) -> int:
-    """Rows of the fused QKV weight: (a + 2g) d, i.e. 3h without grouped-query attention."""
-    h, a = model.hidden_size, model.num_attention_heads
-    return (a + 2 * (model.num_query_groups or a)) * (h // a)
+    """Rows of the fused QKV weight: (a + 2g) d, i.e. 3h without grouped-query attention and --kv-channels."""
+    a = model.num_attention_heads
+    return (a + 2 * (model.num_query_groups or a)) * model.head_dim
 
 
-def norm_tensors(model: ModelConfig) -> List[int]:
-    """One norm's tensors: LayerNorm's weight and bias (h each) or RMSNorm's weight (h)."""
-    return [model.hidden_size] * (1 if model.normalization == "RMSNorm" else 2)
+def attention_width(model: ModelConfig) -> int:
+    """a d: the attention's inner width, the projection's input (h unless --kv-channels says otherwise)."""
+    return model.num_attention_heads * model.head_dim
+
+
+def norm_tensors(model: ModelConfig, size: Optional[int] = None) -> List[int]:
+    """One norm's tensors: LayerNorm's weight and bias (h each, or `size`) or RMSNorm's weight (h)."""
+    return [size or model.hidden_size] * (1 if model.normalization == "RMSNorm" else 2)
+
+
+def qk_norm_tensors(model: ModelConfig) -> List[int]:
+    """--qk-layernorm's two norms over one head's width d (query and key); none without it."""
+    return norm_tensors(model, model.head_dim) * 2 if model.qk_layernorm else []
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -68,8 +80,8 @@ def layer_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
     (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     qkv, mlp_in = qkv_width(model), mlp_in_width(model)
-    split = [qkv * h, h * h, mlp_in * h, h * f]
-    whole = norm_tensors(model) * 2
+    split = [qkv * h, h * attention_width(model), mlp_in * h, h * f]
+    whole = norm_tensors(model) * 2 + qk_norm_tensors(model)
     if model.add_bias_linear:
         split += [qkv, mlp_in]
         whole += [h, h]  # the row-parallel biases, added after the reduction
@@ -116,14 +128,17 @@ def total_parameters(config: Config) -> int:
 
 def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0) -> float:
     """Forward FLOPs per token of one transformer layer: the QKV ((a + 2g) d outputs: grouped keys and
-    values cost 2 g d h each, not 2h^2), projection and MLP matmuls (two of h x f, three under SwiGLU;
-    2 FLOPs per multiply-add) plus the two attention matmuls over s keys (every query head, so 2sh
-    each whatever g); `causal` counts the s/2 keys a token attends to on average, otherwise all s
-    (Megatron-LM's accounting). attention_share: the part of those attention matmuls computed
-    (documents attended one by one skip the blocks between them: model/attention_mask.py)."""
+    values cost 2 g d h each, not 2h^2), projection (a d -> h) and MLP matmuls (two of h x f, three under
+    SwiGLU; 2 FLOPs per multiply-add) plus the two attention matmuls over s keys (every query head, so
+    2 s a d each whatever g); `causal` counts the s/2 keys a token attends to on average, otherwise all s
+    (Megatron-LM's accounting). Norms are not matmuls and not counted (QK-norm neither). attention_share:
+    the part of those attention matmuls computed (documents attended one by one skip the blocks between
+    them: model/attention_mask.py)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
     matmuls = 3 if model.swiglu else 2
-    return 2 * (qkv_width(model) * h + h * h + matmuls * h * f) + (2 if causal else 4) * s * h * attention_share
+    inner = attention_width(model)
+    return (2 * (qkv_width(model) * h + inner * h + matmuls * h * f)
+            + (2 if causal else 4) * s * inner * attention_share)
 
 
 def head_forward_flops(model: ModelConfig) -> float:
@@ -132,8 +147,8 @@ def head_forward_flops(model: ModelConfig) -> float:
 
 
 def attention_core_forward_flops(model: ModelConfig) -> float:
-    """Forward FLOPs per token of the attention core (scores and x V over all s keys)."""
-    return 4.0 * model.seq_length * model.hidden_size
+    """Forward FLOPs per token of the attention core (scores and x V over all s keys of a heads of d)."""
+    return 4.0 * model.seq_length * attention_width(model)
 
 
 def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: int) -> List[Tuple[int, int, bool]]:

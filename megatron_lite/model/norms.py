@@ -2,6 +2,8 @@
 
 Under sequence parallelism a norm sees only this TP rank's part of the sequence, so its parameters
 are tagged: their gradients are summed over TP once per step (parallel/sequence_parallel.py).
+QK-norm's (--qk-layernorm) work on one head's width and are shared by every head, of which a TP rank
+holds its own: tagged likewise.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.parallel.layers import set_sequence_parallel_parameters
+from megatron_lite.parallel.layers import set_head_shared_parameters, set_sequence_parallel_parameters
 
 
 class RMSNorm(nn.Module):
@@ -27,12 +29,23 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def _norm(config: ModelConfig, size: int) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return RMSNorm(size, config.norm_epsilon)
+    return nn.LayerNorm(size, eps=config.norm_epsilon)
+
+
 def build_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
     """The config's norm over the hidden size; tagged when it works on sequence shards."""
-    if config.normalization == "RMSNorm":
-        norm = RMSNorm(config.hidden_size, config.norm_epsilon)
-    else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon)
+    norm = _norm(config, config.hidden_size)
     if sequence_parallel:
         set_sequence_parallel_parameters(norm)
+    return norm
+
+
+def build_head_norm(config: ModelConfig) -> nn.Module:
+    """QK-norm: the config's norm over one head's width (--kv-channels), applied to every query (or key) head
+    of this rank; tagged, its gradient being summed over TP."""
+    norm = _norm(config, config.head_dim)
+    set_head_shared_parameters(norm)
     return norm

@@ -14,6 +14,9 @@ With context parallelism (--context-parallel-size C) every activation outside at
 CP rank's s/C tokens; attention trades that split for a split of its heads by one all-to-all of q, k
 and v and trades back after the core by another (parallel/context_parallel.py), so the core and RoPE
 see whole sequences at their true positions.
+Heads are --kv-channels wide (hidden / heads unless given): the projection maps [b, s, a hd] back to
+[b, s, h]. With --qk-layernorm each query and key head is normalised over its hd before RoPE (and before
+the context-parallel all-to-all, on this rank's part of the sequence), one norm weight shared by the heads.
 Selective recompute (--recompute-granularity selective) recomputes the attention core
 (scores, softmax, dropout, x V) in backward; full recompute runs whole layers under
 checkpoint (model/recompute.py).
@@ -32,7 +35,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention_mask import ATTENTION_WORK, allowed_keys, document_segments, positions_in_documents
 from megatron_lite.model.attention_options import layer_window
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
-from megatron_lite.model.norms import build_norm
+from megatron_lite.model.norms import build_head_norm, build_norm
 from megatron_lite.parallel.context_parallel import (
     context_parallel_groups,
     cp_world_size,
@@ -137,11 +140,14 @@ class ParallelAttention(nn.Module):
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
         groups = config.num_query_groups or heads
-        self.head_dim = h // heads
+        self.head_dim = config.head_dim
         # The master weight is [Q; K; V] with `groups` key/value heads; each rank takes whole query heads
         # and the key/value groups they use (parallel/qkv.py).
-        self.query_key_value = QKVParallelLinear(h, heads, groups, config.add_bias_linear,
+        self.query_key_value = QKVParallelLinear(h, heads, groups, self.head_dim, config.add_bias_linear,
                                                  normal_init(config.init_method_std), sequence_parallel)
+        # QK-norm: one [hd] norm for every query head, one for every key head (Megatron-LM's names).
+        self.q_layernorm = build_head_norm(config) if config.qk_layernorm else None
+        self.k_layernorm = build_head_norm(config) if config.qk_layernorm else None
         self.local_heads = heads // tp_world_size()
         self.local_groups = self.query_key_value.local_groups
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -163,7 +169,8 @@ class ParallelAttention(nn.Module):
         self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base,
                                        config.rope_scaling_factor if config.use_rope_scaling else None)
                        if config.position_embedding_type == "rope" else None)
-        self.dense = RowParallelLinear(h, h, bias=config.add_bias_linear, input_is_parallel=True,
+        self.dense = RowParallelLinear(heads * self.head_dim, h, bias=config.add_bias_linear,
+                                       input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),
                                        sequence_parallel=sequence_parallel)
         self.recompute_core = config.recompute_granularity == "selective"
@@ -181,10 +188,14 @@ class ParallelAttention(nn.Module):
         hd = self.head_dim
         q, k, v = qkv.split((self.local_heads * hd, self.local_groups * hd, self.local_groups * hd), dim=-1)
 
-        def heads(t, n):  # [b, s, n*hd] -> [b, n, s, hd]
-            return t.view(b, s, n, hd).transpose(1, 2)
+        def heads(t, n, norm=None):  # [b, s, n*hd] -> [b, n, s, hd]
+            t = t.view(b, s, n, hd)
+            # QK-norm: each head over its hd, in [b, s, n, hd] order, so a norm that writes a new tensor
+            # (LayerNorm) keeps the layout the context's reshape after the core can view
+            return (t if norm is None else norm(t)).transpose(1, 2)
 
-        q, k, v = heads(q, self.local_heads), heads(k, self.local_groups), heads(v, self.local_groups)
+        q, k = heads(q, self.local_heads, self.q_layernorm), heads(k, self.local_groups, self.k_layernorm)
+        v = heads(v, self.local_groups)
         if self.context_parallel > 1:
             q, k, v = self._whole_sequences(q, k, v)
         if self.rotary is not None:
@@ -208,7 +219,7 @@ class ParallelAttention(nn.Module):
         else:
             context = core(q, k, v, offset, mask)
         context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
-        context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/tp]
+        context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, np hd]
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
 
     def _whole_sequences(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

@@ -19,7 +19,8 @@ With sequence_parallel=True (--sequence-parallel) the column-parallel layers tak
 reduce-scatter their output to [b, s/tp, out]. A replicated parameter that sees only
 this rank's shard (LayerNorms, the row-parallel bias) then gets a partial gradient:
 it carries `sequence_parallel = True`, and its gradient is summed over TP once per
-step (parallel/sequence_parallel.py).
+step (parallel/sequence_parallel.py). So is that of a replicated parameter applied to
+each of this rank's heads (--qk-layernorm's norms), tagged `shared_by_heads = True`.
 """
 from __future__ import annotations
 
@@ -72,6 +73,19 @@ def set_sequence_parallel_parameters(module: torch.nn.Module) -> None:
 
 def is_sequence_parallel_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, "sequence_parallel", False))
+
+
+def set_head_shared_parameters(module: torch.nn.Module) -> None:
+    """Tag every parameter of a replicated module applied to each of this rank's heads (QK-norm): a TP rank's
+    gradient covers its own heads only, so, like a sequence-parallel one, it must be summed over TP."""
+    for param in module.parameters():
+        param.shared_by_heads = True
+
+
+def has_partial_gradient(param: torch.Tensor) -> bool:
+    """A replicated parameter whose gradient on each TP rank is part of the whole: it saw only this rank's
+    sequence shard or this rank's heads (summed over TP once per step: parallel/sequence_parallel.py)."""
+    return is_sequence_parallel_parameter(param) or bool(getattr(param, "shared_by_heads", False))
 
 
 class _SequenceParallelLinear(torch.autograd.Function):

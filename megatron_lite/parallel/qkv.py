@@ -1,8 +1,9 @@
 """The fused query/key/value projection of grouped-query attention, split over TP ranks.
 
-The dense (TP = 1) weight is [Q; K; V]: Q has a rows of width hd (a query heads), K and V have g rows
-each (g = --num-query-groups key/value heads), heads ordered by group: query head i uses group
-i // (a / g), as in transformers' Llama. With g = a this is GPT-2's fused [Q; K; V].
+The dense (TP = 1) weight is [Q; K; V]: Q has a heads of hd rows each (a query heads), K and V have g
+heads of hd rows each (g = --num-query-groups key/value heads), heads ordered by group: query head i uses
+group i // (a / g), as in transformers' Llama. hd is --kv-channels (h / a when not given). With g = a and
+hd = h / a this is GPT-2's fused [Q; K; V].
 
 Each of Q, K and V is cut into TP equal contiguous pieces, and rank r keeps [Q_r; K_r; V_r]
 (parallel/layers.py's sections). Rank r's a/TP query heads all belong to
@@ -35,9 +36,8 @@ def local_query_groups(num_query_groups: int, tp: int) -> int:
 class QKVParallelLinear(ColumnParallelLinear):
     """[b, s, h] -> [b, s, (a/tp + 2 g_local) hd]: this rank's queries, then its groups' keys and values."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_query_groups: int, bias: bool,
+    def __init__(self, hidden_size: int, num_heads: int, num_query_groups: int, head_dim: int, bias: bool,
                  init_method: InitMethod, sequence_parallel: bool = False):
-        head_dim = hidden_size // num_heads
         self.head_dim, self.num_query_groups = head_dim, num_query_groups
         q, kv = num_heads * head_dim, num_query_groups * head_dim
         super().__init__(hidden_size, q + 2 * kv, bias=bias, init_method=init_method,

@@ -1,4 +1,4 @@
-"""Gradients of replicated parameters that see only this rank's sequence shard, summed over TP.
+"""Gradients of replicated parameters that see only this rank's sequence shard (or heads), summed over TP.
 
 With --sequence-parallel the LayerNorm weights and biases and the row-parallel biases are
 applied to [b, s/tp, h] sequence shards, so each TP rank's gradient covers its own positions
@@ -8,6 +8,10 @@ finalize_model_grads); so do we, as one flat all-reduce per dtype (training/engi
 inside DeepSpeed's pipeline step through deepspeed_compat). Afterwards every TP rank holds the
 same gradient, the one the dense model computes, so the gradient norm may count it once
 (grad_norm.py) and the replicas stay equal.
+
+QK-norm (--qk-layernorm) is the same case along the heads: its weights, shared by every head, are replicated
+over TP but each rank applies them to its own heads only (Megatron-LM sums q_layernorm / k_layernorm
+gradients in the same all-reduce).
 """
 from __future__ import annotations
 
@@ -15,13 +19,14 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from megatron_lite.parallel.layers import is_sequence_parallel_parameter
+from megatron_lite.parallel.layers import has_partial_gradient
 from megatron_lite.parallel.tp import all_reduce, tp_world_size
 
 
-def sequence_parallel_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    """The parameters of module tagged `sequence_parallel`, in a fixed order (the same on every TP rank)."""
-    return [p for _, p in sorted(module.named_parameters()) if is_sequence_parallel_parameter(p)]
+def partial_gradient_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters of module tagged `sequence_parallel` or `shared_by_heads` (parallel/layers.py), in a fixed
+    order (the same on every TP rank)."""
+    return [p for _, p in sorted(module.named_parameters()) if has_partial_gradient(p)]
 
 
 @torch.no_grad()

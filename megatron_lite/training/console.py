@@ -63,6 +63,7 @@ def _block(m) -> str:
     """The block's departures from GPT-2's, as the flags name them ('' for GPT-2's block)."""
     groups = m.num_query_groups or m.num_attention_heads
     parts = [f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
+             f"heads of {m.kv_channels}" if m.kv_channels is not None else "", "QK-norm" if m.qk_layernorm else "",
              "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
              "no biases" if not m.add_bias_linear else "",
              f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else ""]

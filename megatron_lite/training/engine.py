@@ -26,7 +26,7 @@ from megatron_lite.config import Config
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, sequence_parallel_parameters
+from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, partial_gradient_parameters
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
@@ -75,13 +75,15 @@ class Engine:
         if self.pipelined:
             # The last stage's logits are not needed once their backward ran (deepspeed_compat says why).
             deepspeed_compat.free_last_stage_outputs_after_backward(self.engine)
-            if config.parallel.sequence_parallel:
-                self._sum_sequence_parallel_gradients_before_reduction()
+            if config.parallel.tensor_model_parallel_size > 1 and (config.parallel.sequence_parallel
+                                                                   or config.model.qk_layernorm):
+                self._sum_partial_gradients_before_reduction()
 
-    def _sum_sequence_parallel_gradients_before_reduction(self) -> None:
+    def _sum_partial_gradients_before_reduction(self) -> None:
         """Once per step, before DeepSpeed reduces gradients: the LayerNorm and row-parallel bias gradients,
-        each rank's over its own sequence shard, summed over TP (parallel/sequence_parallel.py)."""
-        params = sequence_parallel_parameters(self.module)
+        each rank's over its own sequence shard, and the QK-norm gradients, each rank's over its own heads,
+        summed over TP (parallel/sequence_parallel.py)."""
+        params = partial_gradient_parameters(self.module)
         engine = self.engine
 
         def reduce():

@@ -23,7 +23,7 @@ MODEL_FIELDS = (
     ("model", "rotary_base"), ("model", "vocab_size"), ("model", "untie_embeddings_and_output_weights"),
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
-    ("model", "window_size"), ("model", "window_attn_skip_freq"),
+    ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
 )
 # Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
 # (Megatron-LM lets a resumed run change them); the window is the model's own.
@@ -41,6 +41,7 @@ FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisible-by x TP)",
               "data_parallel_size": "the data-parallel size (world size / (TP x CP x PP))",
               "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
+              "kv_channels": "--kv-channels (the head width)",
               "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
 
 
@@ -65,6 +66,8 @@ def _value(config: Config, section: str, name: str):
     value = getattr(getattr(config, section), name)
     if name == "num_query_groups" and value is None:  # saved before grouped-query attention: one per head
         return config.model.num_attention_heads
+    if name == "kv_channels":  # the width, given or implied (a checkpoint saved before the flag implies it)
+        return config.model.head_dim
     return value
 
 

@@ -69,12 +69,13 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     m, tp, pp = config.model, config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     hidden, heads = m.hidden_size, m.num_attention_heads
     ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.swiglu)
-    if hidden % heads:
+    if hidden % heads and m.kv_channels is None:
         divisors = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % tp == 0]
         near = sorted(divisors, key=lambda h: abs(h - heads))[:2]
         raise ConfigError(
             f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}; every head needs "
-            f"the same width. Use --num-attention-heads {batching.or_join(sorted(near))}",
+            f"the same width. Use --num-attention-heads {batching.or_join(sorted(near))}, or give the head width "
+            f"with --kv-channels",
             code="hidden_not_divisible_by_heads"
         )
     if heads % tp:
@@ -104,11 +105,14 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
         raise ConfigError(f"--position-embedding-type {m.position_embedding_type} is not learned_absolute or rope")
-    if m.position_embedding_type == "rope" and (hidden // heads) % 2:
+    if m.position_embedding_type == "rope" and m.head_dim % 2:
+        width = (f"--kv-channels {m.kv_channels}" if m.kv_channels is not None else
+                 f"--hidden-size {hidden} / --num-attention-heads {heads} = {m.head_dim}")
         raise ConfigError(
-            f"--position-embedding-type rope needs an even head dimension; --hidden-size {hidden} / "
-            f"--num-attention-heads {heads} = {hidden // heads}"
+            f"--position-embedding-type rope needs an even head dimension (RoPE turns pairs of it); {width}. "
+            f"Use --kv-channels {m.head_dim + 1}", code="odd_head_dim_with_rope"
         )
+    _check_qk_layernorm(config)
     max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else m.seq_length
     if m.seq_length > max_pos:
         raise ConfigError(
@@ -170,14 +174,25 @@ def _query_groups(m, tp: int) -> int:
             f"--num-query-groups {groups} neither divides nor is divided by --tensor-model-parallel-size {tp}: "
             f"each TP rank needs whole groups, or one group shared by TP/groups ranks. Use --num-query-groups "
             f"{batching.or_join(sorted(near))}", code="groups_not_compatible_with_tp")
-    head_dim = m.hidden_size // heads
+    head_dim = m.head_dim
     if groups < tp and (groups * head_dim) % tp:
         raise ConfigError(
             f"--num-query-groups {groups} at --tensor-model-parallel-size {tp}: each group's key/value rows "
             f"({head_dim} per group) are kept in {tp // groups} pieces, one per rank sharing it, and "
             f"{head_dim} is not divisible by {tp // groups}. Use --num-query-groups {tp} or a head dimension "
-            f"divisible by {tp // groups}", code="groups_not_compatible_with_tp")
+            f"(--kv-channels) divisible by {tp // groups}", code="groups_not_compatible_with_tp")
     return groups
+
+
+def _check_qk_layernorm(config: Config) -> None:
+    """QK-norm's weights are shared by every head: at TP > 1 each rank's gradient covers its own heads and is
+    summed over TP once per step inside the pipeline engine, which ZeRO 2/3 do not use."""
+    p = config.parallel
+    if config.model.qk_layernorm and p.tensor_model_parallel_size > 1 and p.zero_stage >= 2:
+        raise ConfigError(f"--qk-layernorm at --tensor-model-parallel-size {p.tensor_model_parallel_size} with "
+                          f"--zero-stage {p.zero_stage}: the QK-norm gradients, each TP rank's over its own heads, are "
+                          f"summed over TP once per step in the pipeline engine, which ZeRO 2/3 do not use; use "
+                          f"--zero-stage 1 (or 0), or --tensor-model-parallel-size 1", code="qk_layernorm_with_zero")
 
 
 def _check_sequence_parallel(config: Config) -> None:

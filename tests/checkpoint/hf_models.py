@@ -44,6 +44,21 @@ def save_llama(folder, seed=11, **overrides):
     return model
 
 
+def save_qwen3(folder, seed=13, **overrides):
+    """A Qwen3ForCausalLM: QK-norm, heads of 16 (not hidden 32 / 4 heads = 8), 2 key/value groups, a head tied
+    to the embedding, no sliding window."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = _perturb(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)), seed).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
 def save_gpt2(folder, seed=12, **overrides):
     """A GPT2LMHeadModel with OpenAI's tanh GeLU (gelu_new), as GPT-2's own checkpoints have."""
     import transformers

@@ -12,7 +12,7 @@ import torch
 
 from megatron_lite.checkpoint.format import METADATA
 from tests.checkpoint.conftest import data_args, error_line, run_tool, scalars
-from tests.checkpoint.hf_models import VOCAB, hf_loss, save_gpt2, save_llama
+from tests.checkpoint.hf_models import VOCAB, hf_loss, save_gpt2, save_llama, save_qwen3
 from tests.data.corpus_mix import load_tool
 from tests.entry_points import run_entry
 
@@ -20,7 +20,8 @@ SPLIT = "90,10,0"
 TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
          "--lr-warmup-iters", "1", "--train-iters", "2", "--log-interval", "1", "--eval-interval", "2",
          "--eval-iters", "1", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5"]
-MODELS = {"llama": save_llama, "gpt2": save_gpt2}
+MODELS = {"llama": save_llama, "gpt2": save_gpt2, "qwen3": save_qwen3}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "Qwen3ForCausalLM"}
 
 
 convert_checkpoint = load_tool("convert_checkpoint")
@@ -49,7 +50,7 @@ def hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def imported(hf, tmp_path_factory):
-    """(name, tp, pp) -> imported checkpoint folder, for both models at (1,1), (2,2) and (4,1)."""
+    """(name, tp, pp) -> imported checkpoint folder, for every model at (1,1), (2,2) and (4,1)."""
     root = tmp_path_factory.mktemp("imported")
     out = {}
     for name, (folder, _) in hf.items():
@@ -147,8 +148,9 @@ def test_training_from_an_import_gives_the_same_losses_at_tp2_pp2_and_tp1_export
 
     run_tool("tools/convert_checkpoint.py", "export-hf", "--load", str(tmp_path / "c22"), "--output",
              str(tmp_path / "hf_out"))
-    cls = transformers.LlamaForCausalLM if name == "llama" else transformers.GPT2LMHeadModel
+    cls = getattr(transformers, HF_CLASSES[name])
     theirs = cls.from_pretrained(str(tmp_path / "hf_out")).eval()
+    assert json.loads((tmp_path / "hf_out" / "config.json").read_text())["architectures"] == [HF_CLASSES[name]]
     _, ours = load_dense_model(str(tmp_path / "c22"))
     samples = evaluation_samples(str(tmp_path / "c22"), corpus)
     tokens = torch.tensor([s["tokens"].tolist() for s in samples])
@@ -192,6 +194,21 @@ def test_use_checkpoint_args_takes_the_model_flags_and_refuses_a_flag_that_disag
         parse_args(["--use-checkpoint-args"], world_size=1)
     with pytest.raises(ConfigError, match="--finetune loads the weights of --load's checkpoint; give --load"):
         parse_args(["--finetune"], world_size=1)
+
+
+def test_use_checkpoint_args_takes_qwen3s_head_width_and_qk_norm_and_a_run_without_them_is_refused(imported):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    ckpt = imported[("qwen3", 2, 2)]
+    base = ["--load", ckpt, "--seq-length", "16", "--micro-batch-size", "1", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "2"]
+    m = parse_args(base + ["--use-checkpoint-args"], world_size=4)[0].model
+    assert (m.kv_channels, m.qk_layernorm, m.hidden_size, m.untie_embeddings_and_output_weights) == (16, True, 32, False)
+    with pytest.raises(ConfigError, match=r"--kv-channels \(the head width\): checkpoint 16, this run 8"):
+        parse_args(base + ["--use-checkpoint-args", "--kv-channels", "8"], world_size=4)
+    with pytest.raises(ConfigError, match=r"--qk-layernorm: checkpoint True, this run False"):
+        parse_args(base, world_size=4)
 
 
 class Payload:
@@ -271,6 +288,12 @@ REFUSALS = {
     "sliding window of 1": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"],
                                                       model_type="mistral", sliding_window=1),
                             "sliding_window = 1 must be at least 2"),
+    "qwen3 sliding window": (lambda f, d: _edit_config(f, d, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                                                       use_sliding_window=True, sliding_window=16),
+                             "use_sliding_window = True is not supported"),
+    "qwen3 without qk-norm weights": (lambda f, d: _edit_config(f, d, architectures=["Qwen3ForCausalLM"],
+                                                                model_type="qwen3"),
+                                      "lacks the tensor model.layers.0.self_attn.k_norm.weight and 7 more"),
     "no heads": (lambda f, d: _edit_config(f, d, num_attention_heads=0),
                  "num_attention_heads = 0 must be at least 1"),
     "no heads (Mistral)": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"], model_type="mistral",

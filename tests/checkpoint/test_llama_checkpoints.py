@@ -11,7 +11,7 @@ import torch
 from tests.checkpoint.conftest import run_tool
 from tests.checkpoint.test_resume_anywhere import _relative, _save_after_loading, _train
 from tests.harness import run_distributed
-from tests.model.test_llama_parallel import LLAMA
+from tests.model.test_llama_parallel import LLAMA, QWEN3
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,16 @@ def test_a_tp2_run_with_two_query_groups_resumes_at_another_tp_with_the_uninterr
     for step in resumed:
         assert _relative(resumed[step], full[step]) <= 1e-5, (step, resumed[step], full[step])
     assert "Adam moments and step" in note
+
+
+def test_a_tp2_run_with_qk_norm_and_wider_heads_resumes_at_tp4_with_the_uninterrupted_losses(tmp_path):
+    """The QK-norm weights (whole on every rank) and their moments move with the rest; heads of 24 at TP 4."""
+    ckpt = str(tmp_path / "ckpt")
+    full, _ = run_distributed(_train, 2, 2, 1, 1, QWEN3, ckpt)[0]
+    resumed, _ = run_distributed(_train, 4, 4, 1, 1, QWEN3, None, ckpt)[0]
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert _relative(resumed[step], full[step]) <= 1e-5, (step, resumed[step], full[step])
 
 
 def _reshard(src, dst, tp):

@@ -60,12 +60,13 @@ def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=N
             yield (arrays[0], arrays[1], *([] if documents is None else [documents])), (arrays[2], arrays[3])
 
 
-def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None):
+def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
 
     By default each step is one forward over the whole global batch. With dropout, pass
     micro_batch_size: the step then runs micro-batches in order and accumulates their
     mean, so each layer's dropout stream draws the masks a DP = 1 pipeline draws.
+    weights: a dict to fill with the trained model's state dict.
     """
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
@@ -89,4 +90,6 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
         optimizer.step()
         losses.append(total)
+    if weights is not None:
+        weights.update({name: t.detach().clone() for name, t in model.state_dict().items()})
     return losses

@@ -7,12 +7,14 @@ from megatron_lite.model import arithmetic
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA  # SwiGLU, RMSNorm, 2 groups for 4 heads, no biases, RoPE
+from tests.model.test_llama_parallel import QK_HEADS  # QK-norm, heads of 24 (not 64 / 4)
 
 VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "rope": ("--position-embedding-type", "rope"),
             "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96"), "llama": LLAMA,
             # one key/value group, with biases, LayerNorm and GeLU: each feature of the block on its own
             "mqa_with_biases": ("--group-query-attention", "--num-query-groups", "1"),
-            "swiglu_tied": ("--swiglu",), "rmsnorm": ("--normalization", "RMSNorm")}
+            "swiglu_tied": ("--swiglu",), "rmsnorm": ("--normalization", "RMSNorm"),
+            "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS}
 
 
 def _built_stage(tp, pp, extra):
@@ -32,7 +34,7 @@ def _built_stage(tp, pp, extra):
             list(module.parts), list(module.layers_per_stage))
 
 
-@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven"), (4, 1, "llama")] + [  # the rest in the full suite
+@pytest.mark.parametrize("tp, pp, variant", [(2, 2, "uneven"), (4, 1, "llama"), (2, 2, "qwen3")] + [  # the rest: slow
     pytest.param(*layout, marks=pytest.mark.slow) for layout in [
         (1, 1, "tied"), (2, 1, "tied"), (1, 2, "tied"), (2, 2, "tied"), (1, 4, "tied"), (2, 2, "untied"),
         (1, 2, "rope"), (1, 3, "uneven"), (2, 2, "llama"), (2, 1, "mqa_with_biases"), (4, 1, "mqa_with_biases")]])
@@ -59,6 +61,20 @@ def test_llama_parameters_and_flops_are_counted_by_hand():
     # not 2 x 64), and the attention's two matmuls over all 32 keys of every query head.
     matmuls = 8 * 16 * 64 + 64 * 64 + 3 * 96 * 64
     assert arithmetic.layer_forward_flops(config.model, causal=False) == 2 * matmuls + 4 * 32 * 64
+
+
+def test_qwen3_attention_parameters_and_flops_are_counted_by_hand():
+    """As the Llama block above but heads of 24 with QK-norm: QKV (4 + 2 x 2) 24 x 64, projection 64 x 4 x 24,
+    the two QK-norms' weights (24 each, whole on every TP rank); attention's matmuls over 4 heads of 24."""
+    config = tiny_config(1, 1, 1, LLAMA + QK_HEADS)
+    matmuls = 8 * 24 * 64 + 64 * 96 + 3 * 96 * 64
+    layer = matmuls + 2 * 64 + 2 * 24
+    assert arithmetic.spec_parameters(config) == [128 * 64] + [layer] * 4 + [64, 128 * 64]
+    assert arithmetic.spec_parameters(config, tp=2)[1] == matmuls // 2 + 2 * 64 + 2 * 24
+    assert arithmetic.layer_forward_flops(config.model, causal=False) == 2 * matmuls + 4 * 32 * 96
+    assert arithmetic.attention_core_forward_flops(config.model) == 4 * 32 * 96
+    gpt2 = tiny_config(1, 1, 1, QK_HEADS).model  # LayerNorm's QK-norm: weight and bias of 24 each
+    assert arithmetic.qk_norm_tensors(gpt2) == [24] * 4 and arithmetic.qk_norm_tensors(config.model) == [24] * 2
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -103,7 +119,7 @@ def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_sha
         assert built == expected
 
 
-@pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases"])
+@pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases", "qwen3"])
 def test_forward_flops_per_token_match_torchs_flop_counter(variant):
     """Megatron's accounting (attention over all s keys), as torch counts the dense model's matmuls."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -131,7 +147,7 @@ RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
              "block": ("--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1")}
 
 
-@pytest.mark.parametrize("block", ["gpt2", "llama"])
+@pytest.mark.parametrize("block", ["gpt2", "llama", "qwen3"])
 @pytest.mark.parametrize("recompute", [None, "selective", "full", "block"])
 def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backward_and_recompute(recompute, block):
     """Forward, backward (two matmuls per forward matmul) and what recompute runs again, counted by torch."""
@@ -140,7 +156,7 @@ def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backwar
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    llama = LLAMA if block == "llama" else ()
+    llama = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS}[block]
     config = tiny_config(1, 1, 1, ("--attention-backend", "fused") + llama + RECOMPUTE.get(recompute, ()))
     m = config.model
     model = GPTModel(config).train()

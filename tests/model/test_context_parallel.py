@@ -97,6 +97,21 @@ def test_the_llama_block_under_context_parallelism_matches_the_dense_losses(tp, 
     assert_matches(run_layout(tp, cp, 1, 1, LLAMA + extra), dense_reference(LLAMA + kernel))
 
 
+QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")  # QK-norm before the all-to-all, heads of 24 (not 16)
+
+
+@pytest.mark.parametrize("tp, cp, extra", [
+    (1, 2, ()),
+    (2, 2, ("--recompute-granularity", "selective")),
+    pytest.param(1, 4, ("--attention-backend", "fused"), marks=pytest.mark.slow),
+    pytest.param(1, 2, ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers",
+                        "1"), marks=pytest.mark.slow),
+])
+def test_qk_norm_with_wider_heads_under_context_parallelism_matches_the_dense_losses(tp, cp, extra):
+    kernel = extra if "--attention-backend" in extra else ()
+    assert_matches(run_layout(tp, cp, 1, 1, LLAMA + QK_HEADS + extra), dense_reference(LLAMA + QK_HEADS + kernel))
+
+
 def test_zero2_without_a_pipeline_trains_under_context_parallelism():
     assert_matches(run_layout(1, 2, 1, 1, ROPE + ("--zero-stage", "2")), dense_reference(ROPE))
 

@@ -24,7 +24,10 @@ def _train(tp, pp, dp, extra, steps, batches=None):
     # The tied word embedding lives on the first and the last stage: report a copy of each.
     tied = [m.word_embeddings.weight.detach().clone() for m in engine.module.tied_modules.values()] \
         if engine.pipelined else []
-    return {"rank": dist.get_rank(), "losses": losses, "tied": tied, "coord": state.describe()}
+    # Replicated weights each TP rank trains from its own heads (QK-norm), by the dense model's names.
+    qk_norms = {"layers." + name.removeprefix("layers."): p.detach().clone()
+                for name, p in engine.module.named_parameters() if "_layernorm." in name and "attention." in name}
+    return {"rank": dist.get_rank(), "losses": losses, "tied": tied, "qk_norms": qk_norms, "coord": state.describe()}
 
 
 def run_layout(tp, pp, dp, extra=(), steps=STEPS, batches=None):

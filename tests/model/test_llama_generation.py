@@ -1,25 +1,26 @@
 """Decoding the Llama-family block with a KV cache of query groups gives the logits of recomputing the
-whole sequence (fused and SDPA paths alike), through a sliding window too."""
+whole sequence (fused and SDPA paths alike; with QK-norm, whose keys are cached normalised, and heads wider
+than hidden / heads; through a sliding window too)."""
 import pytest
 import torch
 
 from tests.model.gpt_layouts import tiny_config
-from tests.model.test_llama_parallel import LLAMA, with_groups
+from tests.model.test_llama_parallel import LLAMA, QK_HEADS, with_groups
 
 
 WINDOW = ("--window-size", "5", "--window-attn-skip-freq", "2")  # layers 1 and 3 see 5 tokens back
 
 
 @pytest.mark.parametrize("window", [(), WINDOW], ids=["global", "window"])
-@pytest.mark.parametrize("groups", [2, 1])
+@pytest.mark.parametrize("groups, heads", [(2, ()), (1, ()), (2, QK_HEADS)], ids=["gqa", "mqa", "qk-norm-wide-heads"])
 @pytest.mark.parametrize("backend", ["sdpa", "fused"])
-def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, backend, window):
+def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, heads, backend, window):
     from megatron_lite.inference.generation import forward_tokens
     from megatron_lite.inference.kv_cache import KVCache
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    config = tiny_config(extra=with_groups(groups) + ("--attention-backend", backend) + window)
+    config = tiny_config(extra=with_groups(groups) + heads + ("--attention-backend", backend) + window)
     model = GPTModel(config).eval()
     model_parallel_seed(config.training.seed, config.model.num_layers)
     tokens = torch.randint(0, config.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -31,7 +32,8 @@ def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, 
     cached = torch.cat([first] + rest, dim=1)
     assert (cached - whole).abs().max() <= 1e-5 * whole.abs().max()
     # the cache holds one key and value per group, not per head
-    assert caches[0].keys.shape == (2, groups, 20, config.model.hidden_size // config.model.num_attention_heads)
+    assert caches[0].keys.shape == (2, groups, 20, config.model.head_dim)
+    assert config.model.head_dim == (24 if heads else 16)
 
 
 def test_llama_flags_parse_as_megatron_lm_names_them():

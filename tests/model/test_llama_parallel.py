@@ -1,6 +1,9 @@
 """The Llama-family block (GQA, SwiGLU, RMSNorm, no biases, untied head, RoPE with Llama 3.1 scaling)
-under every parallel layout computes the dense single-process losses."""
+under every parallel layout computes the dense single-process losses; so does it with Qwen3's attention
+(QK-norm, heads wider than hidden / heads), whose norm weights, shared by the heads a TP rank splits,
+train to the dense model's."""
 import pytest
+import torch
 
 from tests.model.gpt_layouts import dense_losses, global_batches, tiny_config
 from tests.model.test_gpt_parallel import STEPS, run_layout
@@ -8,6 +11,11 @@ from tests.model.test_gpt_parallel import STEPS, run_layout
 LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "--num-query-groups", "2",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
          "--use-rope-scaling", "--rotary-base", "500000", "--ffn-hidden-size", "96")
+
+
+QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
+"""Every query and key head normalised before RoPE (--normalization's kind), heads of 24, not 64 / 4 = 16."""
+QWEN3 = LLAMA + QK_HEADS
 
 
 def with_groups(groups):
@@ -64,3 +72,58 @@ def test_the_new_block_changes_the_losses(reference):
     # Guards against a flag that parses but is not used: the GPT-2 block's losses differ.
     gpt2 = dense_reference(())
     assert max(abs(a - b) for a, b in zip(gpt2, reference)) > 1e-3
+
+
+def dense_reference_with_weights(extra):
+    config = tiny_config(extra=extra)
+    weights = {}
+    return dense_losses(config, global_batches(config, STEPS), weights=weights), weights
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference():
+    return dense_reference_with_weights(QWEN3)
+
+
+def assert_qk_norms_match(results, weights):
+    """Each rank's QK-norm weights (every TP rank holds them whole) are the dense model's after the steps: their
+    gradients, each TP rank's from its own heads, were summed over TP."""
+    for r in results:
+        assert r["qk_norms"], f"rank {r['rank']} holds no QK-norm"
+        for name, tensor in r["qk_norms"].items():
+            torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-6, msg=f"rank {r['rank']} {name}")
+
+
+@pytest.mark.parametrize("tp, pp, dp, extra", [
+    (2, 1, 1, ()),
+    (2, 1, 1, ("--sequence-parallel",)),
+    (2, 2, 1, ()),
+    (2, 1, 2, ("--zero-stage", "1")),
+    pytest.param(4, 1, 1, (), marks=pytest.mark.slow),  # 2 groups shared by 2 ranks each
+    pytest.param(2, 2, 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"), marks=pytest.mark.slow),
+    pytest.param(2, 1, 1, ("--attention-backend", "fused", "--recompute-activations"), marks=pytest.mark.slow),
+])
+def test_qk_norm_with_wider_heads_matches_the_dense_losses_and_norm_weights(tp, pp, dp, extra, qwen3_reference):
+    losses, weights = qwen3_reference
+    results = run_layout(tp, pp, dp, extra=QWEN3 + extra)
+    assert_matches(results, losses)
+    assert_qk_norms_match(results, weights)
+
+
+def test_layernorm_qk_norm_of_the_gpt2_block_with_wider_heads_matches_at_tp2_pp2():
+    """LayerNorm's weight and bias per head, both shared by the heads. With RoPE: without it the key norm's
+    bias adds the same q.b to all of a query's scores, which softmax ignores (its gradient is rounding
+    noise, which Adam turns into steps of the learning rate)."""
+    extra = QK_HEADS + ("--position-embedding-type", "rope")
+    losses, weights = dense_reference_with_weights(extra)
+    results = run_layout(2, 2, 1, extra=extra)
+    assert_matches(results, losses)
+    assert_qk_norms_match(results, weights)
+    assert {name.rsplit(".", 1)[1] for r in results for name in r["qk_norms"]} == {"weight", "bias"}
+
+
+def test_qk_norm_and_the_head_width_change_the_losses(reference, qwen3_reference):
+    # Guards against flags that parse but are not used.
+    for extra in (LLAMA + ("--qk-layernorm",), LLAMA + ("--kv-channels", "24")):
+        assert max(abs(a - b) for a, b in zip(dense_reference(extra), reference)) > 1e-3, extra

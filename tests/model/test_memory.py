@@ -159,9 +159,11 @@ def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_a
         assert r["peak"] == pytest.approx(stages[r["stage"]].peak, rel=0.10), (r["rank"], r["stage"], r["peak"])
 
 
-BLOCKS = {"gpt2": (), "llama": LLAMA}
+QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
+BLOCKS = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS}
 """GPT-2's block, and the Llama block (SwiGLU, RMSNorm, 2 key/value groups for 4 heads: shared by two
-ranks at TP 4, no biases, RoPE, untied head)."""
+ranks at TP 4, no biases, RoPE, untied head); each with QK-norm (RMSNorm's, LayerNorm's) on heads of 24,
+not hidden / heads = 16."""
 
 
 def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto", block="gpt2", micro=2, bf16=False):
@@ -193,6 +195,8 @@ def _stage_census_cases():
             (4, True, 2, "full", False, 1, False), (1, False, 2, "block1", True, 2, True)]:
         fast = (tp, sp, recompute) == (4, True, "none")
         yield pytest.param(tp, sp, pp, recompute, dropout, "llama", micro, bf16, marks=() if fast else pytest.mark.slow)
+    yield pytest.param(4, True, 2, "none", False, "qwen3", 1, True)
+    yield pytest.param(2, False, 2, "selective", True, "gpt2_qk", 2, False, marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("tp, sp, pp, recompute, dropout, block, micro, bf16", _stage_census_cases())
@@ -232,11 +236,12 @@ def _assert_layer_census_equals_the_estimate(tp, rows):
 
 def _layer_cases():
     """GPT-2's block at TP 1 and 2 with the fused softmax, the Llama block at TP 4 (groups shared by two
-    ranks) in the fast tier; the rest in the full suite."""
+    ranks) in the fast tier, each with QK-norm at TP 2 and 4; the rest in the full suite."""
+    fast_tps = {"gpt2": (1, 2), "llama": (4,), "qwen3": (4,), "gpt2_qk": (2,)}
     for block in BLOCKS:
         for backend in ("fused", "sdpa"):
             for tp in (1, 2, 4):
-                fast = backend == "fused" and (tp < 4 if block == "gpt2" else tp == 4)
+                fast = backend == "fused" and tp in fast_tps[block]
                 yield pytest.param(tp, backend, block, marks=() if fast else pytest.mark.slow)
 
 

@@ -14,6 +14,7 @@ from tests.harness import REPO_ROOT, run_distributed
 from tests.model.activation_census import saved_bytes_per_stage
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA
+from tests.model.test_memory import QK_HEADS
 
 GPT2_FUSED = ("--attention-backend", "fused", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
 """GPT-2's block, the fused softmax keeping its [b, heads, s, s] probabilities and dropout: the case the
@@ -105,6 +106,10 @@ def _census_cases():
     yield pytest.param(2, 2, 1, LLAMA_FLASH + ("--sequence-parallel", "--recompute-granularity", "selective"), 1,
                        id="llama-tp2-sp-selective-cp2", marks=pytest.mark.slow)
     yield pytest.param(2, 1, 2, LLAMA_FLASH, 1, id="llama-pp2-cp2", marks=pytest.mark.slow)
+    # QK-norm before the all-to-all, on heads of 24 (not hidden / heads): its saved input keeps the QKV output
+    yield pytest.param(2, 1, 1, LLAMA_FLASH + QK_HEADS, 1, id="qwen3-cp2")
+    yield pytest.param(2, 2, 1, GPT2_FUSED + QK_HEADS + ("--sequence-parallel",), 2, id="gpt2-qk-tp2-sp-cp2",
+                       marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize("cp, tp, pp, extra, micro", _census_cases())

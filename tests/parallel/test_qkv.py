@@ -1,12 +1,12 @@
 """The grouped-query QKV projection split over TP against the dense one: outputs, input gradient, every
 weight's gradient (a group shared by several ranks: summed over exactly those ranks), and the gradient
-norm counting each weight once."""
+norm counting each weight once; heads of --kv-channels 8, not hidden / heads = 4."""
 import pytest
 import torch
 
 from tests.harness import run_distributed
 
-HIDDEN, HEADS, HEAD_DIM = 32, 8, 4
+HIDDEN, HEADS, HEAD_DIM = 32, 8, 8  # heads wider than hidden / heads (--kv-channels)
 SEED = 11
 
 
@@ -14,7 +14,7 @@ def _build(groups):
     from megatron_lite.parallel.qkv import QKVParallelLinear
 
     torch.manual_seed(SEED)  # the same master weight at every TP
-    return QKVParallelLinear(HIDDEN, HEADS, groups, bias=True, init_method=torch.nn.init.normal_)
+    return QKVParallelLinear(HIDDEN, HEADS, groups, HEAD_DIM, bias=True, init_method=torch.nn.init.normal_)
 
 
 def _inputs(groups):
