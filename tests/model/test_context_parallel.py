@@ -141,10 +141,11 @@ def test_dropout_streams_differ_across_context_parallel_ranks_and_agree_across_t
 
 
 # Packed documents that do not see each other, positions restarting per document, a sliding window on every
-# other layer (layers 2 and 4 global): each layout computes the dense single-process losses, with the
-# document ids crossing pipeline stages and the mask built over the whole sequence after CP's all-to-all.
+# other layer (layers 2 and 4 global), with QK-norm and heads of 24 (not 64 / 4): each layout computes the
+# dense single-process losses, with the document ids crossing pipeline stages and the mask built over the
+# whole sequence after CP's all-to-all.
 DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", "6", "--window-attn-skip-freq", "2",
-             *ROPE)
+             "--qk-layernorm", "--kv-channels", "24", *ROPE)
 
 
 @pytest.mark.parametrize("path", ["mask", "segments"])
