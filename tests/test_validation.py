@@ -96,8 +96,9 @@ RULES = [
                  id="qk-layernorm-tp-with-zero2"),
     pytest.param(model_rules, layout(8, 8, model__hidden_size=64, model__num_attention_heads=8, model__kv_channels=6,
                                      model__group_query_attention=True, model__num_query_groups=1),
-                 r"^--num-query-groups 1 at --tensor-model-parallel-size 8: each group's key/value rows \(6 per group\) "
-                 r"are kept in 8 pieces, .* a head dimension \(--kv-channels\) divisible by 8", id="shared-group-rows-vs-kv-channels"),
+                 r"^--num-query-groups 1 at --tensor-model-parallel-size 8: each group's key/value rows "
+                 r"\(6 per group\) are kept in 8 pieces, .* a head dimension \(--kv-channels\) divisible by 8",
+                 id="shared-group-rows-vs-kv-channels"),
     pytest.param(batch_rules, dp(layout(1, batch__micro_batch_size=0)), r"^--micro-batch-size must be at least 1, got 0$",
                  id="micro-below-one"),
     pytest.param(batch_rules, dp(layout(8, batch__micro_batch_size=4, batch__global_batch_size=100)),

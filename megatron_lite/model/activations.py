@@ -7,8 +7,9 @@ keeps a mask in the input's dtype: measured), t = TP, r = t with --sequence-para
 (what divides the residual stream), c = CP, b = micro batch, S = sequence, s = S / c the tokens of a
 sample this rank holds outside attention (S without context parallelism), h = hidden, f = FFN width,
 a = heads, g = key/value groups, d = the head width (--kv-channels, h / a when not given); per TP
-rank n = a/t query heads and m = max(g/t, 1) groups; inside attention a rank holds all S tokens of n_c = n/c heads and m_c = m_e/c groups, where
-m_e = m, or c when m < c (keys and values repeated to c groups before the all-to-all). Without
+rank n = a/t query heads and m = max(g/t, 1) groups; inside attention a rank holds all S tokens of
+n_c = n/c heads and m_c = m_e/c groups, where m_e = m, or c when m < c (keys and values repeated to c
+groups before the all-to-all). Without
 context parallelism n_c = n, m_c = m. Q = e b S n_c d and K = e b S m_c d bytes of the queries and keys
 attention runs on (QKV = Q + 2K: the fused output, or with context parallelism the all-to-all's):
 
@@ -207,7 +208,8 @@ def _attention_inputs(config: Config, device: str, checkpointed: bool) -> Tuple[
     if kernel == "flash":  # as given
         q_view, k_view, v_view = not fresh, not fresh, True
     elif kernel == "fused":
-        q_view, k_view, v_view = not fresh and regroup_is_view and fold_is_view, not fresh and fold_is_view, fold_is_view
+        q_view, k_view = not fresh and regroup_is_view and fold_is_view, not fresh and fold_is_view
+        v_view = fold_is_view
     elif d.e < 4 or n != m:  # math: fp32 copies of 16-bit inputs, or k and v repeated to n heads
         return 3 * 4 * d.b * d.S * n * d.head_dim, False
     else:  # math, fp32: q and k scaled into new tensors

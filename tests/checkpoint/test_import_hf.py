@@ -204,7 +204,8 @@ def test_use_checkpoint_args_takes_qwen3s_head_width_and_qk_norm_and_a_run_witho
     base = ["--load", ckpt, "--seq-length", "16", "--micro-batch-size", "1", "--tensor-model-parallel-size", "2",
             "--pipeline-model-parallel-size", "2"]
     m = parse_args(base + ["--use-checkpoint-args"], world_size=4)[0].model
-    assert (m.kv_channels, m.qk_layernorm, m.hidden_size, m.untie_embeddings_and_output_weights) == (16, True, 32, False)
+    assert (m.kv_channels, m.qk_layernorm, m.hidden_size) == (16, True, 32)
+    assert not m.untie_embeddings_and_output_weights
     with pytest.raises(ConfigError, match=r"--kv-channels \(the head width\): checkpoint 16, this run 8"):
         parse_args(base + ["--use-checkpoint-args", "--kv-channels", "8"], world_size=4)
     with pytest.raises(ConfigError, match=r"--qk-layernorm: checkpoint True, this run False"):

@@ -75,6 +75,21 @@ def test_hf_llama_with_our_weights_through_to_hf_gives_our_logits(attention, gro
     assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
 
 
+def test_hf_llama_with_a_head_dim_apart_from_hidden_over_heads_is_our_kv_channels():
+    """Llama's config.json head_dim (here 24, not 64 / 4) is --kv-channels, both ways."""
+    from megatron_lite.checkpoint.hf_llama import model_fields
+
+    config = tiny_config(extra=llama_flags() + ["--kv-channels", "24"])
+    ours = our_model(config)
+    hf = hf_model(hf_config(config.model), "sdpa")
+    load_into_hf(hf, to_hf(ours.state_dict(), config.model))
+    assert hf.model.layers[0].self_attn.head_dim == 24
+    expected, theirs = logits_of_both(ours, hf, random_tokens())
+    assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
+    assert model_fields(hf_config(config.model), "config.json")["kv_channels"] == 24
+    assert model_fields(hf_config(tiny_config(extra=llama_flags()).model), "config.json")["kv_channels"] is None
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_our_model_with_hf_llama_weights_through_from_hf_gives_its_logits(attention):
     config = tiny_config(extra=llama_flags())
@@ -154,6 +169,8 @@ def test_a_gpt2_shaped_model_or_a_mismatched_hf_model_is_refused_with_the_flag()
     tied = tiny_config(extra=llama_flags(untie=False))
     with pytest.raises(CheckpointError, match="--untie-embeddings-and-output-weights"):
         from_hf(to_hf(GPTModel(config).state_dict(), config.model), tied.model)
+    with pytest.raises(CheckpointError, match="LlamaForCausalLM has no QK-norm.*Qwen3ForCausalLM holds it"):
+        mapping(tiny_config(extra=llama_flags() + ["--qk-layernorm"]).model)
 
 
 def packed_documents(eod, lengths, seed=1):

@@ -114,9 +114,15 @@ def test_qwen3_config_fields_we_cannot_represent_are_refused_by_name():
     assert model_fields({k: v for k, v in c.items() if k != "head_dim"}, "config.json")["kv_channels"] == 128
 
 
-def test_a_model_without_qk_norm_or_the_llama_block_is_refused_as_qwen3_with_the_flag():
+def test_export_takes_qwen3_for_qk_norm_and_refuses_what_no_architecture_holds_with_the_flag():
+    from megatron_lite.checkpoint import hf_export, hf_llama, hf_qwen3
+
+    assert hf_export.architecture_of(tiny_config(extra=qwen3_flags())) is hf_qwen3
+    assert hf_export.architecture_of(tiny_config(extra=llama_flags() + ["--kv-channels", "24"])) is hf_llama
     with pytest.raises(CheckpointError, match="built without --qk-layernorm"):
         hf_config(tiny_config(extra=llama_flags()).model)
     with pytest.raises(CheckpointError, match="Qwen3ForCausalLM needs the Llama-family block; this model was built "
                                               "without --swiglu"):
-        hf_config(tiny_config(extra=QWEN3).model)
+        hf_export.architecture_of(tiny_config(extra=QWEN3))
+    with pytest.raises(CheckpointError, match=r"--kv-channels 24 wide; GPT2LMHeadModel's are n_embd / n_head = 16"):
+        hf_export.architecture_of(tiny_config(extra=["--kv-channels", "24"]))
