@@ -8,8 +8,9 @@ every `<` test, and 1e15 minutes overflows timedelta after the process group exi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config, ConfigError, flag_fields
 from megatron_lite.flag_numbers import problem
@@ -64,18 +65,29 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+@functools.lru_cache(maxsize=None)
+def _number_fields() -> Tuple[Tuple[str, dataclasses.Field, type, bool, Tuple[Tuple[str, Any], ...]], ...]:
+    """(section, field, int or float, holds a tuple, its bounds) of every numeric flag field, worked out once:
+    the planner validates thousands of candidate configs, and type hints cost milliseconds each."""
+    table = []
+    for section, field in flag_fields():
+        kind, many = _kinds(section, field)
+        if kind is not None:
+            table.append((section, field, kind, many, tuple(bounds_of(field).items())))
+    return tuple(table)
+
+
 def number_rules(config: Config, notes: List[str], sections: Optional[Sequence[str]] = None) -> Config:
     """ConfigError naming each flag (of `sections`, default all) whose value is not a finite number in its
     range, with a value that works."""
     problems = []
-    for section, field in flag_fields():
+    for section, field, kind, many, bound_items in _number_fields():
         if sections is not None and section not in sections:
             continue
-        kind, many = _kinds(section, field)
         value = getattr(getattr(config, section), field.name)
-        if kind is None or value is None:
+        if value is None:
             continue
-        bounds = bounds_of(field)
+        bounds = dict(bound_items)
         for item in (value if many else (value,)):
             if kind is float and isinstance(item, int) and not isinstance(item, bool):
                 item = float(item)  # code may write lr=1 for 1.0

@@ -153,8 +153,9 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", 
 @pytest.mark.parametrize("tp, cp, pp, dp, extra", [
     (2, 1, 2, 1, ("--sequence-parallel",)),
     (1, 2, 2, 1, ()),
-    (2, 2, 1, 1, ()),
-    (1, 1, 2, 2, ("--zero-stage", "1")),
+    (2, 2, 1, 1, ("--recompute-granularity", "selective")),  # the checkpointed core takes the mask or documents
+    (1, 1, 2, 2, ("--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1")),  # a chunk's input is (hidden states, document ids)
 ])
 def test_document_masking_and_a_sliding_window_match_the_dense_losses_under_every_layout(tp, cp, pp, dp, extra,
                                                                                          backend, path):
