@@ -25,8 +25,16 @@ GPU_MEMORY_GB_MAX = 1 << 16
 """--gpu-memory-gb at most: 64 TiB per device, past any accelerator; a larger value is a typo (MB for GB)."""
 
 
-def _shown(value) -> str:
+def shown(value) -> str:
+    """A number as a refusal prints it: 1e-05, 10, not 1e-05 and 10.0."""
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def suggested_value(default, minimum=None):
+    """The value a refusal suggests: the default (a list's first), else the least allowed, else 1."""
+    if isinstance(default, (list, tuple)):
+        default = default[0] if default else None
+    return next(candidate for candidate in (default, minimum, 1) if candidate is not None)
 
 
 def problem(value, whole: bool, minimum=None, maximum=None, above=None, below=None) -> Optional[str]:
@@ -39,14 +47,14 @@ def problem(value, whole: bool, minimum=None, maximum=None, above=None, below=No
     if not whole and not math.isfinite(value):
         return "must be a finite number"
     if above is not None and not value > above:
-        return f"must be more than {_shown(above)}"
+        return f"must be more than {shown(above)}"
     if minimum is not None and value < minimum:
-        return f"must be at least {_shown(minimum)}"
+        return f"must be at least {shown(minimum)}"
     if below is not None and not value < below:
-        return f"must be less than {_shown(below)}"
+        return f"must be less than {shown(below)}"
     top = maximum if maximum is not None else WHOLE_MAX if whole else None
     if top is not None and value > top:
-        return f"must be at most {_shown(top)}"
+        return f"must be at most {shown(top)}"
     return None
 
 
@@ -73,12 +81,6 @@ def add_number(parser, *names: str, kind: type = int, minimum=None, maximum=None
                example=None, **kwargs):
     """parser.add_argument(*names, type=number(...), **kwargs): the flag's default is the example a refusal
     gives, unless `example` says otherwise (a default of None)."""
-    default = kwargs.get("default")
-    if isinstance(default, (list, tuple)):  # nargs: one value of the list
-        default = default[0] if default else None
-    for candidate in (example, default, minimum, 1):
-        if candidate is not None:
-            example = candidate
-            break
+    suggested = example if example is not None else suggested_value(kwargs.get("default"), minimum)
     bounds = dict(minimum=minimum, maximum=maximum, above=above, below=below)
-    return parser.add_argument(*names, type=number(kind, example, **bounds), **kwargs)
+    return parser.add_argument(*names, type=number(kind, suggested, **bounds), **kwargs)

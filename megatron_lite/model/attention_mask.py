@@ -36,13 +36,18 @@ def allowed_keys(length: int, device: torch.device, documents: Optional[torch.Te
     return allowed
 
 
+def _first_tokens(documents: torch.Tensor) -> torch.Tensor:
+    """[b, s] document ids -> bool [b, s], True at each document's first token."""
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return first
+
+
 def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
     """[b, s] document ids -> [b, s] positions, 0 at each document's first token (data/documents.py's rule,
     on the tensors a stage holds)."""
     index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
-    first = torch.ones_like(documents, dtype=torch.bool)
-    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    starts = torch.where(first, index, torch.zeros_like(index))
+    starts = torch.where(_first_tokens(documents), index, torch.zeros_like(index))
     return index - torch.cummax(starts, dim=-1).values
 
 
@@ -58,8 +63,7 @@ def document_segments(documents: torch.Tensor) -> Optional[list]:
     """[b, s] document ids -> per sample, the [start, end) token ranges of its documents; None when there
     are too many for document-by-document attention to pay (SEGMENTS_PER_TOKEN)."""
     b, s = documents.shape
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    starts = _first_tokens(documents)
     if int(starts.sum()) > b * s * SEGMENTS_PER_TOKEN:
         return None
     rows = []

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config, ConfigError, flag_fields
-from megatron_lite.flag_numbers import problem
+from megatron_lite.flag_numbers import problem, shown, suggested_value
 
 BOUNDS = ("minimum", "maximum", "above", "below")
 
@@ -52,28 +52,18 @@ def bounds_of(field: dataclasses.Field) -> dict:
 
 def example_of(field: dataclasses.Field, bounds: dict):
     """A value that works, for a refusal to suggest: the default, else the least allowed."""
-    default = field.default
-    if isinstance(default, tuple):
-        default = default[0] if default else None
-    for candidate in (default, bounds.get("minimum")):
-        if candidate is not None:
-            return candidate
-    return 1
-
-
-def _shown(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return suggested_value(field.default, bounds.get("minimum"))
 
 
 @functools.lru_cache(maxsize=None)
-def _number_fields() -> Tuple[Tuple[str, dataclasses.Field, type, bool, Tuple[Tuple[str, Any], ...]], ...]:
+def _number_fields() -> Tuple[Tuple[str, dataclasses.Field, type, bool, Dict[str, Any]], ...]:
     """(section, field, int or float, holds a tuple, its bounds) of every numeric flag field, worked out once:
     the planner validates thousands of candidate configs, and type hints cost milliseconds each."""
     table = []
     for section, field in flag_fields():
         kind, many = _kinds(section, field)
         if kind is not None:
-            table.append((section, field, kind, many, tuple(bounds_of(field).items())))
+            table.append((section, field, kind, many, bounds_of(field)))
     return tuple(table)
 
 
@@ -81,20 +71,19 @@ def number_rules(config: Config, notes: List[str], sections: Optional[Sequence[s
     """ConfigError naming each flag (of `sections`, default all) whose value is not a finite number in its
     range, with a value that works."""
     problems = []
-    for section, field, kind, many, bound_items in _number_fields():
+    for section, field, kind, many, bounds in _number_fields():
         if sections is not None and section not in sections:
             continue
         value = getattr(getattr(config, section), field.name)
         if value is None:
             continue
-        bounds = dict(bound_items)
         for item in (value if many else (value,)):
             if kind is float and isinstance(item, int) and not isinstance(item, bool):
                 item = float(item)  # code may write lr=1 for 1.0
             why = problem(item, kind is int, **bounds)
             if why:
-                problems.append(f"{field.metadata['flag']} {why}, got {_shown(item)}; e.g. "
-                                f"{_shown(example_of(field, bounds))}")
+                problems.append(f"{field.metadata['flag']} {why}, got {shown(item)}; e.g. "
+                                f"{shown(example_of(field, bounds))}")
                 break
     if len(problems) == 1:
         raise ConfigError(problems[0], code="number_out_of_range")
