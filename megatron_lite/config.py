@@ -105,6 +105,34 @@ def parse_window_size(text: str) -> Tuple[int, int]:
     return window if len(window) == 2 else (window[0], 0)
 
 
+def parse_moe_layer_freq(text: str) -> Tuple[str, Optional[Tuple[int, ...]]]:
+    """--moe-layer-freq's syntax -> (its canonical text, the pattern or None for an int N). An int N >= 1, or a
+    pattern of 0s and 1s: a list [0,1,1] or Megatron-LM's ([0]*1+[1]*5) (list literals of 0/1 joined by +, each
+    optionally times a count); parsed, never evaluated as code."""
+    body = text.replace(" ", "")
+    if body.isdigit() and int(body) >= 1:
+        return body, None
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1]
+    pattern: List[int] = []
+    for term in body.split("+") if body else [""]:
+        items, _, times = term.partition("]*")
+        if not items.startswith("[") or (times and not times.isdigit()):
+            pattern = []
+            break
+        if not times:
+            items = items.rstrip("]")
+        values = items[1:].split(",")
+        if not all(v in ("0", "1") for v in values):
+            pattern = []
+            break
+        pattern += [int(v) for v in values] * (int(times) if times else 1)
+    if not pattern:
+        raise ConfigError(f"--moe-layer-freq '{text}' must be an integer N >= 1 (every N-th layer is MoE) or a "
+                          f"pattern of 0 (dense) and 1 (MoE) per layer like ([0]*1+[1]*3) or [0,1,1,1]")
+    return text.replace(" ", ""), tuple(pattern)
+
+
 def format_window_size(window: Tuple[int, int]) -> List[str]:
     return [f"{window[0]},{window[1]}"]
 
@@ -228,6 +256,64 @@ class ModelConfig:
     """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
     others through the window (gpt-oss: 2)."""
 
+    num_experts: Optional[int] = option(None, "--num-experts", minimum=1)
+    """Routed experts per MoE layer (Mixture of Experts); when not given, every layer has the dense MLP."""
+    moe_ffn_hidden_size: Optional[int] = option(None, "--moe-ffn-hidden-size", minimum=1)
+    """Inner width of each routed expert (gated width with --swiglu); when not given, --ffn-hidden-size."""
+    moe_router_topk: int = option(2, "--moe-router-topk", minimum=1)
+    """Experts each token is routed to."""
+    moe_layer_freq: str = option("1", "--moe-layer-freq", parse=lambda text: parse_moe_layer_freq(text)[0],
+                                 metavar="N|PATTERN")
+    """Which layers are MoE: N = every N-th layer from the first (layer numbers 1, 1+N, ...), or a pattern
+    with one 0 (dense) or 1 (MoE) per layer, written as Megatron-LM writes it: ([0]*1+[1]*5) or [0,1,1,1]."""
+    moe_router_score_function: str = option("softmax", "--moe-router-score-function",
+                                            choices=("softmax", "sigmoid"))
+    """Router scores: softmax over the experts (Mixtral, Qwen) or an independent sigmoid per expert
+    (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = option(False, "--moe-router-pre-softmax")
+    """softmax scoring: softmax over all experts, then top-k, weights not renormalised (Qwen2-MoE without
+    norm_topk_prob); default: top-k of the logits, then softmax over the k (Mixtral: renormalised)."""
+    moe_router_topk_scaling_factor: Optional[float] = option(None, "--moe-router-topk-scaling-factor", above=0,
+                                                             maximum=1e6)
+    """Multiply the chosen experts' weights by this (DeepSeek-V3's routed_scaling_factor, 2.5)."""
+    moe_router_num_groups: Optional[int] = option(None, "--moe-router-num-groups", minimum=1)
+    """Group-limited routing: the experts form this many groups; a token first keeps
+    --moe-router-group-topk groups (each scored by the sum of its two best experts), then takes its top-k
+    inside them (DeepSeek-V3's n_group)."""
+    moe_router_group_topk: Optional[int] = option(None, "--moe-router-group-topk", minimum=1)
+    """Groups each token may route into, with --moe-router-num-groups (DeepSeek-V3's topk_group)."""
+    moe_router_load_balancing_type: str = option("aux_loss", "--moe-router-load-balancing-type",
+                                                 choices=("aux_loss", "seq_aux_loss", "none"))
+    """Load-balancing loss: aux_loss (Switch/GShard, over each micro-batch's tokens), seq_aux_loss (per
+    sequence, DeepSeek-V3) or none; its weight is --moe-aux-loss-coeff."""
+    moe_aux_loss_coeff: float = option(0.0, "--moe-aux-loss-coeff", minimum=0, maximum=1e6)
+    """Weight of the load-balancing loss (0: off)."""
+    moe_z_loss_coeff: Optional[float] = option(None, "--moe-z-loss-coeff", minimum=0, maximum=1e6)
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits; ST-MoE); off when not given."""
+    moe_router_enable_expert_bias: bool = option(False, "--moe-router-enable-expert-bias")
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose experts (never
+    to weight them), moved after each global batch by --moe-router-bias-update-rate towards equal load."""
+    moe_router_bias_update_rate: float = option(1e-3, "--moe-router-bias-update-rate", minimum=0, maximum=1e6)
+    """Step of the expert-bias update: bias += rate x sign(mean load - expert load), once per global batch."""
+    moe_shared_expert_intermediate_size: Optional[int] = option(None, "--moe-shared-expert-intermediate-size",
+                                                                minimum=1)
+    """Inner width of an MLP every token passes through beside its routed experts (DeepSeek, Qwen2-MoE's
+    shared expert); none when not given."""
+    moe_shared_expert_gate: bool = option(False, "--moe-shared-expert-gate")
+    """Scale the shared expert's output by sigmoid(x . w), a learned per-token gate (Qwen2-MoE)."""
+    moe_expert_capacity_factor: Optional[float] = option(None, "--moe-expert-capacity-factor", above=0,
+                                                         maximum=1e6)
+    """Each expert takes at most ceil(tokens x top-k / experts x this) of a rank's tokens per micro-batch,
+    the rest are dropped (their expert output is 0); when not given, dropless."""
+    moe_token_drop_policy: str = option("probs", "--moe-token-drop-policy", choices=("probs", "position"))
+    """With a capacity: an expert keeps its highest-weighted tokens (probs) or its first ones (position)."""
+    moe_token_dispatcher_type: str = option("alltoall", "--moe-token-dispatcher-type", choices=("alltoall",))
+    """How tokens reach their experts' ranks: alltoall (one all-to-all over the expert-parallel group there
+    and one back; the only dispatcher built)."""
+    moe_grouped_gemm: bool = option(False, "--moe-grouped-gemm")
+    """Run a rank's experts as one grouped GEMM (torch._grouped_mm, CUDA) instead of one GEMM per expert; on
+    CPU torch's grouped GEMM has no backward, so the per-expert loop runs there either way."""
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head: --kv-channels, or --hidden-size / --num-attention-heads when not given."""
@@ -251,6 +337,10 @@ class ParallelConfig:
     p2p (ring attention, Megatron-LM's default) is not built and is refused by validation."""
     data_parallel_size: Optional[int] = None
     """DP degree: world_size / (TP x CP x PP), derived by validation."""
+    expert_model_parallel_size: int = option(1, "--expert-model-parallel-size", minimum=1)
+    """EP degree: ranks that split each MoE layer's experts, taken out of DP x CP (so it divides it); each
+    holds --num-experts / EP whole experts (split over TP like the dense MLP). Expert gradients are reduced,
+    and ZeRO partitions their state, over the DP x CP / EP ranks that hold the same experts."""
     zero_stage: int = option(0, "--zero-stage", choices=(0, 1, 2, 3))
     """DeepSpeed ZeRO stage; 0 or 1 when --pipeline-model-parallel-size > 1."""
     pipeline_partition_method: str = option("cost", "--pipeline-partition-method")

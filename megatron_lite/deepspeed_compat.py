@@ -65,6 +65,15 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     # --distributed-timeout-minutes for DeepSpeed's own process groups (new_groups_time_out_after).
     ("deepspeed.comm.comm.cdb", "attribute"),
     ("deepspeed.comm.torch.TorchBackend.new_group", "self, ranks"),
+    # Mixture of Experts (issue 45): DeepSpeed's expert groups, parameter marks and optimizer groups.
+    ("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP", "attribute"),
+    ("deepspeed.utils.groups._EXPERT_PARALLEL_GROUP_RANKS", "attribute"),
+    ("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP", "attribute"),
+    ("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP_RANKS", "attribute"),
+    ("deepspeed.moe.utils.is_moe_param", "param"),
+    ("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", "param_groups, max_group_size"),
+    ("deepspeed.runtime.engine.MoE", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.has_moe_layers", "attribute"),
 )
 
 # Classes DeepSpeed's optimizers pickle into their checkpoint files (ZeRO / bf16 partition maps, the
@@ -522,3 +531,91 @@ def free_last_stage_outputs_after_backward(engine) -> None:
         return backward_then_free
 
     _wrap_instruction(engine, "BackwardPass", wrap)
+
+
+# Mixture of Experts (issue 45). DeepSpeed reduces a parameter marked `allreduce = False` with a `group_name` over
+# that name's expert-data-parallel group, dividing by the whole data-parallel size (engine._reduce_expert_gradients,
+# the fix of DeepSpeed #6545): the dense model's gradient, as each expert's rank already summed its EP group's
+# tokens. Its ZeRO 1 and bf16 optimizers partition such parameters over that group when built for an engine that
+# has MoE layers, and count each expert once in the gradient norm. We use that machinery, with our groups
+# (parallel/state.py) registered under one name, rather than a reduction of our own: it is the path DeepSpeed's
+# optimizers, partitions and norms were written for.
+
+EXPERT_GROUP_NAME = "megatron_lite_experts"
+
+
+def register_expert_groups(expert_group, expert_ranks, expert_data_group, expert_data_ranks) -> None:
+    """Give DeepSpeed our expert-parallel and expert-data-parallel groups under EXPERT_GROUP_NAME.
+
+    Why: DeepSpeed builds its own (groups._create_expert_and_data_parallel) from its mpu's data-parallel group,
+    which under the pipeline engine is DP x CP in DeepSpeed's order but takes EP out of it its own way; ours
+    (EP consecutive DP x CP places, CP first) must be the ones both the dispatch and the reduction use."""
+    from deepspeed.utils import groups
+
+    groups._EXPERT_PARALLEL_GROUP[EXPERT_GROUP_NAME] = expert_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(expert_ranks)
+    groups._EXPERT_DATA_PARALLEL_GROUP[EXPERT_GROUP_NAME] = expert_data_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[EXPERT_GROUP_NAME] = list(expert_data_ranks)
+
+
+def mark_expert_parameters(parameters) -> int:
+    """Mark parameters tagged `expert_parallel` (model/moe.py) as DeepSpeed's MoE parameters; how many."""
+    from deepspeed.moe.utils import is_moe_param
+
+    marked = 0
+    for param in parameters:
+        if getattr(param, "expert_parallel", False):
+            param.allreduce = False
+            param.group_name = EXPERT_GROUP_NAME
+            marked += is_moe_param(param)
+    return marked
+
+
+def expert_optimizer_groups(param_groups: List[dict]) -> List[dict]:
+    """Our parameter groups (each with a 'name') with the expert parameters moved into groups of their own
+    ('moe': True), which DeepSpeed's ZeRO 1 and bf16 optimizers partition over expert-DP."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return [g for g in split_params_into_different_moe_groups_for_optimizer(param_groups) if g["params"]]
+
+
+@contextlib.contextmanager
+def engine_finds_experts(layer_class: type) -> Iterator[None]:
+    """Inside the block, deepspeed.initialize counts `layer_class` modules as DeepSpeed MoE layers.
+
+    Why: the engine decides `has_moe_layers` (and so builds its optimizer with expert groups and broadcasts
+    expert weights within expert-DP) by isinstance against deepspeed.moe.layer.MoE, looked up in its module;
+    our layer is not one. It reads only `num_experts` from such a module."""
+    import deepspeed.runtime.engine as engine_module
+
+    real = engine_module.MoE
+
+    class _Finds(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, (real, layer_class))
+
+    engine_module.MoE = _Finds("MoE", (), {})
+    try:
+        yield
+    finally:
+        engine_module.MoE = real
+
+
+def experts_only_in_gradient_reduction(engine) -> None:
+    """After initialize: the engine says it has MoE layers only while it reduces gradients.
+
+    Why: with `has_moe_layers` the engine reduces expert gradients over expert-DP (what we need) but also
+    saves and loads checkpoints in its MoE format (one file per DeepSpeed expert module, which it looks up by
+    class and would not find), so the flag is on exactly inside the ReduceGrads instruction."""
+    engine.has_moe_layers = False
+
+    def wrap(reduce_grads):
+        def with_experts(self, **kwargs):
+            self.has_moe_layers = True
+            try:
+                return reduce_grads(self, **kwargs)
+            finally:
+                self.has_moe_layers = False
+        return with_experts
+
+    _wrap_instruction(engine, "ReduceGrads", wrap)

@@ -35,6 +35,8 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention_mask import ATTENTION_WORK, allowed_keys, document_segments, positions_in_documents
 from megatron_lite.model.attention_options import layer_window
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
+from megatron_lite.model.moe import MoELayer
+from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.model.norms import build_head_norm, build_norm
 from megatron_lite.parallel.context_parallel import (
     context_parallel_groups,
@@ -332,7 +334,8 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, sequence_parallel)
         self.attention = ParallelAttention(config, layer_number, sequence_parallel)
         self.post_attention_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = ParallelMLP(config, sequence_parallel)
+        self.mlp = (MoELayer(config, sequence_parallel) if is_moe_layer(config, layer_number)
+                    else ParallelMLP(config, sequence_parallel))
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         # Replicated residual stream: one stream seeded alike on every TP rank keeps the replicas equal.
         # Sequence parallel: each TP rank holds other positions, so each draws from its own stream.

@@ -5,7 +5,9 @@
 A rank counts its TP-split parameters (each rank holds a different slice) and
 its replicated parameters (LayerNorm, row-parallel bias) only on TP rank 0.
 A tied weight's copy on a stage that does not own it (DeepSpeed marks it; see
-deepspeed_compat.is_pipe_replicated_copy) is left to the owning stage.
+deepspeed_compat.is_pipe_replicated_copy) is left to the owning stage. Expert parameters (model/moe.py)
+hold other experts on each expert-parallel rank: their squares are summed over the EP group first, so
+each expert counts once (the bug of Megatron-LM PR #5916 and DeepSpeed #8475 was counting them otherwise).
 """
 from __future__ import annotations
 
@@ -25,14 +27,30 @@ def counts_toward_grad_norm(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank() == 0
 
 
+def _is_expert(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def _squared_norm(grads, device) -> torch.Tensor:
+    # One multi-tensor norm (torch's clip_grad_norm_ does the same), in fp32 whatever the grads' dtype.
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.nn.utils.get_total_norm([g.detach().float() for g in grads]).to(device) ** 2
+
+
 def global_grad_norm(parameters: Iterable[torch.Tensor], group=None) -> torch.Tensor:
     """fp32 scalar, the same on every rank of `group` (default: this replica's TP x PP ranks)."""
     params = list(parameters)
     device = params[0].device if params else torch.device("cpu")
-    grads = [p.grad.detach() for p in params if p.grad is not None and counts_toward_grad_norm(p)]
-    # One multi-tensor norm (torch's clip_grad_norm_ does the same), in fp32 whatever the grads' dtype.
-    squared = (torch.nn.utils.get_total_norm([g.float() for g in grads]).to(device) ** 2 if grads
-               else torch.zeros((), dtype=torch.float32, device=device))
+    counted = [p for p in params if p.grad is not None and counts_toward_grad_norm(p)]
+    squared = _squared_norm([p.grad for p in counted if not _is_expert(p)], device)
+    experts = [p.grad for p in counted if _is_expert(p)]
+    if experts or any(_is_expert(p) for p in params):
+        # Each EP rank holds other experts: their squares add up over the EP group, each expert once.
+        expert_squared = _squared_norm(experts, device)
+        if state.is_initialized() and state.get_expert_model_parallel_world_size() > 1:
+            dist.all_reduce(expert_squared, group=state.get_expert_model_parallel_group())
+        squared = squared + expert_squared
     if group is None and state.is_initialized():
         group = state.get_model_parallel_group()
     if group is not None:

@@ -85,7 +85,8 @@ def set_head_shared_parameters(module: torch.nn.Module) -> None:
 def has_partial_gradient(param: torch.Tensor) -> bool:
     """A replicated parameter whose gradient on each TP rank is part of the whole: it saw only this rank's
     sequence shard or this rank's heads (summed over TP once per step: parallel/sequence_parallel.py)."""
-    return is_sequence_parallel_parameter(param) or bool(getattr(param, "shared_by_heads", False))
+    return (is_sequence_parallel_parameter(param) or bool(getattr(param, "shared_by_heads", False))
+            or bool(getattr(param, "tp_partial_gradient", False)))
 
 
 class _SequenceParallelLinear(torch.autograd.Function):

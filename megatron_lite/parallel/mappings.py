@@ -162,6 +162,22 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return gather_along_sequence(grad_output)
 
 
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return gather_along_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return reduce_scatter_along_sequence(grad_output)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """[b, s/tp, ...] -> [b, s, ...] for layers whose output is partial over TP (the MoE experts): backward
+    sums the gradient over TP and keeps this rank's part of the sequence."""
+    return x if tp_world_size() == 1 else _GatherFromSequenceParallelRegion.apply(x)
+
+
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return x if tp_world_size() == 1 else _CopyToModelParallelRegion.apply(x)
 

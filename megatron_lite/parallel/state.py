@@ -45,6 +45,13 @@ class _State:
     pipeline_ranks: List[int]
     model_ranks: List[int]
     context_parallel_size: int
+    expert_group: object = None
+    """EP ranks: consecutive places of DP x CP (CP first) that split each MoE layer's experts."""
+    expert_data_group: object = None
+    """Ranks holding the same experts: DP x CP / EP of them, over which expert gradients are reduced."""
+    expert_ranks: List[int] = None
+    expert_data_ranks: List[int] = None
+    expert_parallel_size: int = 1
 
 
 _STATE: Optional[_State] = None
@@ -63,9 +70,14 @@ def _build_groups(comm_lists: List[List[int]], rank: int, timeout: datetime.time
 
 def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                timeout_minutes: float = ParallelConfig.distributed_timeout_minutes,
-               context_parallel_size: int = 1) -> None:
+               context_parallel_size: int = 1, expert_model_parallel_size: int = 1) -> None:
     """Build the topology and the groups, whose collectives fail after timeout_minutes (as the world's,
-    --distributed-timeout-minutes). torch.distributed must already be initialised."""
+    --distributed-timeout-minutes). torch.distributed must already be initialised.
+
+    Expert parallelism has no axis of its own either: EP consecutive places of the DP x CP axis (a
+    sample's CP ranks first, so EP <= CP keeps the all-to-all among one sample's ranks) split the experts,
+    and the places EP apart hold the same experts (expert-DP). Pipeline groups are shared by dense and
+    expert layers, and each expert is split over TP like the dense MLP."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError("parallel.state.initialize() needs torch.distributed.init_process_group() first")
@@ -90,9 +102,16 @@ def initialize(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size
     pipeline_group, pipeline_ranks = _build_groups(topology.get_axis_comm_lists("pipe"), rank, timeout)
     replicas = [topology.filter_match(data=d) for d in range(topology.get_dim("data"))]
     model_group, model_ranks = _build_groups(replicas, rank, timeout)
+    ep = expert_model_parallel_size
+    if len(data_context_lists[0]) % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide DP x CP = {len(data_context_lists[0])}")
+    expert_group, expert_ranks = _build_groups(
+        [ranks[e:e + ep] for ranks in data_context_lists for e in range(0, len(ranks), ep)], rank, timeout)
+    expert_data_group, expert_data_ranks = _build_groups(
+        [ranks[e::ep] for ranks in data_context_lists for e in range(ep)], rank, timeout)
     _STATE = _State(topology, tensor_group, data_group, context_group, data_context_group, pipeline_group,
                     model_group, tensor_ranks, data_ranks, context_ranks, data_context_ranks, pipeline_ranks,
-                    model_ranks, cp)
+                    model_ranks, cp, expert_group, expert_data_group, expert_ranks, expert_data_ranks, ep)
 
 
 def is_initialized() -> bool:
@@ -159,6 +178,30 @@ def get_data_parallel_ranks() -> List[int]:
 
 def get_context_parallel_ranks() -> List[int]:
     return list(_state().context_ranks)
+
+
+def get_expert_model_parallel_group():
+    return _state().expert_group
+
+
+def get_expert_data_parallel_group():
+    return _state().expert_data_group
+
+
+def get_expert_model_parallel_ranks() -> List[int]:
+    return list(_state().expert_ranks)
+
+
+def get_expert_data_parallel_ranks() -> List[int]:
+    return list(_state().expert_data_ranks)
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _state().expert_parallel_size
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _coord("data") % _state().expert_parallel_size
 
 
 def get_pipeline_model_parallel_ranks() -> List[int]:
@@ -234,6 +277,7 @@ def describe() -> Dict[str, int]:
         "pp_rank": get_pipeline_model_parallel_rank(), "pp_size": get_pipeline_model_parallel_world_size(),
         "cp_rank": get_context_parallel_rank(), "cp_size": get_context_parallel_world_size(),
         "dp_rank": get_data_parallel_rank(), "dp_size": get_data_parallel_world_size(),
+        "ep_rank": get_expert_model_parallel_rank(), "ep_size": get_expert_model_parallel_world_size(),
     }
 
 

@@ -23,11 +23,14 @@ import torch.distributed as dist
 from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
+from megatron_lite.model import aux_loss
 from megatron_lite.model.gpt import GPTModel
+from megatron_lite.model.moe import MoELayer
 from megatron_lite.parallel import state
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, partial_gradient_parameters
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
+from megatron_lite.training.expert_balance import update_expert_biases
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
 
@@ -60,12 +63,22 @@ class Engine:
             mpu = state.ModelParallelUnit()
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
         model_parallel_seed(config.training.seed, config.model.num_layers)
-        optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config))
+        self.experts = config.model.num_experts is not None
+        if self.experts:  # expert parameters are reduced over expert-DP (deepspeed_compat says how)
+            deepspeed_compat.register_expert_groups(
+                state.get_expert_model_parallel_group(), state.get_expert_model_parallel_ranks(),
+                state.get_expert_data_parallel_group(), state.get_expert_data_parallel_ranks())
+            deepspeed_compat.mark_expert_parameters(self.module.parameters())
+        optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config),
+                                    experts=self.experts)
         scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
-            config=deepspeed_config(config),
-        )
+        with deepspeed_compat.engine_finds_experts(MoELayer):
+            self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+                model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
+                config=deepspeed_config(config),
+            )
+        if self.experts:
+            deepspeed_compat.experts_only_in_gradient_reduction(self.engine)
         # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
         self.io = EngineIO()
         self.io.install(self.engine)
@@ -75,9 +88,12 @@ class Engine:
         if self.pipelined:
             # The last stage's logits are not needed once their backward ran (deepspeed_compat says why).
             deepspeed_compat.free_last_stage_outputs_after_backward(self.engine)
-            if config.parallel.tensor_model_parallel_size > 1 and (config.parallel.sequence_parallel
-                                                                   or config.model.qk_layernorm):
+            if config.parallel.tensor_model_parallel_size > 1 and partial_gradient_parameters(self.module):
                 self._sum_partial_gradients_before_reduction()
+            if self.experts:
+                # Once per global batch, from its token counts: the expert bias (training/expert_balance.py).
+                deepspeed_compat.before_gradient_reduction(
+                    self.engine, lambda: update_expert_biases(self.module, config.parallel.sequence_parallel))
 
     def _sum_partial_gradients_before_reduction(self) -> None:
         """Once per step, before DeepSpeed reduces gradients: the LayerNorm and row-parallel bias gradients,
@@ -97,6 +113,10 @@ class Engine:
 
     def train_step(self, data_iter: Iterator) -> StepStats:
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.experts:  # the router losses' gradients go through what the loss's gradient goes through
+            aux_loss.set_scale((deepspeed_compat.loss_scale(self.optimizer) or 1.0)
+                               * self.config.parallel.context_parallel_size
+                               / self.engine.gradient_accumulation_steps())
         skipped_before = deepspeed_compat.skipped_steps(self.engine)
         loss = self._train_batch(data_iter)
         return StepStats(

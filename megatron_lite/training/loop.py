@@ -192,7 +192,8 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
     if lock_note:
         print_rank0(lock_note)
     state.initialize(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size,
-                     config.parallel.distributed_timeout_minutes, config.parallel.context_parallel_size)
+                     config.parallel.distributed_timeout_minutes, config.parallel.context_parallel_size,
+                     config.parallel.expert_model_parallel_size)
     summary = layout_summary(config, dist.get_backend(), "cuda" if torch.cuda.is_available() else "cpu")
     print_rank0(summary)
     d = config.data

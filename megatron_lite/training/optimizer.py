@@ -22,6 +22,7 @@ from typing import Iterable, List
 
 import torch
 
+from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.parallel.grad_norm import global_grad_norm
@@ -61,8 +62,13 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig,
-                    clip_in_optimizer: bool = False) -> torch.optim.Optimizer:
+                    clip_in_optimizer: bool = False, experts: bool = False) -> torch.optim.Optimizer:
+    """experts: the model's expert parameters are marked for DeepSpeed (deepspeed_compat.mark_expert_parameters)
+    and go into groups of their own."""
     groups = parameter_groups(model.named_parameters(), opt.weight_decay)
+    if experts:  # DeepSpeed's split names its expert groups after ours
+        groups = deepspeed_compat.expert_optimizer_groups(
+            [dict(g, name=f"group{i}") for i, g in enumerate(groups)])
     fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
     kwargs = adamw_kwargs(opt, fused)
     if clip_in_optimizer:

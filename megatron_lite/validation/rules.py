@@ -14,6 +14,7 @@ from typing import List, Sequence, Tuple
 from megatron_lite import batching
 from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import check_partition_method, layers_per_stage_uniform
+from megatron_lite.validation.moe import check_moe
 
 
 
@@ -135,6 +136,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     _check_sequence_parallel(config)
     _check_context_parallel(config, groups)
     _check_attention_mask(m, notes)
+    check_moe(config.replace(model__ffn_hidden_size=ffn), notes)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
                           model__recompute_granularity=granularity, model__num_query_groups=groups)

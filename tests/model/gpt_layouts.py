@@ -60,16 +60,19 @@ def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=N
             yield (arrays[0], arrays[1], *([] if documents is None else [documents])), (arrays[2], arrays[3])
 
 
-def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None):
+def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None, norms=None):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
 
     By default each step is one forward over the whole global batch. With dropout, pass
     micro_batch_size: the step then runs micro-batches in order and accumulates their
     mean, so each layer's dropout stream draws the masks a DP = 1 pipeline draws.
-    weights: a dict to fill with the trained model's state dict.
+    weights: a dict to fill with the trained model's state dict; norms: a list to fill with each step's
+    gradient norm before clipping.
     """
+    from megatron_lite.model import aux_loss
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
+    from megatron_lite.training.expert_balance import update_expert_biases
     from megatron_lite.training.optimizer import build_optimizer
 
     model = GPTModel(config)
@@ -79,6 +82,7 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
     for step in batches:
         optimizer.zero_grad()
         chunks = step.split(micro_batch_size or len(step))
+        aux_loss.set_scale(1.0 / len(chunks))  # MoE router losses: averaged over micro-batches like the loss
         total = 0.0
         for chunk in chunks:
             tokens, labels = chunk[:, :-1], chunk[:, 1:]
@@ -87,9 +91,12 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
             loss = model(tokens, positions, labels, mask, document_ids=documents) / len(chunks)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        update_expert_biases(model, sequence_parallel=False)
         optimizer.step()
         losses.append(total)
+        if norms is not None:
+            norms.append(float(norm))
     if weights is not None:
         weights.update({name: t.detach().clone() for name, t in model.state_dict().items()})
     return losses

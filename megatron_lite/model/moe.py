@@ -1,0 +1,178 @@
+"""A Mixture-of-Experts MLP: a router, E routed experts (each the block's MLP, SwiGLU or GeLU, --moe-ffn-hidden-size
+wide) and optionally a shared expert every token passes through (gated by sigmoid(x . w) with
+--moe-shared-expert-gate).
+
+    x [b, s, h] (sequence parallel: [b, s/tp, h])
+    routing = router(x)                                  this rank's tokens, [T, k] weights and experts
+    tokens, weights: gathered over TP under sequence parallelism, else replicated
+    rows = dispatch(tokens)                              to the experts' EP ranks (parallel/experts.py)
+    y = sum_k weights_k expert_k(x)                      expert outputs partial over TP (column/row split)
+    out = reduce over TP (sequence parallel: reduce-scatter) + shared expert
+
+Each expert is split over TP as the dense MLP is: its [2F, h] (SwiGLU: [gate; up]) weight by rows, its
+[h, F] weight by columns, so their product is a partial sum the TP reduction completes; the weights an
+expert gets come from a generator seeded by its global index, so any EP and TP layout builds the same model.
+The routing weights pass through TP's copy (or gather) on their way in because their gradient, like the
+expert outputs, is partial over TP.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.moe_options import expert_ffn_hidden_size
+from megatron_lite.model.router import TopKRouter, within_capacity
+from megatron_lite.parallel.experts import combine, dispatch, local_experts
+from megatron_lite.parallel.layers import (
+    _master_slice,
+    equal_sections,
+    set_sequence_parallel_attribute,
+    set_tensor_model_parallel_attributes,
+)
+from megatron_lite.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_along_sequence,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron_lite.parallel.tp import tp_rank, tp_world_size
+
+
+def mark_expert_parameter(param: torch.Tensor, num_experts: int) -> None:
+    """Tag a parameter holding this rank's experts along dim 0: reduced over expert-DP, not DP x CP
+    (deepspeed_compat.mark_expert_parameters tells DeepSpeed), counted over EP in the gradient norm, and
+    stored by global expert index in checkpoints."""
+    param.expert_parallel = True
+    param.num_experts = num_experts
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
+class GroupedExperts(nn.Module):
+    """This rank's E/EP experts as stacked weights: weight1 [E/EP, F/tp (SwiGLU: 2F/tp), h], weight2
+    [E/EP, h, F/tp] (nn.Linear's [out, in] per expert); biases when the block has them."""
+
+    def __init__(self, config: ModelConfig, grouped_gemm: bool):
+        super().__init__()
+        h, ffn = config.hidden_size, expert_ffn_hidden_size(config)
+        self.swiglu, self.gelu_approximate = config.swiglu, "tanh" if config.openai_gelu else "none"
+        self.grouped_gemm = grouped_gemm
+        experts, tp = config.num_experts, tp_world_size()
+        out1 = 2 * ffn if self.swiglu else ffn
+        std = config.init_method_std
+        # One draw from the layer's seeded stream, the same on every rank; each expert's generator is seeded
+        # from it and the expert's global index, so its weights do not depend on the layout.
+        base = int(torch.randint(0, 2 ** 62, (1,)).item())
+
+        def expert_init(index: int, scale: float):
+            gen = torch.Generator().manual_seed(base + 2 * index + (scale != std))
+            return lambda w: nn.init.normal_(w, mean=0.0, std=scale, generator=gen)
+
+        out_std = std / (2.0 * config.num_layers) ** 0.5
+        w1 = [_master_slice((out1, h), 0, equal_sections(out1, 2 if self.swiglu else 1), expert_init(e, std))
+              for e in local_experts(experts)]
+        w2 = [_master_slice((h, ffn), 1, (ffn,), expert_init(e, out_std)) for e in local_experts(experts)]
+        self.weight1 = nn.Parameter(torch.stack(w1))
+        self.weight2 = nn.Parameter(torch.stack(w2))
+        set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if self.swiglu else 1)
+        set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
+        self.bias1 = self.bias2 = None
+        if config.add_bias_linear:
+            self.bias1 = nn.Parameter(torch.zeros(len(w1), out1 // tp))
+            set_tensor_model_parallel_attributes(self.bias1, True, 1, 2 if self.swiglu else 1)
+            # Added on TP rank 0 only (the outputs are partial sums over TP): its gradient is summed over TP.
+            self.bias2 = nn.Parameter(torch.zeros(len(w1), h))
+            set_tensor_model_parallel_attributes(self.bias2, False)
+            self.bias2.tp_partial_gradient = True
+        for param in self.parameters():
+            mark_expert_parameter(param, experts)
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+        """rows [N, h] grouped by local expert (tokens_per_expert[e] rows each) -> [N, h], partial over TP."""
+        if self.grouped_gemm and rows.is_cuda and hasattr(torch, "_grouped_mm"):
+            offsets = torch.tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
+            inner = torch._grouped_mm(rows, self.weight1.transpose(1, 2), offs=offsets)
+            if self.bias1 is not None:
+                inner = inner + self.bias1.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
+            out = torch._grouped_mm(self._activation(inner), self.weight2.transpose(1, 2), offs=offsets)
+            if self.bias2 is not None and tp_rank() == 0:
+                out = out + self.bias2.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
+            return out
+        outs = []
+        # One GEMM pair per local expert over its rows (a loop over experts, never over tokens).
+        for e, part in enumerate(rows.split(tokens_per_expert)):
+            inner = F.linear(part, self.weight1[e], None if self.bias1 is None else self.bias1[e])
+            out = F.linear(self._activation(inner), self.weight2[e])
+            if self.bias2 is not None and tp_rank() == 0:
+                out = out + self.bias2[e]
+            outs.append(out)
+        return torch.cat(outs) if outs else rows.new_zeros((0, self.weight2.shape[1]))
+
+    def _activation(self, inner: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = inner.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(inner, approximate=self.gelu_approximate)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: ModelConfig, sequence_parallel: bool = False):
+        super().__init__()
+        from megatron_lite.model.transformer import ParallelMLP  # the dense MLP, as the shared expert
+
+        self.sequence_parallel = sequence_parallel and tp_world_size() > 1
+        self.num_experts = config.num_experts
+        self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
+        self.router = TopKRouter(config, self.sequence_parallel)
+        self.experts = GroupedExperts(config, config.moe_grouped_gemm)
+        self.shared_expert: Optional[nn.Module] = None
+        self.shared_expert_gate: Optional[nn.Parameter] = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            shared = dataclasses.replace(config, ffn_hidden_size=config.moe_shared_expert_intermediate_size)
+            self.shared_expert = ParallelMLP(shared, sequence_parallel)
+            if config.moe_shared_expert_gate:
+                self.shared_expert_gate = nn.Parameter(torch.empty(1, config.hidden_size))
+                nn.init.normal_(self.shared_expert_gate, mean=0.0, std=config.init_method_std)
+                set_tensor_model_parallel_attributes(self.shared_expert_gate, False)
+                if self.sequence_parallel:
+                    set_sequence_parallel_attribute(self.shared_expert_gate)
+        self.last_stats = {}
+        """The last micro-batch's tokens per expert and dropped fraction, for the metrics."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        routing = self.router(x.reshape(-1, h), b)
+        weights, indices = routing.weights.view(b, s, -1), routing.indices.view(b, s, -1)
+        if self.sequence_parallel:  # every TP rank takes all tokens of the TP group, for its part of each expert
+            tokens = gather_from_sequence_parallel_region(x)
+            weights = gather_from_sequence_parallel_region(weights)
+            indices = gather_along_sequence(indices)
+        else:
+            tokens, weights = copy_to_tensor_model_parallel_region(x), copy_to_tensor_model_parallel_region(weights)
+        k = indices.shape[-1]
+        tokens, weights, indices = tokens.reshape(-1, h), weights.reshape(-1, k), indices.reshape(-1, k)
+        keep = within_capacity(indices, weights, self.num_experts, self.capacity_factor, self.drop_policy)
+        rows, plan = dispatch(tokens, indices, self.num_experts, keep)
+        outputs = combine(self.experts(rows, plan.tokens_per_local_expert), plan)  # [T, k, h] partial over TP
+        y = torch.einsum("tkh,tk->th", outputs, weights).view(b, -1, h)  # [b, s, h] (SP: whole s), partial over TP
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        if self.training:
+            self.last_stats = {"tokens_per_expert": routing.tokens_per_expert,
+                               "dropped": 0.0 if keep is None else float(1.0 - keep.float().mean())}
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_expert_gate))
+            y = y + shared
+        return y

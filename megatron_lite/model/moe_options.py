@@ -1,0 +1,28 @@
+"""Which layers route their tokens to experts, and the widths an MoE layer uses: torch-free, so validation,
+the estimate and the planner ask the same rule the model builds by (the layer itself: model/moe.py)."""
+from __future__ import annotations
+
+from typing import Tuple
+
+from megatron_lite.config import ModelConfig, parse_moe_layer_freq
+
+
+def moe_layer_pattern(model: ModelConfig) -> Tuple[bool, ...]:
+    """One entry per layer (layer 1 first): True where the layer is MoE. Without --num-experts, none is."""
+    if model.num_experts is None:
+        return (False,) * model.num_layers
+    _, pattern = parse_moe_layer_freq(model.moe_layer_freq)
+    if pattern is None:  # every N-th layer from the first, as Megatron-LM's int form
+        every = int(model.moe_layer_freq)
+        return tuple(i % every == 0 for i in range(model.num_layers))
+    return tuple(bool(v) for v in pattern)
+
+
+def is_moe_layer(model: ModelConfig, layer_number: int) -> bool:
+    """Layer `layer_number` (counted from 1) has routed experts instead of the dense MLP."""
+    return moe_layer_pattern(model)[layer_number - 1]
+
+
+def expert_ffn_hidden_size(model: ModelConfig) -> int:
+    """A routed expert's inner width: --moe-ffn-hidden-size, else --ffn-hidden-size."""
+    return model.moe_ffn_hidden_size or model.ffn_hidden_size

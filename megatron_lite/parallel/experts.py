@@ -1,0 +1,160 @@
+"""Expert parallelism (--expert-model-parallel-size EP): where a routed token's expert lives, the all-to-all
+that takes it there and back, and the sums over the ranks that hold one micro-batch's tokens.
+
+Experts are split in contiguous blocks: EP rank r holds experts r E/EP .. (r+1) E/EP - 1, whole (each split
+over TP like the dense MLP). A rank sends each routed copy of a token to its expert's rank in one
+all-to-all with per-rank sizes (exchanged first, so ranks never have to agree on a capacity), the experts
+run, and the mirror all-to-all brings the outputs back. A rank that sends or receives nothing still joins
+both collectives, with empty parts, so no rank waits for another.
+
+    dispatch  [T, h] tokens, [T, k] expert indices -> [N, h] grouped by local expert, + a plan to return
+    combine   [N, h] expert outputs, the plan        -> [T, k, h] in the tokens' order (dropped copies 0)
+
+Without `parallel.state.initialize()`, or at EP = 1, everything stays on this rank.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel import state
+from megatron_lite.parallel.context_parallel import cp_group, cp_world_size
+from megatron_lite.parallel.tp import tp_group, tp_world_size
+
+_seconds = 0.0
+
+
+def ep_world_size() -> int:
+    return state.get_expert_model_parallel_world_size() if state.is_initialized() else 1
+
+
+def ep_rank() -> int:
+    return state.get_expert_model_parallel_rank() if state.is_initialized() else 0
+
+
+def ep_group():
+    return state.get_expert_model_parallel_group() if state.is_initialized() else None
+
+
+def seconds() -> float:
+    """Seconds spent in expert-parallel all-to-alls by this process so far (forward and backward): the
+    timing breakdown's ep-a2a column."""
+    return _seconds
+
+
+def local_experts(num_experts: int) -> range:
+    """The global indices of the experts this EP rank holds."""
+    per_rank = num_experts // ep_world_size()
+    return range(ep_rank() * per_rank, (ep_rank() + 1) * per_rank)
+
+
+@torch.no_grad()
+def sum_over_token_shards(t: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """t summed over the ranks that hold parts of this micro-batch's tokens: its CP ranks, and under
+    sequence parallelism its TP ranks (without it every TP rank holds the same tokens). No gradient: token
+    counts and totals for the load-balancing losses."""
+    t = t.clone()
+    if cp_world_size() > 1:
+        dist.all_reduce(t, group=cp_group())
+    if sequence_parallel and tp_world_size() > 1:
+        dist.all_reduce(t, group=tp_group())
+    return t
+
+
+def token_shards(sequence_parallel: bool) -> int:
+    """How many ranks split one micro-batch's tokens (the factor sum_over_token_shards sums over)."""
+    return cp_world_size() * (tp_world_size() if sequence_parallel else 1)
+
+
+@torch.no_grad()
+def sum_over_batch(t: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """t summed over every rank that holds part of the global batch's tokens: DP x CP, and TP under
+    sequence parallelism (the expert-bias update's load, summed over the whole batch)."""
+    t = t.clone()
+    if state.is_initialized() and state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(t, group=state.get_data_parallel_group(with_context_parallel=True))
+    if sequence_parallel and tp_world_size() > 1:
+        dist.all_reduce(t, group=tp_group())
+    return t
+
+
+def _all_to_all(x: torch.Tensor, out_rows: List[int], in_rows: List[int]) -> torch.Tensor:
+    global _seconds
+    start = time.perf_counter()
+    x = x.contiguous()
+    out = x.new_empty((sum(out_rows),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, out_rows, in_rows, group=ep_group())
+    _seconds += time.perf_counter() - start
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows in_rows[j] of x go to EP rank j; out_rows[j] rows come from rank j. Backward: the mirror."""
+
+    @staticmethod
+    def forward(ctx, x, out_rows, in_rows):
+        ctx.rows = (out_rows, in_rows)
+        return _all_to_all(x, out_rows, in_rows)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        out_rows, in_rows = ctx.rows
+        return _all_to_all(grad_output, in_rows, out_rows), None, None
+
+
+@dataclass
+class DispatchPlan:
+    """What combine needs to bring expert outputs back in the tokens' order."""
+    shape: tuple
+    """(T, k): tokens and routed copies per token."""
+    order: torch.Tensor
+    """Positions (in the flattened [T k] copies) of the copies sent, sorted by expert."""
+    sent_rows: List[int]
+    received_rows: List[int]
+    local_order: Optional[torch.Tensor]
+    """Received rows sorted by local expert (EP > 1), else None."""
+    tokens_per_local_expert: List[int]
+
+
+def dispatch(tokens: torch.Tensor, indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None):
+    """tokens [T, h], indices [T, k] (global expert ids), keep [T, k] bool (capacity; None: keep all) ->
+    (rows [N, h] grouped by this rank's experts in order, the plan for combine)."""
+    T, k = indices.shape
+    experts = indices.reshape(-1)
+    if keep is not None:
+        experts = torch.where(keep.reshape(-1), experts, num_experts)  # dropped copies sort last, never sent
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=num_experts + 1)[:num_experts]
+    kept = int(counts.sum())
+    order = order[:kept]
+    rows = tokens.index_select(0, order // k)  # [kept, h], sorted by expert
+    ep = ep_world_size()
+    if ep == 1:
+        per_expert = counts.tolist()
+        return rows, DispatchPlan((T, k), order, [kept], [kept], None, per_expert)
+    local = num_experts // ep
+    received = torch.empty(ep * local, dtype=counts.dtype, device=counts.device)
+    dist.all_to_all_single(received, counts, group=ep_group())  # received[j, e]: rank j's copies for my expert e
+    received = received.view(ep, local)
+    sent_rows = counts.view(ep, local).sum(1).tolist()
+    received_rows = received.sum(1).tolist()
+    rows = _AllToAll.apply(rows, received_rows, sent_rows)  # [received, h]: by source rank, then local expert
+    expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
+    local_order = torch.argsort(expert_of_row, stable=True)
+    plan = DispatchPlan((T, k), order, sent_rows, received_rows, local_order, received.sum(0).tolist())
+    return rows.index_select(0, local_order), plan
+
+
+def combine(outputs: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """outputs [N, h] (dispatch's rows, through the experts) -> [T, k, h]; a dropped copy's row is 0."""
+    if plan.local_order is not None:
+        back = torch.empty_like(plan.local_order)
+        back[plan.local_order] = torch.arange(len(plan.local_order), device=back.device)
+        outputs = _AllToAll.apply(outputs.index_select(0, back), plan.sent_rows, plan.received_rows)
+    T, k = plan.shape
+    whole = outputs.new_zeros((T * k, outputs.shape[-1]))
+    return whole.index_copy(0, plan.order, outputs).view(T, k, -1)
