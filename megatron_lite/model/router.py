@@ -60,6 +60,8 @@ class TopKRouter(nn.Module):
         self.bias_update_rate = m.moe_router_bias_update_rate
         # This rank's routed copies per expert since the last bias update (its own tokens only).
         self.register_buffer("local_load", torch.zeros(m.num_experts), persistent=False)
+        self.last_load = None
+        """Routed copies per expert over the last global batch (update_expert_bias), for the metrics."""
         self.last_losses = {}
         """Detached values of the last micro-batch's losses (aux_loss, z_loss), for the metrics."""
 
@@ -143,6 +145,7 @@ class TopKRouter(nn.Module):
     def update_expert_bias(self, load: torch.Tensor) -> None:
         """bias += rate x sign(mean load - load), load = routed copies per expert over the whole global batch
         (DeepSeek-V3's aux-loss-free balancing); then the local count starts again."""
+        self.last_load = load.clone()
         if self.expert_bias is not None:
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.local_load.zero_()

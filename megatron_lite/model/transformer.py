@@ -331,6 +331,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
+        self.layer_number = layer_number
         self.input_layernorm = build_norm(config, sequence_parallel)
         self.attention = ParallelAttention(config, layer_number, sequence_parallel)
         self.post_attention_layernorm = build_norm(config, sequence_parallel)

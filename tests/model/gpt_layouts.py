@@ -60,14 +60,15 @@ def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=N
             yield (arrays[0], arrays[1], *([] if documents is None else [documents])), (arrays[2], arrays[3])
 
 
-def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None, norms=None):
+def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None, norms=None,
+                 after_step=None):
     """Single process, TP = PP = DP = 1, plain torch AdamW: the losses every layout must reproduce.
 
     By default each step is one forward over the whole global batch. With dropout, pass
     micro_batch_size: the step then runs micro-batches in order and accumulates their
     mean, so each layer's dropout stream draws the masks a DP = 1 pipeline draws.
     weights: a dict to fill with the trained model's state dict; norms: a list to fill with each step's
-    gradient norm before clipping.
+    gradient norm before clipping; after_step(model) is called after each step.
     """
     from megatron_lite.model import aux_loss
     from megatron_lite.model.gpt import GPTModel
@@ -97,6 +98,8 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
         losses.append(total)
         if norms is not None:
             norms.append(float(norm))
+        if after_step is not None:
+            after_step(model)
     if weights is not None:
         weights.update({name: t.detach().clone() for name, t in model.state_dict().items()})
     return losses
