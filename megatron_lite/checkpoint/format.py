@@ -95,11 +95,21 @@ def zero_optimizer_files(folder: str, stage: int, tp_rank: int, tp: int, dp: int
 
 
 def layout_of(tensor_model_parallel_size: int, pipeline_model_parallel_size: int,
-              data_parallel_size: Optional[int], context_parallel_size: int = 1) -> Dict[str, Optional[int]]:
-    return {"tensor_model_parallel_size": tensor_model_parallel_size,
-            "pipeline_model_parallel_size": pipeline_model_parallel_size,
-            "data_parallel_size": data_parallel_size,
-            "context_parallel_size": context_parallel_size}
+              data_parallel_size: Optional[int], context_parallel_size: int = 1,
+              expert_model_parallel_size: int = 1) -> Dict[str, Optional[int]]:
+    """The layout a checkpoint records; EP only where there is one (earlier checkpoints have none: EP 1)."""
+    layout = {"tensor_model_parallel_size": tensor_model_parallel_size,
+              "pipeline_model_parallel_size": pipeline_model_parallel_size,
+              "data_parallel_size": data_parallel_size,
+              "context_parallel_size": context_parallel_size}
+    if expert_model_parallel_size > 1:
+        layout["expert_model_parallel_size"] = expert_model_parallel_size
+    return layout
+
+
+def expert_ranks(layout: dict) -> int:
+    """EP when the layout was saved: each DP x CP place d held expert block d % EP (parallel/state.py)."""
+    return int(layout.get("expert_model_parallel_size") or 1)
 
 
 def data_ranks(layout: dict) -> int:

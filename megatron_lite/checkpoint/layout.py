@@ -25,7 +25,8 @@ from deepspeed.pipe import TiedLayerSpec
 
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
-from megatron_lite.model.gpt import layer_specs
+from megatron_lite.model.gpt import TransformerLayerPipe, layer_specs
+from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.parallel.tp import as_single_rank
 
 VOCAB_PARAMETERS = ("word_embeddings.weight", "output.weight")
@@ -46,6 +47,8 @@ class ParamInfo:
     partition_sections: Tuple[int, ...] = ()
     """Full lengths of the parts of partition_dim each split over TP separately (slicing.py): the fused
     QKV's (a hd, g hd, g hd), SwiGLU's (ffn, ffn); one part for a plain split; () when replicated."""
+    experts: int = 0
+    """For an MoE layer's expert parameter, the experts along dim 0 (every one: files store them all); else 0."""
 
     @property
     def decays(self) -> bool:
@@ -70,6 +73,8 @@ class ModelLayout:
                 self.tied_spec[spec.key] = index
             # Every layer of one kind has the same parameters: build one of each kind.
             kind = spec.typename.__name__
+            if spec.typename is TransformerLayerPipe:  # its MLP: dense or routed experts (model/moe_options.py)
+                kind += "-moe" * is_moe_layer(config.model, spec.module_args[2])
             if kind not in described:
                 described[kind] = self._describe(spec)
             self.params[index] = [ParamInfo(index, *entry) for entry in described[kind]]
@@ -87,7 +92,8 @@ class ModelLayout:
             sections = getattr(p, "partition_sections", None) if split else ()
             if sections is None:
                 sections = (p.shape[dim] // stride,) * stride
-            described.append((name, tuple(p.shape), dim, stride, tuple(sections)))
+            experts = getattr(p, "num_experts", 0) if getattr(p, "expert_parallel", False) else 0
+            described.append((name, tuple(p.shape), dim, stride, tuple(sections), experts))
         return described
 
     def layer_specs_with_files(self) -> List[int]:

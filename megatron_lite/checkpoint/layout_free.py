@@ -29,6 +29,7 @@ from megatron_lite.checkpoint import sliced
 from megatron_lite.checkpoint.format import (
     UNIVERSAL_FORMAT,
     data_ranks,
+    expert_ranks,
     CheckpointError,
     layer_file,
     load_file,
@@ -89,6 +90,7 @@ class LayoutFreeReader:
         self.tp = int(layout["tensor_model_parallel_size"])
         self.pp = int(layout["pipeline_model_parallel_size"])
         self.dp = data_ranks(layout)  # ZeRO partitions: DP x CP
+        self.ep = expert_ranks(layout)
         self.layout = ModelLayout(self.config)
         self.bounds = None if self.universal else self.layout.saved_stage_bounds(metadata)
         self.zero_stage, self.precision = storage_of(metadata)
@@ -214,25 +216,30 @@ class LayoutFreeReader:
         pieces: Dict[Key, Dict[str, list]] = {}
         steps: Dict[Key, Optional[float]] = {}
         names = ("fp32",) + MOMENTS if optimizer else ("fp32",)
-        for path in paths:
+        # An expert parameter is partitioned over expert-DP within each EP block (DP x CP place d held block
+        # d % EP): its fragments in (block, place) order are every expert in global order.
+        expert_order = sorted(range(len(paths)), key=lambda d: (d % self.ep, d // self.ep))
+        for rank, path in enumerate(paths):
             partition = self._partition(path)
             for pipeline_name, fragment in partition.fragments.items():
                 key = self._owner(pipeline_name)
                 if key[0] not in specs:
                     continue
-                entry = pieces.setdefault(key, {name: [] for name in names})
+                entry = pieces.setdefault(key, {name: [None] * len(paths) for name in names})
+                at = expert_order.index(rank) if self.info(key).experts else rank
                 for name in names:
-                    entry[name].append(fragment[name])
+                    entry[name][at] = fragment[name]
                 steps[key] = partition.steps[pipeline_name] if optimizer else None
         out = {}
         for key, entry in pieces.items():
             numel = math.prod(slice_shape(self.info(key), self.tp))
-            got = sum(p.numel() for p in entry["fp32"])
+            got = sum(p.numel() for p in entry["fp32"] if p is not None)
             if got != numel:
                 raise CheckpointError(f"{paths[0]}: the fragments of {key[1]} (layer {key[0]:02d}) add up to {got} "
                                       f"values, not {numel}: a DP rank's file is missing or belongs to another run")
-            out[key] = Source({name: sliced.Flat(parts, mapped=True) for name, parts in entry.items()
-                               if parts and all(p is not None for p in parts)}, steps[key])
+            out[key] = Source({name: sliced.Flat([p for p in parts if p is not None], mapped=True)
+                               for name, parts in entry.items()
+                               if any(p is not None for p in parts)}, steps[key])
         return out
 
     def _plain_sources(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, "Source"]:

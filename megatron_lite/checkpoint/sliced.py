@@ -10,7 +10,8 @@ along the split dimension, each split in TP equal parts), for any source and tar
 - split along dim 1 (row-parallel weights): the same columns of every row, copied through a strided view of
   the mapping in blocks of rows (only the pages holding those columns are touched: all of them when a row's
   part is smaller than a page);
-- replicated: source rank 0's piece.
+- replicated: source rank 0's piece;
+- an MoE layer's experts [E, a, b] split along dim 1 or 2: as E matrices, each expert's rows in turn.
 
 Every copy out of a mapped file gives the copied pages back (madvise DONTNEED; a private file mapping
 re-reads them if touched again), so a rank's resident memory grows by the slices it keeps and one block,
@@ -139,6 +140,13 @@ def rank_slice(shape: Sequence[int], dim: int, sections: Sequence[int], sources:
     runs = _runs(lengths, len(sources), tp, rank, targets)
     width = sum(n for _, _, n in runs)
     dtype = sources[0].dtype
+    if len(shape) == 3 and dim == 2:  # experts [E, a, b] split by columns: the rows of all experts are alike
+        return rank_slice((shape[0] * shape[1], shape[2]), 1, sections, sources, tp, rank).view(shape[0], shape[1], -1)
+    if len(shape) == 3 and dim == 1:  # experts [E, a, b] split by rows: each expert's runs of rows in turn
+        inner, source_rows = shape[2], sum(lengths) // len(sources)
+        parts = [sources[s].read((e * source_rows + a) * inner, (e * source_rows + a + n) * inner)
+                 for e in range(shape[0]) for s, a, n in runs]
+        return torch.cat(parts).view(shape[0], width, inner)
     if dim == 0:
         inner = math.prod(shape[1:])
         parts = [torch.zeros(n * inner, dtype=dtype) if s is None else sources[s].read(a * inner, (a + n) * inner)

@@ -70,7 +70,7 @@ class GroupedExperts(nn.Module):
         std = config.init_method_std
         # One draw from the layer's seeded stream, the same on every rank; each expert's generator is seeded
         # from it and the expert's global index, so its weights do not depend on the layout.
-        base = int(torch.randint(0, 2 ** 62, (1,)).item())
+        base = int(torch.randint(0, 2 ** 62, (1,), device="cpu").item())
 
         def expert_init(index: int, scale: float):
             gen = torch.Generator().manual_seed(base + 2 * index + (scale != std))
@@ -94,6 +94,26 @@ class GroupedExperts(nn.Module):
             self.bias2.tp_partial_gradient = True
         for param in self.parameters():
             mark_expert_parameter(param, experts)
+        self.num_experts, self.local_range = experts, local_experts(experts)
+        self.whole = None
+        """{name: [E, ...]} every expert's tensor while a checkpoint is written (training/engine.py gathers them),
+        which the layer's state dict then holds: files store experts by global index, whatever the EP."""
+        self._register_state_dict_hook(GroupedExperts._whole_experts)
+        self._register_load_state_dict_pre_hook(GroupedExperts._this_ranks_experts, with_module=True)
+
+    @staticmethod
+    def _whole_experts(module, state_dict, prefix, local_metadata):
+        for name, tensor in (module.whole or {}).items():
+            state_dict[prefix + name] = tensor
+        return state_dict
+
+    @staticmethod
+    def _this_ranks_experts(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # A saved [E, ...] tensor (every expert) loads as this EP rank's experts.
+        for name, _ in module.named_parameters(recurse=False):
+            saved = state_dict.get(prefix + name)
+            if saved is not None and saved.shape[0] == module.num_experts != len(module.local_range):
+                state_dict[prefix + name] = saved.narrow(0, module.local_range.start, len(module.local_range))
 
     def forward(self, rows: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """rows [N, h] grouped by local expert (tokens_per_expert[e] rows each) -> [N, h], partial over TP."""

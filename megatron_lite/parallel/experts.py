@@ -23,21 +23,32 @@ import torch.distributed as dist
 
 from megatron_lite.parallel import state
 from megatron_lite.parallel.context_parallel import cp_group, cp_world_size
-from megatron_lite.parallel.tp import tp_group, tp_world_size
+from megatron_lite.parallel.tp import _parallel, tp_group, tp_world_size
 
 _seconds = 0.0
 
 
 def ep_world_size() -> int:
-    return state.get_expert_model_parallel_world_size() if state.is_initialized() else 1
+    """EP size; 1 without parallel state or inside tp.as_single_rank() (a layer built for its dense shapes)."""
+    return state.get_expert_model_parallel_world_size() if _parallel() else 1
 
 
 def ep_rank() -> int:
-    return state.get_expert_model_parallel_rank() if state.is_initialized() else 0
+    return state.get_expert_model_parallel_rank() if _parallel() else 0
 
 
 def ep_group():
-    return state.get_expert_model_parallel_group() if state.is_initialized() else None
+    return state.get_expert_model_parallel_group() if _parallel() else None
+
+
+@torch.no_grad()
+def gather_experts(t: torch.Tensor) -> torch.Tensor:
+    """[E/EP, ...] this rank's experts -> [E, ...] every expert in global order (checkpoints store them so)."""
+    if ep_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ep_world_size())]
+    dist.all_gather(parts, t.contiguous(), group=ep_group())
+    return torch.cat(parts)
 
 
 def seconds() -> float:

@@ -36,6 +36,7 @@ from megatron_lite.checkpoint.format import (
     UNIVERSAL_FORMAT,
     CheckpointError,
     layer_file,
+    expert_ranks,
     layout_of,
     load_file,
     model_states_file,
@@ -137,7 +138,7 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
     p = config.parallel
     return {"iteration": iteration, "consumed_samples": consumed_samples,
             "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
-                                p.context_parallel_size),
+                                p.context_parallel_size, p.expert_model_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
             "tokenizer_sha256": _tokenizer_sha256(config),
@@ -256,6 +257,9 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
     for spec, module in sorted(deepspeed_compat.layer_file_modules(engine.module).items()):
         # the file must fit the module it loads into: names and this rank's shapes
         expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        # an MoE layer's file holds every expert (training/engine.py Engine.save), this rank its EP block
+        expected.update({name: (p.num_experts,) + tuple(p.shape[1:]) for name, p in module.named_parameters()
+                         if getattr(p, "expert_parallel", False)})
         files.append((os.path.join(folder, layer_file(spec, tp_rank)),
                       lambda path, value, expected=expected: check_layer_state(path, value, expected, tp)))
     files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))
@@ -298,6 +302,7 @@ def _same_layout(engine, config: Config, metadata: dict) -> bool:
     p = config.parallel
     return (_same_places(engine, config, metadata)
             and metadata["layout"].get("data_parallel_size") == p.data_parallel_size
+            and expert_ranks(metadata["layout"]) == p.expert_model_parallel_size
             and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name)
             and _saved_optimizer(metadata) in (None, deepspeed_optimizer(config)))
 

@@ -25,8 +25,9 @@ from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
 from megatron_lite.model import aux_loss
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.moe import MoELayer
+from megatron_lite.model.moe import GroupedExperts, MoELayer
 from megatron_lite.parallel import state
+from megatron_lite.parallel.experts import ep_world_size, gather_experts
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, partial_gradient_parameters
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
@@ -157,7 +158,15 @@ class Engine:
             self.engine.set_train_batch_size(deepspeed_batch)
 
     def save(self, directory: str, tag: str) -> None:
-        self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
+        experts = [m for m in self.module.modules() if isinstance(m, GroupedExperts)] if ep_world_size() > 1 else []
+        # Layer files hold every expert (DeepSpeed writes them from DP rank 0 only, which holds 1/EP of them).
+        for module in experts:
+            module.whole = {name: gather_experts(p.detach()) for name, p in module.named_parameters(recurse=False)}
+        try:
+            self.engine.save_checkpoint(directory, tag=tag, save_latest=False)
+        finally:
+            for module in experts:
+                module.whole = None
 
     def load(self, directory: str, tag: str, load_optimizer_states: bool = True) -> Optional[str]:
         """Model, optimizer and LR-scheduler states; the path loaded, or None when DeepSpeed found nothing."""

@@ -20,6 +20,7 @@ from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.config import Config
 from megatron_lite.parallel import state
+from megatron_lite.parallel.experts import ep_rank
 from megatron_lite.training.distributed import gather_problems
 from megatron_lite.training.rng_state import read_rng_state, set_rng_state
 
@@ -47,9 +48,10 @@ def agree(action):
 
 def _describe_layout(layout: dict, storage) -> str:
     zero, precision = storage
-    cp = layout.get("context_parallel_size") or 1
+    cp, ep = layout.get("context_parallel_size") or 1, layout.get("expert_model_parallel_size") or 1
     return (f"TP {layout['tensor_model_parallel_size']}{f' x CP {cp}' if cp > 1 else ''} x PP "
-            f"{layout['pipeline_model_parallel_size']} x DP {layout.get('data_parallel_size')} (ZeRO {zero}, {precision})")
+            f"{layout['pipeline_model_parallel_size']} x DP {layout.get('data_parallel_size')}"
+            f"{f' (EP {ep})' if ep > 1 else ''} (ZeRO {zero}, {precision})")
 
 
 def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
@@ -68,6 +70,10 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
     for key, param in params.items():
         entry = saved[key]
         values[param] = {"fp32": entry.fp32, "exp_avg": entry.exp_avg, "exp_avg_sq": entry.exp_avg_sq}
+        if getattr(param, "expert_parallel", False):  # saved: every expert; this rank holds its EP block
+            count = param.shape[0]
+            values[param] = {k: None if v is None else v.narrow(0, ep_rank() * count, count)
+                             for k, v in values[param].items()}
         if entry.step is not None:
             steps.append(entry.step)
     return values, max(steps, default=0.0), reader.run_state() if optimizer else None
@@ -93,7 +99,7 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
     else:
         randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
     ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
-                     p.context_parallel_size)
+                     p.context_parallel_size, p.expert_model_parallel_size)
     note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
             f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
             f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
