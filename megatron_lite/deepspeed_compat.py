@@ -72,7 +72,7 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.utils.groups._EXPERT_DATA_PARALLEL_GROUP_RANKS", "attribute"),
     ("deepspeed.moe.utils.is_moe_param", "param"),
     ("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", "param_groups, max_group_size"),
-    ("deepspeed.runtime.engine.MoE", "attribute"),
+    ("deepspeed.runtime.engine.MoE", "module name"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.has_moe_layers", "attribute"),
 )
 

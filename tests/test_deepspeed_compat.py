@@ -7,14 +7,25 @@ import torch
 
 from megatron_lite import deepspeed_compat
 
-METHODS = [(path, spec) for path, spec in deepspeed_compat.HOOKS if spec != "attribute"]
+METHODS = [(path, spec) for path, spec in deepspeed_compat.HOOKS if spec not in ("attribute", "module name")]
 ATTRIBUTES = [path for path, spec in deepspeed_compat.HOOKS if spec == "attribute"]
+MODULE_NAMES = [path for path, spec in deepspeed_compat.HOOKS if spec == "module name"]
 
 
 @pytest.mark.parametrize("path, parameters", METHODS, ids=[p for p, _ in METHODS])
 def test_method_hook_exists_with_its_parameters(path, parameters):
     method = deepspeed_compat.resolve(path)
     assert deepspeed_compat.parameter_names(method)[:len(parameters.split(", "))] == parameters.split(", ")
+
+
+@pytest.mark.parametrize("path", MODULE_NAMES)
+def test_module_name_hook_is_still_a_class_that_module_looks_up(path):
+    """A name a module looks up at run time (engine_finds_experts swaps deepspeed.runtime.engine.MoE): it must
+    still be a class there, and the module must still test instances against it."""
+    module_path, name = path.rsplit(".", 1)
+    module = deepspeed_compat.resolve(module_path)
+    assert inspect.isclass(getattr(module, name, None)), f"{path} is no longer a class in {module.__file__}"
+    assert re.search(rf"isinstance\(\w+, {name}\)", inspect.getsource(module)), f"{module.__file__} no longer checks {name}"
 
 
 @pytest.mark.parametrize("path", ATTRIBUTES)
