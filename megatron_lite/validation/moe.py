@@ -84,6 +84,11 @@ def check_moe(config: Config, notes: List[str]) -> None:
     if m.moe_router_load_balancing_type == "seq_aux_loss" and m.moe_aux_loss_coeff == 0:
         notes.append(f"note: --moe-router-load-balancing-type {m.moe_router_load_balancing_type} with "
                      f"--moe-aux-loss-coeff 0 adds no loss")
+    if ep > 1 and p.zero_stage == 0 and config.precision.dtype_name == "fp32" and config.training.save:
+        raise ConfigError(f"--save with --expert-model-parallel-size {ep} at --zero-stage 0 in fp32: the checkpoint's "
+                          f"Adam moments are written by data-parallel rank 0 alone, which holds 1/{ep} of the "
+                          f"experts; use --zero-stage 1 (each rank writes its own experts' optimizer partition)",
+                          code="ep_save_zero0")
     if p.zero_stage >= 2:
         raise ConfigError(f"--num-experts with --zero-stage {p.zero_stage}: MoE layers train under the pipeline "
                           f"engine (ZeRO 0 or 1), whose step reduces expert gradients over their own group and "
