@@ -144,11 +144,12 @@ class GroupedExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: ModelConfig, sequence_parallel: bool = False):
+    def __init__(self, config: ModelConfig, sequence_parallel: bool = False, layer_number: int = 0):
         super().__init__()
         from megatron_lite.model.transformer import ParallelMLP  # the dense MLP, as the shared expert
 
         self.sequence_parallel = sequence_parallel and tp_world_size() > 1
+        self.layer_number = layer_number
         self.num_experts = config.num_experts
         self.capacity_factor, self.drop_policy = config.moe_expert_capacity_factor, config.moe_token_drop_policy
         self.router = TopKRouter(config, self.sequence_parallel)
@@ -164,8 +165,11 @@ class MoELayer(nn.Module):
                 set_tensor_model_parallel_attributes(self.shared_expert_gate, False)
                 if self.sequence_parallel:
                     set_sequence_parallel_attribute(self.shared_expert_gate)
-        self.last_stats = {}
-        """The last micro-batch's tokens per expert and dropped fraction, for the metrics."""
+        # This rank's sums over the step's micro-batches: aux loss, z-loss, dropped fraction, micro-batches
+        # (training/expert_balance.py sums them over the batch once per step into `last_step`).
+        self.register_buffer("step_sums", torch.zeros(4), persistent=False)
+        self.last_step = {}
+        """The last global batch's load per expert and mean router losses and dropped fraction, for the metrics."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
@@ -188,8 +192,9 @@ class MoELayer(nn.Module):
         else:
             y = reduce_from_tensor_model_parallel_region(y)
         if self.training:
-            self.last_stats = {"tokens_per_expert": routing.tokens_per_expert,
-                               "dropped": 0.0 if keep is None else float(1.0 - keep.float().mean())}
+            losses = self.router.last_losses
+            dropped = 0.0 if keep is None else float(1.0 - keep.float().mean())
+            self.step_sums += torch.tensor([losses.get("aux_loss", 0.0), losses.get("z_loss", 0.0), dropped, 1.0])
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

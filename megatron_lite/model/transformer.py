@@ -335,7 +335,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, sequence_parallel)
         self.attention = ParallelAttention(config, layer_number, sequence_parallel)
         self.post_attention_layernorm = build_norm(config, sequence_parallel)
-        self.mlp = (MoELayer(config, sequence_parallel) if is_moe_layer(config, layer_number)
+        self.mlp = (MoELayer(config, sequence_parallel, layer_number) if is_moe_layer(config, layer_number)
                     else ParallelMLP(config, sequence_parallel))
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         # Replicated residual stream: one stream seeded alike on every TP rank keeps the replicas equal.

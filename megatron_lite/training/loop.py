@@ -33,10 +33,12 @@ from megatron_lite.training.console import configure_logging, layout_summary
 from megatron_lite.training.distributed import collective_timeout, init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
 from megatron_lite.deepspeed_config import deepspeed_config
+from megatron_lite.training.expert_balance import moe_scalars
 from megatron_lite.training.metrics import (
     IntervalStats,
     TensorBoardWriter,
     format_line,
+    format_moe_line,
     interval_scalars,
     peak_memory_bytes,
 )
@@ -265,7 +267,12 @@ def maybe_log(run: Run, stats: StepStats) -> None:
     )
     scalars = interval_scalars(summary, config.model, config.parallel.world_size,
                                getattr(run.engine.module, "layers_per_stage", None), ATTENTION_WORK.take())
+    if config.model.num_experts is not None:  # every stage's MoE layers, on rank 0 (a collective)
+        for _, layers in stage_timing.gather_stages(moe_scalars(run.engine.module)):
+            scalars.update(layers)
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
+    if config.model.num_experts is not None:
+        print_rank0(format_moe_line(scalars))
     run.tb.write("train", scalars, run.iteration)
     run.records.write("interval", iteration=run.iteration, iterations=interval.iterations, seconds=interval.seconds,
                       **scalars)

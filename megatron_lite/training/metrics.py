@@ -119,6 +119,23 @@ def format_line(iteration: int, train_iters: int, scalars: Dict[str, float]) -> 
     return " | ".join(parts)
 
 
+def format_moe_line(scalars: Dict[str, float]) -> str:
+    """The MoE layers' last step, one line: per layer its max/mean expert load, then the router losses and the
+    dropped fraction averaged over the layers (the per-layer values: TensorBoard and metrics.jsonl)."""
+    layers = sorted({name.split("/")[1].split("_")[0] for name in scalars if name.startswith("moe/")})
+    if not layers:
+        return "moe: no MoE layer"
+
+    def mean(what):
+        values = [scalars[f"moe/{layer}_{what}"] for layer in layers]
+        return sum(values) / len(values)
+
+    loads = " ".join(f"{layer.removeprefix('layer')}:{scalars[f'moe/{layer}_load_max_over_mean']:.2f}"
+                     for layer in layers)
+    return (f"moe | load max/mean per layer {loads} | aux loss {mean('aux_loss'):.4g} | z loss {mean('z_loss'):.4g}"
+            f" | dropped {100 * mean('dropped_fraction'):.1f}%")
+
+
 class TensorBoardWriter:
     """Every scalar under train/ or valid/, x-axis = iteration. A no-op without --tensorboard-dir."""
 

@@ -8,7 +8,8 @@ rank 0, which prints one small table and writes `timing/stage{N}/{category}`
 to TensorBoard. Time a fast stage spends blocked in recv is the imbalance,
 measured; "other" is the step time no instruction accounts for. Under context parallelism
 a last column, "cp-a2a", is the time spent in the attention's all-to-alls (parallel/context_parallel.py
-counts it), a part of forward and backward rather than beside them.
+counts it), a part of forward and backward rather than beside them; under expert parallelism likewise
+"ep-a2a", the MoE layers' dispatch and combine all-to-alls (parallel/experts.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.parallel import context_parallel, state
+from megatron_lite.parallel import context_parallel, experts, state
 
 CATEGORY = {
     "LoadMicroBatch": "load", "ForwardPass": "forward", "BackwardPass": "backward",
@@ -34,6 +35,7 @@ class StageTimer:
     def __init__(self, pipeline_engine):
         self.seconds: Dict[str, float] = defaultdict(float)
         self.a2a_from = context_parallel.seconds()
+        self.ep_a2a_from = experts.seconds()
         synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         deepspeed_compat.time_pipeline_instructions(pipeline_engine, self._record, synchronize)
 
@@ -43,12 +45,13 @@ class StageTimer:
     @contextlib.contextmanager
     def paused(self):
         """Instructions run inside (evaluation) do not count toward the training interval."""
-        saved, a2a = dict(self.seconds), context_parallel.seconds()
+        saved, a2a, ep_a2a = dict(self.seconds), context_parallel.seconds(), experts.seconds()
         try:
             yield
         finally:
             self.seconds = defaultdict(float, saved)
             self.a2a_from += context_parallel.seconds() - a2a
+            self.ep_a2a_from += experts.seconds() - ep_a2a
 
     def take(self, step_seconds: float) -> Dict[str, float]:
         """This interval's sums (with "other" = step time - instructions) and a fresh start."""
@@ -58,6 +61,9 @@ class StageTimer:
         if context_parallel.cp_world_size() > 1:
             sums["cp-a2a"] = context_parallel.seconds() - self.a2a_from  # inside forward and backward
         self.a2a_from = context_parallel.seconds()
+        if experts.ep_world_size() > 1:
+            sums["ep-a2a"] = experts.seconds() - self.ep_a2a_from  # inside forward and backward
+        self.ep_a2a_from = experts.seconds()
         self.seconds = defaultdict(float)
         return sums
 
@@ -74,7 +80,7 @@ def gather_stages(value) -> List[Tuple[int, object]]:
 
 def format_table(stages: List[Tuple[int, Dict[str, float]]], iterations: int) -> str:
     """Milliseconds per iteration, one line per stage; the last column is the measured step time."""
-    columns = COLUMNS + (("cp-a2a",) if any("cp-a2a" in sums for _, sums in stages) else ())
+    columns = COLUMNS + tuple(c for c in ("cp-a2a", "ep-a2a") if any(c in sums for _, sums in stages))
     header = (f"{'stage':>5} " + " ".join(f"{c:>9}" for c in COLUMNS) + f" {'step':>9}"
               + "".join(f" {c:>9}" for c in columns[len(COLUMNS):]) + "   (ms per iteration)")
     lines = [header]

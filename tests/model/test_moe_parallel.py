@@ -25,13 +25,13 @@ def _train(tp, pp, dp, cp, ep, extra, steps, force_to_first_rank=False):
 
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
-    from megatron_lite.training.expert_balance import routers
+    from megatron_lite.training.expert_balance import moe_layers
 
     config = tiny_config(tp, pp, dp, ("--expert-model-parallel-size", str(ep)) + tuple(extra), cp=cp)
     state.initialize(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
     engine = Engine(config, with_scheduler=False)
     if force_to_first_rank:  # every token chooses among the first EP rank's experts: the others receive none
-        for router in routers(engine.module):
+        for router in [m.router for m in moe_layers(engine.module)]:
             router.expert_bias[: config.model.num_experts // ep] = 1e4
             router.bias_update_rate = 0.0
     batches = global_batches(config, steps)
@@ -48,10 +48,9 @@ def _train(tp, pp, dp, cp, ep, extra, steps, force_to_first_rank=False):
 
 def _named_routers(module):
     """(layer number, router) of every MoE layer in module, whatever its container's naming."""
-    from megatron_lite.model.transformer import TransformerLayer
+    from megatron_lite.training.expert_balance import moe_layers
 
-    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
-    return [(m.layer_number, m.mlp.router) for m in layers if hasattr(m.mlp, "router")]
+    return [(m.layer_number, m.router) for m in moe_layers(module)]
 
 
 HANG_TIMEOUT = 240.0
