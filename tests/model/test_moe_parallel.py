@@ -25,7 +25,7 @@ def _train(tp, pp, dp, cp, ep, extra, steps, force_to_first_rank=False):
 
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
-    from megatron_lite.training.expert_balance import moe_layers
+    from megatron_lite.training.expert_balance import moe_layers, moe_scalars
 
     config = tiny_config(tp, pp, dp, ("--expert-model-parallel-size", str(ep)) + tuple(extra), cp=cp)
     state.initialize(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
@@ -37,13 +37,14 @@ def _train(tp, pp, dp, cp, ep, extra, steps, force_to_first_rank=False):
     batches = global_batches(config, steps)
     data = micro_batches(config, batches, state.get_data_parallel_rank(), dp,
                          cp=(state.get_context_parallel_rank(), cp))
-    stats, loads = [], []
+    stats, loads, logged = [], [], []
     for _ in range(steps):
         stats.append(engine.train_step(data))
         loads.append({name: r.last_load.clone() for name, r in _named_routers(engine.module)})
+        logged.append(moe_scalars(engine.module))
     biases = {name: r.expert_bias.clone() for name, r in _named_routers(engine.module) if r.expert_bias is not None}
     return {"rank": dist.get_rank(), "losses": [s.loss for s in stats], "norms": [s.grad_norm for s in stats],
-            "loads": loads, "biases": biases, "coord": state.describe()}
+            "loads": loads, "logged": logged, "biases": biases, "coord": state.describe()}
 
 
 def _named_routers(module):
@@ -64,15 +65,18 @@ def run_layout(tp, pp, dp, cp, ep, extra=(), steps=STEPS, force_to_first_rank=Fa
 
 def dense_reference(extra=()):
     config = tiny_config(extra=MOE + tuple(extra))
-    norms, loads, biases = [], [], {}
+    from megatron_lite.training.expert_balance import moe_scalars
+
+    norms, loads, logged, biases = [], [], [], {}
 
     def after_step(model):
         loads.append({name: r.last_load.clone() for name, r in _named_routers(model)})
+        logged.append(moe_scalars(model))
         biases.update({name: r.expert_bias.clone() for name, r in _named_routers(model) if r.expert_bias is not None})
 
     losses = dense_losses(config, global_batches(config, STEPS), micro_batch_size=config.batch.micro_batch_size,
                           norms=norms, after_step=after_step)
-    return {"losses": losses, "norms": norms, "loads": loads, "biases": biases}
+    return {"losses": losses, "norms": norms, "loads": loads, "logged": logged, "biases": biases}
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,9 @@ def assert_matches(results, reference, tolerance=1e-5):
         for step, (mine, dense) in enumerate(zip(r["loads"], reference["loads"])):
             for layer, load in mine.items():  # this rank's stage's MoE layers
                 assert torch.equal(load, dense[layer]), f"{where} step {step} layer {layer}: {load} vs {dense[layer]}"
+        for step, (mine, dense) in enumerate(zip(r["logged"], reference["logged"])):
+            assert bool(mine) == bool(r["loads"][step]) and all(abs(v - dense[k]) <= 1e-5 * max(abs(dense[k]), 1e-3) for k, v in mine.items()), \
+                f"{where} step {step}: logged {mine} vs dense {dense}"
 
 
 @pytest.mark.parametrize("tp, pp, dp, cp, ep, extra", [
