@@ -127,13 +127,15 @@ class GroupedExperts(nn.Module):
                 out = out + self.bias2.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
             return out
         outs = []
-        # One GEMM pair per local expert over its rows (a loop over experts, never over tokens).
+        # One GEMM pair per local expert over its rows (a loop over experts, never over tokens). unbind, not
+        # weight[e]: indexing's backward writes a zero-filled [E, ...] gradient per expert (measured: 18% of a
+        # CPU step in aten::fill_), unbind's stacks the E parts once.
+        w1, w2 = self.weight1.unbind(0), self.weight2.unbind(0)
+        b1 = self.bias1.unbind(0) if self.bias1 is not None else [None] * len(w1)
+        b2 = self.bias2.unbind(0) if self.bias2 is not None and tp_rank() == 0 else None
         for e, part in enumerate(rows.split(tokens_per_expert)):
-            inner = F.linear(part, self.weight1[e], None if self.bias1 is None else self.bias1[e])
-            out = F.linear(self._activation(inner), self.weight2[e])
-            if self.bias2 is not None and tp_rank() == 0:
-                out = out + self.bias2[e]
-            outs.append(out)
+            out = F.linear(self._activation(F.linear(part, w1[e], b1[e])), w2[e])
+            outs.append(out if b2 is None else out + b2[e])
         return torch.cat(outs) if outs else rows.new_zeros((0, self.weight2.shape[1]))
 
     def _activation(self, inner: torch.Tensor) -> torch.Tensor:
