@@ -170,3 +170,28 @@ def test_capacity_dropping_at_ep2_finishes_and_matches_the_dense_run():
     # DeepSpeed #6809: ranks that drop different numbers of tokens must not disagree in the all-to-all.
     extra = ("--moe-expert-capacity-factor", "0.5")
     assert_matches(run_layout(1, 1, 2, 1, 2, extra), dense_reference(extra))
+
+
+def _fp16_on_cpu():
+    # DeepSpeed's CPU accelerator refuses fp16 without mkldnn fp16 kernels (tests/training/test_fp16_loss_scale.py
+    # says why overriding that one capability flag runs the real fp16 optimizer path).
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
+def _train_in(precision, *args):
+    if precision == "--fp16":
+        _fp16_on_cpu()
+    return _train(*args)
+
+
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_low_precision_moe_at_ep2_trains_as_at_ep1_and_near_the_fp32_dense_run(precision, strong_reference):
+    # bf16 accumulates in fp32 at ZeRO 1; fp16's router-loss gradients must carry the loss scale (model/aux_loss.py).
+    extra = tuple(MOE) + STRONG_ROUTER_LOSSES + (precision, "--zero-stage", "1")
+    runs = {ep: run_distributed(_train_in, 2, precision, 1, 1, 2, 1, ep, extra, STEPS, False,
+                                timeout=HANG_TIMEOUT)[0] for ep in (1, 2)}
+    for step, (one, two, dense) in enumerate(zip(runs[1]["losses"], runs[2]["losses"], strong_reference["losses"])):
+        assert abs(two - one) / abs(one) <= 2e-3, (precision, step, one, two)
+        assert abs(two - dense) / abs(dense) <= 3e-2, (precision, step, two, dense)
