@@ -80,6 +80,33 @@ on while their fp32 copy is made, and backward turns the fp32 gradient into a 16
 transient of e bsV/t when e < 4.
 A non-last stage also keeps its output (e bsh / r, this rank's part of the sequence) per micro-batch in
 flight for the send.
+
+An MoE layer (model/moe.py; `moe_mlp_bytes`) keeps, instead of the MLP's terms, with T = bs the tokens it
+dispatches (under sequence parallelism every TP rank gathers the whole s), T/r those it routes, E experts,
+K = --moe-router-topk, F the expert width, F_s the shared expert's, and N the routed copies this rank's
+experts receive (`routed_copies`: T K under balanced routing, each expert T K / E; fewer with a capacity):
+  router   (fp32 whatever the model's dtype) 16-bit: the input and the weight cast to fp32, 4 T h / r + 4 E h
+           scores: softmax (top-k of the logits, then softmax over k): the logits, which the top-k's gather
+             keeps, and the k weights, 4 (E + K) T / r; pre-softmax: the softmax, 4 E T / r; sigmoid: the
+             sigmoid, 4 E T / r, and for K > 1 the chosen scores and their sums, 4 (K + 1) T / r
+           the chosen experts (int64, kept by the gather)                   8 K T / r
+           the weights the combination multiplies by (the input's dtype, all T) e K T, unless they are the
+             softmax's own output (fp32, no scaling factor, no sequence parallelism)
+           aux loss: its softmax (sigmoid: sigmoid and sums) 4 E T / r (+ 4 T / r) and the token counts
+             4 E (seq_aux_loss: per sample, 4 b E); z-loss: the logits (unless kept above) and their
+             log-sum-exp, 4 (E + 1) T / r
+  dispatch the copies' order (int64; kept by the combination)        8 K T, and each sent copy's token 8 N
+           expert parallelism: the received rows' order and its inverse       16 N
+  experts  their input rows                                           e N h
+           GeLU: inner and activation, SwiGLU: [gate; up], silu, product      2 e N F / t, 4 e N F / t
+  combine  the experts' outputs (EP > 1: as they come back)           e N h
+           the einsum's copy of the [T, K, h] outputs it sums                e K T h
+  shared   the MLP at width F_s                                       2 e T F_s / t (SwiGLU: 4)
+           --moe-shared-expert-gate: the sigmoid and the shared output (e T + e T h) / r
+The input (the norm's output) is the norm's term, except at 16 bits without a shared expert: then only
+its fp32 copy is kept (- e T h / r). The gathered tokens are not kept (the dispatch keeps indices only).
+Measured: tests/model/test_memory_moe.py, on CPU with the per-expert loop (the grouped GEMM on CUDA keeps
+its own, not measured here); unbalanced routing: `routed_copies`.
 """
 from __future__ import annotations
 
@@ -304,7 +331,67 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
     return by_path[path] if path is not None else max(by_path.values())
 
 
-def _layer_bytes(config: Config, device: str, selective: bool) -> int:
+def routed_copies(config: Config, worst_case: bool = False) -> Tuple[int, int]:
+    """(sent, received): the routed copies of one micro-batch's tokens that a rank dispatches (within the
+    capacity) and those its experts receive, under balanced routing (each expert T K / E copies from every
+    rank; the census routes so). T = b s (the whole sequence under sequence parallelism, which gathers it).
+
+    The worst case (`worst_case`), unbalanced routing: dropless at EP 1, every copy on one expert still
+    totals T K rows on the rank, so the balanced count is the bound (capacity only lowers it: at most C =
+    ceil(T K / E x factor) per expert). Under EP a rank receives at most what every EP rank sends to its
+    E/EP experts: T K x EP dropless, EP x min(T K, E/EP x C) with a capacity. The estimate books the
+    balanced count; every term that scales with N (rows, expert inner activations, their orders) grows
+    with it."""
+    from megatron_lite.model.router import capacity
+
+    m, d = config.model, dims(config, "cuda")
+    experts, k, ep = m.num_experts, m.moe_router_topk, config.parallel.expert_model_parallel_size
+    copies = d.bs * k
+    limit = None if m.moe_expert_capacity_factor is None else capacity(d.bs, k, experts, m.moe_expert_capacity_factor)
+    sent = copies if limit is None else min(copies, experts * limit)
+    if not worst_case:
+        return sent, sent
+    per_source = copies if limit is None else min(copies, experts // ep * limit)
+    return sent, ep * per_source
+
+
+def moe_mlp_bytes(config: Config, device: str = "cuda", received: Optional[int] = None) -> int:
+    """What an MoE layer keeps instead of the MLP's terms (module docstring), with `received` routed copies
+    on this rank's experts (`routed_copies`: balanced routing unless given)."""
+    m, d, p = config.model, dims(config, device), config.parallel
+    e, h, T, Tr = d.e, d.h, d.bs, d.bs // d.r
+    E, K, ep = m.num_experts, m.moe_router_topk, p.expert_model_parallel_size
+    sent, balanced = routed_copies(config)
+    N = balanced if received is None else received
+    total = 4 * Tr * h + 4 * E * h if e < 4 else 0  # the router's fp32 input and weight
+    if e < 4 and m.moe_shared_expert_intermediate_size is None:
+        total -= e * Tr * h  # nothing keeps the norm's 16-bit output (norm_bytes books it) but the fp32 copy
+    default_softmax = m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
+    if m.moe_router_score_function == "sigmoid":
+        total += 4 * Tr * E + (4 * Tr * (K + 1) if K > 1 else 0)
+    else:
+        total += 4 * Tr * E + (4 * Tr * K if default_softmax else 0)
+    total += 8 * Tr * K
+    if not (default_softmax and e == 4 and m.moe_router_topk_scaling_factor is None and d.r == 1):
+        total += e * T * K
+    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff > 0:
+        total += 4 * Tr * E + (4 * Tr if m.moe_router_score_function == "sigmoid" else 0)
+        total += 4 * E * (d.b if m.moe_router_load_balancing_type == "seq_aux_loss" else 1)
+    if m.moe_z_loss_coeff:
+        total += (0 if default_softmax else 4 * Tr * E) + 4 * Tr
+    total += 8 * T * K + 8 * sent + (16 * N if ep > 1 else 0)
+    from megatron_lite.model.moe_options import expert_ffn_hidden_size
+
+    total += e * N * h + (4 if m.swiglu else 2) * e * N * expert_ffn_hidden_size(m) // d.t
+    total += e * (sent if ep > 1 else N) * h + e * T * K * h
+    if m.moe_shared_expert_intermediate_size is not None:
+        total += (4 if m.swiglu else 2) * e * T * m.moe_shared_expert_intermediate_size // d.t
+        if m.moe_shared_expert_gate:
+            total += (e * T + e * T * h) // d.r
+    return total
+
+
+def _layer_bytes(config: Config, device: str, selective: bool, moe: bool = False) -> int:
     m, d = config.model, dims(config, device)
     total = 2 * norm_bytes(config, device)
     total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.head_dim
@@ -316,21 +403,29 @@ def _layer_bytes(config: Config, device: str, selective: bool) -> int:
         total += 2 * d.e * d.S * d.head_dim * (d.b if m.reset_position_ids and needs_document_ids(m) else 1)
     if d.g < d.t:
         total += d.e * (d.local_heads + 2) * d.head_dim * d.h
-    total += (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t
+    total += moe_mlp_bytes(config, device) if moe else (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t
     if m.hidden_dropout > 0:
         total += 2 * d.k * d.bsh // d.r
     return total
 
 
-def full_layer_activation_bytes(config: Config, device: str = "cuda") -> int:
-    """Bytes one transformer layer keeps for one micro-batch without any recompute."""
-    return _layer_bytes(config, device, selective=False)
+def _is_moe(config: Config, layer_number: Optional[int]) -> bool:
+    from megatron_lite.model.moe_options import is_moe_layer
+
+    return layer_number is not None and is_moe_layer(config.model, layer_number)
 
 
-def layer_activation_bytes(config: Config, device: str = "cuda") -> int:
+def full_layer_activation_bytes(config: Config, device: str = "cuda", layer_number: Optional[int] = None) -> int:
+    """Bytes one transformer layer keeps for one micro-batch without any recompute; layer_number (from 1)
+    says whether it is MoE (None: dense)."""
+    return _layer_bytes(config, device, selective=False, moe=_is_moe(config, layer_number))
+
+
+def layer_activation_bytes(config: Config, device: str = "cuda", layer_number: Optional[int] = None) -> int:
     """Bytes one transformer layer keeps for one micro-batch with the config's selective recompute
-    (full recompute is per stage: stage_layer_bytes)."""
-    return _layer_bytes(config, device, selective=config.model.recompute_granularity == "selective")
+    (full recompute is per stage: stage_layer_bytes); layer_number as full_layer_activation_bytes'."""
+    return _layer_bytes(config, device, selective=config.model.recompute_granularity == "selective",
+                        moe=_is_moe(config, layer_number))
 
 
 def selective_rebuild_bytes(config: Config, device: str = "cuda") -> int:
@@ -347,23 +442,24 @@ def kv_gather_transient_bytes(config: Config) -> int:
     return d.e * 2 * d.g * d.head_dim * d.h if d.g < d.t else 0
 
 
-def stage_layer_bytes(config: Config, layers: int, device: str = "cuda") -> Tuple[int, int]:
-    """(kept, transient) for a stage's `layers` transformer layers and one micro-batch: what they keep
-    between forward and backward, and the most that recompute rebuilds at once in backward."""
+def stage_layer_bytes(config: Config, layers: int, device: str = "cuda", first_layer: int = 1) -> Tuple[int, int]:
+    """(kept, transient) for a stage's `layers` transformer layers (numbered from `first_layer`, which says
+    which are MoE) and one micro-batch: what they keep between forward and backward, and the most that
+    recompute rebuilds at once in backward."""
     m = config.model
     d = dims(config, device)
-    per_layer = layer_activation_bytes(config, device)
+    per_layer = [layer_activation_bytes(config, device, n) for n in range(first_layer, first_layer + layers)]
     if m.recompute_granularity == "selective":
-        return layers * per_layer, (selective_rebuild_bytes(config, device) if layers else 0)
+        return sum(per_layer), (selective_rebuild_bytes(config, device) if layers else 0)
     if m.recompute_granularity != "full":
-        return layers * per_layer, 0
+        return sum(per_layer), 0
     kept, transient = 0, 0
     for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers, layers):
         if again:
             kept += d.e * d.bsh // d.r  # the chunk's input
-            transient = max(transient, (end - start) * per_layer)
+            transient = max(transient, sum(per_layer[start:end]))
         else:
-            kept += (end - start) * per_layer
+            kept += sum(per_layer[start:end])
     return kept, transient
 
 

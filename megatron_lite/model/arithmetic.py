@@ -24,6 +24,17 @@ One transformer layer (model/transformer.py), each weight [out, in]:
     biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear
     two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
     QK-norm      --qk-layernorm: two norms of d (q and k; LayerNorm 2d each), whole on every rank
+
+An MoE layer (model/moe.py; which layers: model/moe_options.py) has the same attention and norms, and
+instead of the MLP, with E experts, k = --moe-router-topk, F the expert width, F_s the shared expert's,
+EP the expert-parallel degree:
+    router       [E, h]                     whole on every rank
+    experts      [E/EP, F, h] ([E/EP, 2F, h] SwiGLU) and [E/EP, h, F], split over TP as the MLP (F/t);
+                 biases [E/EP, F] (2F) split and [E/EP, h] whole; a rank holds E/EP of the E experts
+    shared       the MLP above at width F_s (--moe-shared-expert-intermediate-size), if any
+    gate         [1, h] whole (--moe-shared-expert-gate)
+A token passes through the router, k experts and the shared expert: `active_parameters` counts those,
+and the FLOPs (behind TFLOP/s and MFU) count k experts per token, never E.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ import functools
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, moe_layer_pattern
 from megatron_lite.model.partition import SpecCost, partition
 
 
@@ -73,24 +85,52 @@ def norm_parameters(model: ModelConfig) -> int:
     return sum(norm_tensors(model))
 
 
-def layer_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
+def mlp_tensors(model: ModelConfig, tp: int = 1, ffn: Optional[int] = None) -> List[int]:
+    """The dense MLP (ParallelMLP) of width `ffn` (--ffn-hidden-size unless given) on one TP rank: [f, h]
+    (SwiGLU [2f, h]) and [h, f] split, biases f (2f) split and h whole (added after the reduction)."""
+    h, f = model.hidden_size, ffn or model.ffn_hidden_size
+    inner = 2 * f if model.swiglu else f
+    split = [inner * h, h * f] + ([inner] if model.add_bias_linear else [])
+    return [n // tp for n in split] + ([h] if model.add_bias_linear else [])
+
+
+def expert_tensors(model: ModelConfig, tp: int = 1, ep: int = 1) -> List[int]:
+    """One MoE layer's routed experts on one rank: E/EP of them stacked (model/moe.py GroupedExperts),
+    weight1 [E/EP, F/t, h] ([E/EP, 2F/t, h] SwiGLU), weight2 [E/EP, h, F/t], biases [E/EP, F/t] (2F/t) and
+    [E/EP, h]. At ep = E: one expert."""
+    h, f, local = model.hidden_size, expert_ffn_hidden_size(model), model.num_experts // ep
+    inner = 2 * f if model.swiglu else f
+    tensors = [local * inner * h // tp, local * h * f // tp]
+    return tensors + ([local * inner // tp, local * h] if model.add_bias_linear else [])
+
+
+def moe_mlp_tensors(model: ModelConfig, tp: int = 1, ep: int = 1) -> List[int]:
+    """What an MoE layer has instead of the MLP, on one rank: router [E, h], this rank's experts
+    (`expert_tensors`), the shared expert (an MLP of --moe-shared-expert-intermediate-size) and its gate [1, h]."""
+    tensors = [model.num_experts * model.hidden_size] + expert_tensors(model, tp, ep)
+    if model.moe_shared_expert_intermediate_size is not None:
+        tensors += mlp_tensors(model, tp, model.moe_shared_expert_intermediate_size)
+        tensors += [model.hidden_size] if model.moe_shared_expert_gate else []
+    return tensors
+
+
+def layer_tensors(model: ModelConfig, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> List[int]:
     """Elements of each parameter tensor of one transformer layer on one TP rank (the layout in the
     module docstring): what DeepSpeed's ZeRO 3 partitions or keeps whole tensor by tensor. Validation
     makes every split part (a d, g d, f) divisible by TP; a rank sharing a key/value group with others
-    (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py)."""
-    h, f = model.hidden_size, model.ffn_hidden_size
-    qkv, mlp_in = qkv_width(model), mlp_in_width(model)
-    split = [qkv * h, h * attention_width(model), mlp_in * h, h * f]
-    whole = norm_tensors(model) * 2 + qk_norm_tensors(model)
-    if model.add_bias_linear:
-        split += [qkv, mlp_in]
-        whole += [h, h]  # the row-parallel biases, added after the reduction
-    return [n // tp for n in split] + whole
+    (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py). layer_number (from 1):
+    an MoE layer (model/moe_options.py) has `moe_mlp_tensors`, E/EP experts at `ep`; None: a dense layer."""
+    h, qkv = model.hidden_size, qkv_width(model)
+    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.add_bias_linear else [])
+    whole = norm_tensors(model) * 2 + qk_norm_tensors(model) + ([h] if model.add_bias_linear else [])
+    moe = layer_number is not None and is_moe_layer(model, layer_number)
+    mlp = moe_mlp_tensors(model, tp, ep) if moe else mlp_tensors(model, tp)
+    return [n // tp for n in split] + whole + mlp
 
 
-def layer_parameters(model: ModelConfig, tp: int = 1) -> int:
+def layer_parameters(model: ModelConfig, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
     """One transformer layer on one TP rank (`layer_tensors`)."""
-    return sum(layer_tensors(model, tp))
+    return sum(layer_tensors(model, tp, layer_number, ep))
 
 
 def embedding_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
@@ -105,39 +145,102 @@ def embedding_parameters(model: ModelConfig, tp: int = 1) -> int:
     return sum(embedding_tensors(model, tp))
 
 
-def spec_tensors(config: Config, tp: Optional[int] = None) -> List[List[int]]:
-    """Elements of each parameter tensor each spec holds on one TP rank (TP of the config unless `tp`),
-    in spec order. The tied head reports the embedding module it uses: a full copy when on another stage."""
+def spec_tensors(config: Config, tp: Optional[int] = None, ep: Optional[int] = None) -> List[List[int]]:
+    """Elements of each parameter tensor each spec holds on one rank (TP and EP of the config unless `tp`,
+    `ep`), in spec order. The tied head reports the embedding module it uses: a full copy when on another stage."""
     m = require_vocab(config)
     t = config.parallel.tensor_model_parallel_size if tp is None else tp
+    e = config.parallel.expert_model_parallel_size if ep is None else ep
     embedding = embedding_tensors(m, t)
     head = [m.padded_vocab_size * m.hidden_size // t] if m.untie_embeddings_and_output_weights else embedding
-    return [embedding] + [layer_tensors(m, t) for _ in range(m.num_layers)] + [norm_tensors(m), head]
+    layers = [layer_tensors(m, t, i, e) for i in range(1, m.num_layers + 1)]
+    return [embedding] + layers + [norm_tensors(m), head]
 
 
-def spec_parameters(config: Config, tp: Optional[int] = None) -> List[int]:
-    """Parameters each spec holds on one TP rank (`spec_tensors`, summed)."""
-    return [sum(tensors) for tensors in spec_tensors(config, tp)]
+def spec_parameters(config: Config, tp: Optional[int] = None, ep: Optional[int] = None) -> List[int]:
+    """Parameters each spec holds on one rank (`spec_tensors`, summed)."""
+    return [sum(tensors) for tensors in spec_tensors(config, tp, ep)]
 
 
 def total_parameters(config: Config) -> int:
-    """Parameters of the dense model (TP = 1), the tied embedding counted once."""
-    per_spec = spec_parameters(config, tp=1)
+    """Parameters of the whole model (TP = EP = 1: every expert once), the tied embedding counted once."""
+    per_spec = spec_parameters(config, tp=1, ep=1)
     return sum(per_spec) - (0 if config.model.untie_embeddings_and_output_weights else per_spec[-1])
 
 
-def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0) -> float:
+def moe_layers(model: ModelConfig) -> int:
+    """How many layers are MoE (none without --num-experts)."""
+    return sum(moe_layer_pattern(model))
+
+
+def active_parameters(config: Config) -> int:
+    """Parameters a token passes through: `total_parameters` less, in every MoE layer, the E - k routed
+    experts it is not sent to (the router, the shared expert and everything dense count whole). What
+    MoE papers quote as "active" and what the FLOPs per token follow; the dense model's total without
+    --num-experts."""
+    m = config.model
+    if m.num_experts is None:
+        return total_parameters(config)
+    one_expert = sum(expert_tensors(m, tp=1, ep=m.num_experts))
+    return total_parameters(config) - moe_layers(m) * (m.num_experts - m.moe_router_topk) * one_expert
+
+
+def mlp_forward_flops(model: ModelConfig, ffn: Optional[int] = None) -> float:
+    """Forward FLOPs per token of the dense MLP of width `ffn` (--ffn-hidden-size unless given): two
+    matmuls of h x f, three under SwiGLU, 2 FLOPs per multiply-add."""
+    return 2.0 * (3 if model.swiglu else 2) * model.hidden_size * (ffn or model.ffn_hidden_size)
+
+
+def moe_forward_flops(model: ModelConfig) -> float:
+    """Forward FLOPs per token of an MoE layer's MLP, active experts only: the router's logits (2 h E), k
+    experts' MLPs of width F, the weighted sum of their k outputs (`_weighted_sum_flops`), the shared
+    expert and its gate (2 h). Dropless routing sends every token to k experts whatever the balance;
+    with a capacity the dropped copies are not computed, counted all the same (as Megatron-LM counts)."""
+    h, k = model.hidden_size, model.moe_router_topk
+    flops = (2.0 * h * model.num_experts + k * mlp_forward_flops(model, expert_ffn_hidden_size(model))
+             + _weighted_sum_flops(model))
+    if model.moe_shared_expert_intermediate_size is not None:
+        flops += mlp_forward_flops(model, model.moe_shared_expert_intermediate_size)
+        flops += 2.0 * h if model.moe_shared_expert_gate else 0.0
+    return flops
+
+
+def _weighted_sum_flops(model: ModelConfig) -> float:
+    """The k expert outputs' weighted sum, einsum("tkh,tk->th"): a batched matmul of 2 h k per token for
+    k > 1; at k = 1 torch's einsum multiplies elementwise, no matmul (torch's FLOP counter agrees)."""
+    k = model.moe_router_topk
+    return 2.0 * model.hidden_size * k if k > 1 else 0.0
+
+
+def _last_matmul_flops(model: ModelConfig, layer_number: Optional[int]) -> float:
+    """The MLP's last matmul, whose output nothing keeps (full recompute does not run it again, see
+    recompute_forward_flops_per_token): the dense MLP's output projection (2 h f); in an MoE layer the
+    shared expert's output projection, or without a shared expert the weighted sum of the k outputs (none
+    at k = 1, where the experts' outputs are kept for the elementwise product); none with the gate (its
+    product keeps the shared expert's output)."""
+    if layer_number is None or not is_moe_layer(model, layer_number):
+        return 2.0 * model.hidden_size * model.ffn_hidden_size
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is None:
+        return _weighted_sum_flops(model)
+    return 0.0 if model.moe_shared_expert_gate else 2.0 * model.hidden_size * shared
+
+
+def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0,
+                        layer_number: Optional[int] = None) -> float:
     """Forward FLOPs per token of one transformer layer: the QKV ((a + 2g) d outputs: grouped keys and
     values cost 2 g d h each, not 2h^2), projection (a d -> h) and MLP matmuls (two of h x f, three under
-    SwiGLU; 2 FLOPs per multiply-add) plus the two attention matmuls over s keys (every query head, so
-    2 s a d each whatever g); `causal` counts the s/2 keys a token attends to on average, otherwise all s
-    (Megatron-LM's accounting). Norms are not matmuls and not counted (QK-norm neither). attention_share:
-    the part of those attention matmuls computed (documents attended one by one skip the blocks between
-    them: model/attention_mask.py)."""
-    h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
-    matmuls = 3 if model.swiglu else 2
+    SwiGLU; 2 FLOPs per multiply-add; an MoE layer's: `moe_forward_flops`) plus the two attention matmuls
+    over s keys (every query head, so 2 s a d each whatever g); `causal` counts the s/2 keys a token
+    attends to on average, otherwise all s (Megatron-LM's accounting). Norms are not matmuls and not
+    counted (QK-norm neither). attention_share: the part of those attention matmuls computed (documents
+    attended one by one skip the blocks between them: model/attention_mask.py). layer_number (from 1)
+    says whether the layer is MoE; None: a dense layer."""
+    h, s = model.hidden_size, model.seq_length
     inner = attention_width(model)
-    return (2 * (qkv_width(model) * h + inner * h + matmuls * h * f)
+    moe = layer_number is not None and is_moe_layer(model, layer_number)
+    mlp = moe_forward_flops(model) if moe else mlp_forward_flops(model)
+    return (2 * (qkv_width(model) * h + inner * h) + mlp
             + (2 if causal else 4) * s * inner * attention_share)
 
 
@@ -165,15 +268,15 @@ def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: i
 
 
 def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
-                                      attention_share: float = 1.0) -> float:
+                                      attention_share: float = 1.0, first_layer: int = 1) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
     recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
     default), so the last matmul of a recomputed region, whose output nothing keeps, is not run again:
       selective  each layer's scores matmul (2sh; not x V)
-      full       each recomputed chunk's layers but its last MLP output projection (2hf)
+      full       each recomputed chunk's layers but its last MLP matmul (2hf; MoE: `_last_matmul_flops`)
     layers_per_stage: transformer layers on each pipeline stage (default: one stage), which the chunks
-    of --recompute-method count per stage; attention_share: as training_flops_per_token's. Checked against
-    torch's FLOP counter."""
+    of --recompute-method count per stage, the first stage starting at layer `first_layer` (which
+    layers are MoE); attention_share: as training_flops_per_token's. Checked against torch's FLOP counter."""
     m = model
     stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
     if m.recompute_granularity == "selective":
@@ -183,12 +286,14 @@ def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Opti
         return sum(stages) * attention_core_forward_flops(m) * attention_share * rerun
     if m.recompute_granularity != "full":
         return 0.0
-    total = 0.0
+    total, offset = 0.0, first_layer
     for layers in stages:
         for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers, layers):
             if again:
-                total += ((end - start) * layer_forward_flops(m, causal=False, attention_share=attention_share)
-                          - 2.0 * m.hidden_size * m.ffn_hidden_size)
+                numbers = range(offset + start, offset + end)
+                total += (sum(layer_forward_flops(m, False, attention_share, n) for n in numbers)
+                          - _last_matmul_flops(m, numbers[-1]))
+        offset += layers
     return total
 
 
@@ -197,22 +302,24 @@ def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequ
     """Megatron-LM's count behind TFLOP/s and MFU: 3x the forward (forward, two backward matmuls),
     plus what activation recompute runs again (recompute_forward_flops_per_token); attention counted
     over all s keys, times the share of it computed (attention_share: model/attention_mask.py
-    AttentionWork, below 1 when documents are attended one by one)."""
+    AttentionWork, below 1 when documents are attended one by one). MoE layers count the k experts a
+    token is routed to (`moe_forward_flops`), so MFU follows active parameters, not total."""
     v = model.padded_vocab_size or model.vocab_size or 0
-    layers = 3 * model.num_layers * layer_forward_flops(model, causal=False, attention_share=attention_share)
+    layers = 3 * sum(layer_forward_flops(model, False, attention_share, n) for n in range(1, model.num_layers + 1))
     return (layers + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
             + 3 * 2 * model.hidden_size * v)
 
 
 def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:
-    """Forward FLOPs per token and (whole-model) parameters of each spec; with `seconds` (measured
+    """Forward FLOPs per token and (whole-model: TP = EP = 1) parameters of each spec; with `seconds` (measured
     by `--pipeline-partition-method profile`) each cost also carries its time."""
     m = require_vocab(config)
     h, v = m.hidden_size, m.padded_vocab_size
-    per_spec = spec_parameters(config, tp=1)
+    per_spec = spec_parameters(config, tp=1, ep=1)
     costs = [SpecCost("EmbeddingPipe", 4.0 * h, per_spec[0], False)]
-    costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True)), per_spec[1], True)
-              for _ in range(m.num_layers)]
+    # An MoE layer costs its active experts' FLOPs and holds all its experts' parameters.
+    costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True, layer_number=i)),
+                       per_spec[i], True) for i in range(1, m.num_layers + 1)]
     # Class names as model/gpt.py builds them (`type:<regex>` partitioning matches them).
     if m.normalization == "RMSNorm":
         costs.append(SpecCost("FinalRMSNormPipe", 4.0 * h, norm_parameters(m), False))
@@ -265,8 +372,23 @@ def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
 
 def transformer_layers_per_stage(config: Config, bounds: Sequence[int]) -> List[int]:
     """Transformer layers (specs 1..L) on each stage."""
-    L = config.model.num_layers
-    return [sum(1 for k in range(a, b) if 1 <= k <= L) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [len(numbers) for numbers in stage_layer_numbers(config, bounds)]
+
+
+def stage_layer_numbers(config: Config, bounds: Sequence[int]) -> List[range]:
+    """The transformer layers on each stage, numbered from 1 (spec k is layer k)."""
+    end = config.model.num_layers + 1
+    return [range(min(max(a, 1), end), max(min(b, end), 1)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def stage_expert_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
+    """The routed experts' parameters one rank of each stage holds (E/EP per MoE layer, after the TP split):
+    the part of `stage_parameters` that is reduced, and that ZeRO partitions, over expert-DP, not DP x CP."""
+    m, p = config.model, config.parallel
+    if m.num_experts is None:
+        return [0] * (len(bounds) - 1)
+    per_layer = sum(expert_tensors(m, p.tensor_model_parallel_size, p.expert_model_parallel_size))
+    return [per_layer * sum(is_moe_layer(m, n) for n in numbers) for numbers in stage_layer_numbers(config, bounds)]
 
 
 def stage_flops(config: Config, bounds: Sequence[int]) -> List[float]:

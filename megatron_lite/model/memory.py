@@ -57,6 +57,12 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
   the forward (its gradient); at bf16 the backward's peak equals the forward's (the gradient fits in what
   the head's backward freed), booked all the same.
 
+Mixture of Experts: a rank's routed experts (E/EP per MoE layer: arithmetic.stage_expert_parameters) are
+reduced over, and ZeRO 1 / the bf16 optimizer partition their states over, the N / EP ranks that hold the
+same experts (expert-DP: `expert_data_partitions`), as DeepSpeed 0.19 does for the expert parameter groups
+(bf16_optimizer.py / stage_1_and_2.py `real_dp_process_group`); every row of the table is booked for the
+dense part P - P_e over N plus the experts' part P_e over N / EP (MoE trains at ZeRO 0 or 1 only).
+
 Communication buffers: DeepSpeedZeroOptimizer (ZeRO 1/2, and bf16/fp32 with
 offload) allocates `reduce_bucket_size` elements (default 5e8) for gradient
 reduction in its reduction dtype (fp32 at ZeRO 1, the weight dtype at ZeRO 2),
@@ -69,7 +75,9 @@ Gradient reduction (DeepSpeed 0.19 engine.py `buffered_allreduce_fallback`, whic
 engine runs at ZeRO 0 and under the bf16 optimizer, even at DP 1): it flattens the gradients into
 buckets of up to 5e8 elements and all-reduces each: a copy of min(P, 5e8) gradients (fp32 under the
 bf16 optimizer, whose gradients are its fp32 accumulators; measured on this engine). ZeRO 1/2's own
-buckets are the communication buffers above.
+buckets are the communication buffers above. With experts the dense gradients are reduced first, then
+the experts' over expert-DP (engine.py `_reduce_expert_gradients`): the larger of the two copies (not
+measured).
 Gradients during a step (`step_gradient_bytes`): at ZeRO 0 and 1 every parameter's own .grad, in the
 weights' dtype, from the first backward to the end of the optimizer step, and not between steps.
 Optimizer step (torch's fused AdamW): on the CPU no temporaries of its own (measured with
@@ -114,8 +122,9 @@ from megatron_lite.model.arithmetic import (
     embedding_tensors,
     spec_tensors,
     stage_bounds,
+    stage_expert_parameters,
+    stage_layer_numbers,
     stage_parameters,
-    transformer_layers_per_stage,
 )
 
 GIB = 1024 ** 3
@@ -182,6 +191,26 @@ def zero_partitions(config: Config) -> int:
     weights and see different tokens of the same samples)."""
     p = config.parallel
     return p.data_parallel_size * p.context_parallel_size
+
+
+def expert_data_partitions(config: Config) -> int:
+    """N / EP: the ranks that hold the same experts (expert-DP), over which expert gradients are reduced
+    and ZeRO partitions the experts' optimizer states."""
+    return zero_partitions(config) // config.parallel.expert_model_parallel_size
+
+
+def stage_model_state_bytes(config: Config, parameters: int, expert_parameters: int = 0, cpu_offload: bool = False,
+                            offload_param: bool = False, persistent_parameters: int = 0) -> Dict[str, int]:
+    """`model_state_bytes` of a stage's `parameters` on one rank, of which `expert_parameters` are routed
+    experts' (partitioned over expert-DP, `expert_data_partitions`; the rest over N)."""
+    par, precision = config.parallel, config.precision.dtype_name
+    dense = model_state_bytes(parameters - expert_parameters, par.zero_stage, zero_partitions(config), precision,
+                              cpu_offload, offload_param, persistent_parameters, _fp32_accumulation(config))
+    if not expert_parameters:
+        return dense
+    experts = model_state_bytes(expert_parameters, par.zero_stage, expert_data_partitions(config), precision,
+                                cpu_offload, offload_param, 0, _fp32_accumulation(config))
+    return {key: dense[key] + experts[key] for key in dense}
 
 
 def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -284,11 +313,13 @@ def communication_bytes(config: Config, ds_config: Optional[Dict[str, Any]]) -> 
 
 
 def reduction_transient_bytes(parameters: int, zero_stage: int, precision: str, cpu_offload: bool,
-                              fp32_accumulation: bool = True) -> int:
-    """The gradient reduction's temporary flat copy (see above); ZeRO 1/2 buckets are communication buffers."""
+                              fp32_accumulation: bool = True, expert_parameters: int = 0) -> int:
+    """The gradient reduction's temporary flat copy (see above); ZeRO 1/2 buckets are communication buffers.
+    expert_parameters: the part of `parameters` reduced after the rest, over expert-DP."""
     if _uses_zero_optimizer(zero_stage, precision, cpu_offload, fp32_accumulation) or zero_stage >= 2:
         return 0
-    return 4 * min(parameters, DEFAULT_BUCKET)  # fp32: ZeRO 0 fp32, or the bf16 optimizer's fp32 gradients
+    # fp32: ZeRO 0 fp32, or the bf16 optimizer's fp32 gradients
+    return 4 * max(min(parameters - expert_parameters, DEFAULT_BUCKET), min(expert_parameters, DEFAULT_BUCKET))
 
 
 def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partitions: int = 1,
@@ -310,9 +341,15 @@ def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partit
     return (4 if precision == "fp32" else 2) * parameters
 
 
-def step_transient_bytes(config: Config, parameters: int, device: str) -> int:
-    """The optimizer step's temporaries (see above), beyond step_gradients."""
+def step_transient_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0) -> int:
+    """The optimizer step's temporaries (see above), beyond step_gradients; expert_parameters: the part of
+    `parameters` partitioned over expert-DP."""
     p, precision = config.parallel, config.precision.dtype_name
+
+    def partition(bytes_per_param: int) -> int:  # one rank's partitions: the dense part over N, the experts' over N/EP
+        return (bytes_per_param * (parameters - expert_parameters) // zero_partitions(config)
+                + bytes_per_param * expert_parameters // expert_data_partitions(config))
+
     if p.cpu_offload:
         return 0  # the step runs on the CPU copy
     if device == "cpu":
@@ -324,14 +361,22 @@ def step_transient_bytes(config: Config, parameters: int, device: str) -> int:
         bf16_accumulators = precision == "bf16" and p.zero_stage == 0
         zero_1 = p.zero_stage == 1 and _uses_zero_optimizer(1, precision, False, _fp32_accumulation(config))
         zero_3 = 4 if precision == "fp32" or _fp32_accumulation(config) else 6
+        if zero_1 and expert_parameters:
+            # DeepSpeedZeroOptimizer steps one parameter group at a time (stage_1_and_2.py step), freeing each
+            # group's fp32 gradient partition before the next: the dense groups', then the experts' (measured).
+            return 4 * max((parameters - expert_parameters) // zero_partitions(config),
+                           expert_parameters // expert_data_partitions(config))
         per_partition = (4 if bf16_accumulators or zero_1 else 8 if p.zero_stage == 2
                          else zero_3 if p.zero_stage == 3 else 0)
-        return per_partition * parameters // zero_partitions(config)
+        return partition(per_partition)
     # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
     flat = (_uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload, _fp32_accumulation(config))
             or p.zero_stage >= 2 or precision == "bf16")
     # On CUDA (not yet measured there): one fp32 temporary of everything it steps.
-    return 4 * (parameters // zero_partitions(config) if flat else parameters)
+    if not flat:
+        return 4 * parameters
+    return 4 * ((parameters - expert_parameters) // zero_partitions(config)
+                + expert_parameters // expert_data_partitions(config))
 
 
 def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int) -> int:
@@ -381,24 +426,25 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     precision = config.precision.dtype_name
     bounds = stage_bounds(config, estimate=True)
     params = stage_parameters(config, bounds)
+    experts = stage_expert_parameters(config, bounds)
     tensors = spec_tensors(config)
     tied = not config.model.untie_embeddings_and_output_weights
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
     pp = par.pipeline_model_parallel_size
     num_specs = len(tensors)
-    layers_per_stage = transformer_layers_per_stage(config, bounds)
+    layer_numbers = stage_layer_numbers(config, bounds)
     boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        layers, first, last = layers_per_stage[i], a == 0, b == num_specs
+        layers, first, last = len(layer_numbers[i]), a == 0, b == num_specs
         # One module per spec, the tied head being the embedding's when this stage holds both (PP 1).
         modules = tensors[a:b - 1] if tied and first and last else tensors[a:b]
         threshold = settings["persistence_threshold"]
         persistent = zero3_persistent_parameters([n for module in modules for n in module], threshold)
-        states = model_state_bytes(params[i], par.zero_stage, zero_partitions(config), precision, par.cpu_offload,
-                                   settings["offload_param"], persistent, _fp32_accumulation(config))
-        per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device)
+        states = stage_model_state_bytes(config, params[i], experts[i], par.cpu_offload, settings["offload_param"],
+                                         persistent)
+        per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device, layer_numbers[i].start)
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
         if last:
@@ -416,8 +462,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
                           rebuilt,
                           activations.kv_gather_transient_bytes(config) if layers else 0),
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload,
-                                                          _fp32_accumulation(config)),
-            step_transient=step_transient_bytes(config, params[i], device),
+                                                          _fp32_accumulation(config), experts[i]),
+            step_transient=step_transient_bytes(config, params[i], device, experts[i]),
             cpu_bytes=states["cpu_bytes"],
             snapshot=states["saved"] if config.training.async_save else 0, snapshot_in_peak=device == "cpu",
             step_gradients=step_gradient_bytes(params[i], par.zero_stage, precision, zero_partitions(config),

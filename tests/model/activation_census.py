@@ -22,7 +22,8 @@ def _model_and_batch(config):
 
     cp = config.parallel.context_parallel_size
     if not state.is_initialized():
-        state.initialize(config.parallel.tensor_model_parallel_size, 1, context_parallel_size=cp)
+        state.initialize(config.parallel.tensor_model_parallel_size, 1, context_parallel_size=cp,
+                         expert_model_parallel_size=config.parallel.expert_model_parallel_size)
     model = GPTModel(config).train()
     if config.precision.dtype_name != "fp32":  # as the engine casts it
         model = model.to(torch.bfloat16 if config.precision.bf16 else torch.float16)
@@ -138,3 +139,27 @@ def saved_bytes_per_layer(config):
         y = run_stage(model._forward_fns[1:2], x, config.model)
     (y[0] if isinstance(y, tuple) else y).sum().backward()  # recompute and backward run as in training (nothing more is counted)
     return sum(kept.values())
+
+
+@contextlib.contextmanager
+def forced_routing(balanced: bool = True):
+    """MoE routers choose their experts by rule, not by score (the weights still come from the scores).
+    balanced: copy j of this rank's token t goes to expert (t k + j) mod E, so each expert gets T k / E copies
+    from every rank (when E divides T k): the routing the estimate books (model/activations.py
+    routed_copies). Otherwise every token goes to experts 0 .. k-1: all copies on the first EP rank, the
+    worst case the estimate bounds."""
+    from megatron_lite.model.router import TopKRouter
+
+    def choose(router, scores):
+        first = torch.arange(router.topk, device=scores.device).repeat(scores.shape[0], 1)  # [T, k], as topk gives
+        if not balanced:
+            return first
+        t = torch.arange(scores.shape[0], device=scores.device)[:, None] * router.topk
+        return (t + first) % router.num_experts
+
+    real = TopKRouter._choose
+    TopKRouter._choose = choose
+    try:
+        yield
+    finally:
+        TopKRouter._choose = real

@@ -1,6 +1,7 @@
 """Bytes a real DeepSpeed engine holds: every live tensor's storage, counted once, taken just
 before the optimizer's second step (gradients reduced, optimizer states and master copies
-allocated by the first step, activations freed)."""
+allocated by the first step, activations freed; DeepSpeed's ZeRO 1/2 optimizer steps its parameter
+groups one by one, so this is the last group's step), and between steps after it."""
 import gc
 
 import torch
@@ -48,7 +49,7 @@ def engine_census(tp, pp, dp, extra, ds_json):
 
     # hidden 128: model states large next to the few activation-sized buffers the engine keeps between steps
     config = tiny_config(tp, pp, dp, ("--hidden-size", "128") + tuple(extra) + ("--deepspeed-config", ds_json))
-    state.initialize(tp, pp)
+    state.initialize(tp, pp, expert_model_parallel_size=config.parallel.expert_model_parallel_size)
     engine = Engine(config, with_scheduler=False)
     data = micro_batches(config, global_batches(config, 2), state.get_data_parallel_rank(), dp)
     engine.train_step(data)
@@ -63,5 +64,7 @@ def engine_census(tp, pp, dp, extra, ds_json):
 
     inner.step = step
     engine.train_step(data)
+    gc.collect()
+    between = live_storage_bytes()
     stage = state.get_pipeline_model_parallel_rank()
-    return {"rank": dist.get_rank(), "stage": stage, "bytes": taken["bytes"], "config": config}
+    return {"rank": dist.get_rank(), "stage": stage, "bytes": taken["bytes"], "between": between, "config": config}

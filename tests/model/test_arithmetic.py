@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_lite.model import arithmetic
+from megatron_lite.model.moe_options import is_moe_layer
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA  # SwiGLU, RMSNorm, 2 groups for 4 heads, no biases, RoPE
@@ -227,3 +228,166 @@ def test_documents_attended_one_by_one_count_only_their_attention_in_the_trainin
     last = 2 * 16 ** 2 * m.hidden_size * m.num_layers / (b * s) if recompute == "selective" else 0
     assert counted == pytest.approx(arithmetic.training_flops_per_token(m, attention_share=share) - last, rel=1e-6)
     assert counted < arithmetic.training_flops_per_token(m)
+
+
+EXPERTS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48")
+MOE_VARIANTS = {
+    # GPT-2's block (GeLU, biases: each expert has two) with a gated shared expert, every layer MoE
+    "gelu_gated_shared": EXPERTS + ("--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate"),
+    # the Llama block (SwiGLU, no biases) with an ungated shared expert, the first layer dense
+    "swiglu_shared": LLAMA + EXPERTS + ("--moe-shared-expert-intermediate-size", "64",
+                                        "--moe-layer-freq", "([0]*1+[1]*3)"),
+    # routed experts only, every other layer MoE (layers 1 and 3)
+    "routed_only": EXPERTS + ("--moe-layer-freq", "2", "--moe-router-topk", "1"),
+}
+
+
+def _expert_modules(model):
+    from megatron_lite.model.moe import GroupedExperts
+
+    return [module for module in model.modules() if isinstance(module, GroupedExperts)]
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_parameters_per_layer_and_in_total_match_the_built_model(variant):
+    """Router, all E experts, shared expert and gate, layer by layer and tensor by tensor, at EP 1."""
+    from megatron_lite.model.gpt import GPTModel
+
+    config = tiny_config(1, 1, 1, MOE_VARIANTS[variant])
+    model = GPTModel(config)
+    assert sum(p.numel() for p in model.parameters()) == arithmetic.total_parameters(config)
+    per_spec = arithmetic.spec_parameters(config)
+    untied = config.model.untie_embeddings_and_output_weights
+    assert [sum(p.numel() for p in layer.parameters()) for layer in model.layers] == (
+        per_spec if untied else per_spec[:-1])
+    tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
+    assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
+    assert len(_expert_modules(model)) == arithmetic.moe_layers(config.model)
+
+
+def test_a_rank_holds_half_the_experts_at_ep2():
+    """Counted without building at EP 2: every MoE layer holds E/2 of the experts the EP 1 model built has
+    (their stacked tensors' first dimension), the rest of the layer whole."""
+    from megatron_lite.model.gpt import GPTModel
+
+    extra = MOE_VARIANTS["swiglu_shared"] + ("--expert-model-parallel-size", "2")
+    config = tiny_config(1, 1, 2, extra)
+    model = GPTModel(tiny_config(1, 1, 1, MOE_VARIANTS["swiglu_shared"]))
+    experts = {id(p) for module in _expert_modules(model) for p in module.parameters()}
+    built = [sum(p.numel() // (2 if id(p) in experts else 1) for p in layer.parameters()) for layer in model.layers]
+    assert built == arithmetic.spec_parameters(config)
+    # 3 MoE layers x 2 of 4 experts: (2 x 48 + 48) x 64 elements each (SwiGLU, no biases)
+    assert arithmetic.stage_expert_parameters(config, [0, 7]) == [3 * 2 * 3 * 48 * 64]
+    halves = sum(arithmetic.spec_parameters(config, ep=1)) - sum(arithmetic.spec_parameters(config))
+    assert halves == 3 * 2 * 3 * 48 * 64
+    assert arithmetic.total_parameters(config) == sum(p.numel() for p in model.parameters())  # all experts, once
+
+
+def _built_at_ep(extra):
+    import torch.distributed as dist
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel import state
+
+    state.initialize(1, 1, expert_model_parallel_size=2)
+    model = GPTModel(tiny_config(1, 1, 2, extra))
+    return dist.get_rank(), [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+
+
+def test_each_specs_parameters_per_rank_match_the_model_built_at_ep2():
+    extra = MOE_VARIANTS["gelu_gated_shared"] + ("--expert-model-parallel-size", "2")
+    per_spec = arithmetic.spec_parameters(tiny_config(1, 1, 2, extra))
+    for rank, built in run_distributed(_built_at_ep, 2, extra):
+        assert built == per_spec[:-1], f"rank {rank}"  # the tied head is the embedding module
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_active_parameters_are_those_a_token_gets_a_gradient_through(variant):
+    """One token through the model: the expert slices whose gradient is not zero are the k it was routed
+    to in each MoE layer; everything else counts whole (embedding rows included, as "active" is quoted)."""
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    config = tiny_config(1, 1, 1, MOE_VARIANTS[variant])
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, config.model.num_layers)
+    token = torch.tensor([[5]])
+    model(token, torch.zeros_like(token), token, torch.ones(1, 1)).backward()
+    experts = {id(p) for module in _expert_modules(model) for p in module.parameters()}
+    touched = sum(p.numel() for p in model.parameters() if id(p) not in experts)
+    for module in _expert_modules(model):
+        for e in range(module.weight1.shape[0]):
+            if module.weight1.grad[e].abs().sum() > 0:
+                touched += sum(p[e].numel() for p in module.parameters())
+    assert touched == arithmetic.active_parameters(config)
+    assert arithmetic.active_parameters(config) < arithmetic.total_parameters(config)
+
+
+def _counted_flops(config, backward):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    m = config.model
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, m.num_layers)
+    b, s = 2, m.seq_length
+    tokens = torch.randint(0, m.vocab_size, (b, s))
+    with FlopCounterMode(display=False) as counter:
+        if backward:
+            model(tokens, torch.arange(s).expand(b, s), tokens, torch.ones(b, s)).backward()
+        else:
+            with torch.no_grad():
+                model(tokens, torch.arange(s).expand(b, s))
+    return counter.get_total_flops() / (b * s), model
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+@pytest.mark.parametrize("recompute", [None, "full", "block"])
+def test_moe_training_flops_count_the_k_routed_experts_as_torchs_flop_counter_does(variant, recompute):
+    """Dropless routing: every token through k experts, whatever the balance, so torch counts exactly the
+    active FLOPs: router 2hE, k experts, the weighted sum 2hk, the shared expert and its gate; recompute
+    reruns each chunk but the MLP's last matmul (the shared expert's projection, or the weighted sum)."""
+    config = tiny_config(1, 1, 1, MOE_VARIANTS[variant] + ("--attention-backend", "fused")
+                         + RECOMPUTE.get(recompute, ()))
+    m = config.model
+    counted, _ = _counted_flops(config, backward=True)
+    assert counted == pytest.approx(arithmetic.training_flops_per_token(m), rel=1e-6)
+    if recompute is None:
+        forward, _ = _counted_flops(config, backward=False)
+        layers = sum(arithmetic.layer_forward_flops(m, False, layer_number=i) for i in range(1, m.num_layers + 1))
+        assert forward == pytest.approx(layers + arithmetic.head_forward_flops(m), rel=1e-6)
+        # The dense model of the same width with k experts' MLPs would cost this much less than E experts'.
+        dense = arithmetic.layer_forward_flops(m, False)
+        moe = [i for i in range(1, m.num_layers + 1) if is_moe_layer(m, i)]
+        assert arithmetic.layer_forward_flops(m, False, layer_number=moe[0]) - dense == pytest.approx(
+            arithmetic.moe_forward_flops(m) - arithmetic.mlp_forward_flops(m))
+
+
+def test_pipeline_stage_costs_use_each_moe_layers_own_cost():
+    """An MoE first layer (8 experts of 192, top-4) and three dense ones: each layer's cost is what torch counts
+    running it (less half the attention: causal), so the cost split gives the MoE layer a stage of its own
+    where the dense model's puts three layers first."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_lite.model.gpt import GPTModel
+    from megatron_lite.parallel.random import model_parallel_seed
+
+    extra = ("--num-experts", "8", "--moe-router-topk", "4", "--moe-ffn-hidden-size", "192",
+             "--moe-layer-freq", "([1]*1+[0]*3)", "--attention-backend", "fused")
+    config = tiny_config(1, 1, 1, extra)
+    m = config.model
+    model = GPTModel(config).train()
+    model_parallel_seed(config.training.seed, m.num_layers)
+    x = torch.randn(1, m.seq_length, m.hidden_size)
+    costs = arithmetic.spec_costs(config)
+    for i in range(1, m.num_layers + 1):
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model.layers[i](x)
+        half_attention = 2 * m.seq_length * m.hidden_size
+        assert costs[i].flops == pytest.approx(counter.get_total_flops() / m.seq_length - half_attention)
+    assert costs[1].flops > 2 * costs[2].flops and costs[2].flops == costs[3].flops == costs[4].flops
+    assert arithmetic.stage_bounds(tiny_config(1, 2, 1, extra)) == [0, 2, 7]
+    assert arithmetic.stage_bounds(tiny_config(1, 2, 1)) == [0, 3, 7]
