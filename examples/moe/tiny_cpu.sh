@@ -10,16 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${MOE_TINY_DIR:-moe_tiny}
 ITERS=${MOE_TINY_ITERS:-60}
-mkdir -p "$OUT"
-
-# Each step once: a rerun keeps what an earlier (maybe interrupted) run made; the tools refuse to overwrite.
-[[ -f $OUT/corpus.jsonl ]] || python3 tools/make_corpus.py --output "$OUT/corpus.jsonl" --max-docs 600
-[[ -f $OUT/spm.model ]] || python3 tools/train_tokenizer.py --input "$OUT/corpus.jsonl" --vocab-size 2000 \
-    --model-prefix "$OUT/spm"
-if [[ ! -f $OUT/corpus_text_document.idx ]]; then
-    python3 tools/preprocess_data.py --input "$OUT/corpus.jsonl" --output-prefix "$OUT/corpus" \
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/spm.model" --append-eod --workers 2
-fi
+bash examples/tiny_data.sh "$OUT"
 
 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --nproc_per_node 2 pretrain_gpt.py \
     --expert-model-parallel-size 2 --zero-stage 1 \
