@@ -123,8 +123,8 @@ class GroupedExperts(nn.Module):
             if self.bias1 is not None:
                 inner = inner + self.bias1.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
             out = torch._grouped_mm(self._activation(inner), self.weight2.transpose(1, 2), offs=offsets)
-            if self.bias2 is not None and tp_rank() == 0:
-                out = out + self.bias2.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
+            if self.bias2 is not None:
+                out = out + self._output_bias().repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
             return out
         outs = []
         # One GEMM pair per local expert over its rows (a loop over experts, never over tokens). unbind, not
@@ -132,11 +132,17 @@ class GroupedExperts(nn.Module):
         # CPU step in aten::fill_), unbind's stacks the E parts once.
         w1, w2 = self.weight1.unbind(0), self.weight2.unbind(0)
         b1 = self.bias1.unbind(0) if self.bias1 is not None else [None] * len(w1)
-        b2 = self.bias2.unbind(0) if self.bias2 is not None and tp_rank() == 0 else None
+        b2 = self._output_bias().unbind(0) if self.bias2 is not None else None
         for e, part in enumerate(rows.split(tokens_per_expert)):
             out = F.linear(self._activation(F.linear(part, w1[e], b1[e])), w2[e])
             outs.append(out if b2 is None else out + b2[e])
         return torch.cat(outs) if outs else rows.new_zeros((0, self.weight2.shape[1]))
+
+    def _output_bias(self) -> torch.Tensor:
+        """bias2 on TP rank 0, zeros elsewhere: the outputs are partial sums over TP, the bias counts once. Zero
+        times the bias, not nothing, so every TP rank has a gradient for the TP sum (parallel/sequence_parallel.py)
+        to add up: a rank without one would send a shorter buffer and the all-reduce would never match."""
+        return self.bias2 if tp_rank() == 0 else self.bias2 * 0.0
 
     def _activation(self, inner: torch.Tensor) -> torch.Tensor:
         if self.swiglu:

@@ -16,6 +16,9 @@ MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights")
 STRONG_ROUTER_LOSSES = ("--moe-aux-loss-coeff", "1.0", "--moe-z-loss-coeff", "0.1")
 """Large enough that a router-loss gradient scaled wrongly by TP, PP, CP or accumulation moves the losses."""
+GELU_MOE = tuple(f for f in MOE if f not in ("--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+                                              "--position-embedding-type", "rope"))
+"""The same MoE on GPT-2's block: GeLU experts with biases, LayerNorm, learned positions."""
 SIGMOID_BIAS = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                 "--moe-router-bias-update-rate", "0.01", "--moe-router-topk-scaling-factor", "2.5")
 
@@ -54,17 +57,17 @@ def _named_routers(module):
     return [(m.layer_number, m.router) for m in moe_layers(module)]
 
 
-HANG_TIMEOUT = 240.0
+HANG_TIMEOUT = 120.0
 """Seconds after which the harness fails a layout whose ranks wait for each other forever."""
 
 
-def run_layout(tp, pp, dp, cp, ep, extra=(), steps=STEPS, force_to_first_rank=False):
-    return run_distributed(_train, tp * pp * dp * cp, tp, pp, dp, cp, ep, tuple(MOE) + tuple(extra), steps,
+def run_layout(tp, pp, dp, cp, ep, extra=(), steps=STEPS, force_to_first_rank=False, base=MOE):
+    return run_distributed(_train, tp * pp * dp * cp, tp, pp, dp, cp, ep, tuple(base) + tuple(extra), steps,
                            force_to_first_rank, timeout=HANG_TIMEOUT)
 
 
-def dense_reference(extra=()):
-    config = tiny_config(extra=MOE + tuple(extra))
+def dense_reference(extra=(), base=MOE):
+    config = tiny_config(extra=tuple(base) + tuple(extra))
     from megatron_lite.training.expert_balance import moe_scalars
 
     norms, loads, logged, biases = [], [], [], {}
@@ -136,6 +139,19 @@ def test_router_loss_gradients_do_not_depend_on_the_layout(tp, pp, dp, cp, ep, e
     assert_matches(run_layout(tp, pp, dp, cp, ep, STRONG_ROUTER_LOSSES + extra), strong_reference)
 
 
+@pytest.mark.parametrize("tp, cp, extra", [(1, 2, ()), (2, 1, ("--sequence-parallel",))])
+def test_the_per_sequence_balancing_loss_does_not_depend_on_how_the_sequence_is_split(tp, cp, extra):
+    # seq_aux_loss counts each sequence's tokens, which CP and sequence parallelism split over ranks.
+    seq_aux = STRONG_ROUTER_LOSSES + ("--moe-router-load-balancing-type", "seq_aux_loss")
+    assert_matches(run_layout(tp, 1, 1, cp, 1, seq_aux + extra), dense_reference(seq_aux))
+
+
+def test_gelu_experts_with_biases_match_the_dense_losses_at_tp2_ep2():
+    # The GPT-2 block's MLP as experts: GeLU, and biases, the output bias added once although the experts'
+    # outputs are partial sums over TP (its gradient is summed over TP, parallel/sequence_parallel.py).
+    assert_matches(run_layout(2, 1, 2, 1, 2, base=GELU_MOE), dense_reference(base=GELU_MOE))
+
+
 def test_the_router_losses_change_the_losses(reference, strong_reference):
     # Guards against router losses that are computed but never reach the gradients.
     assert max(abs(a - b) for a, b in zip(reference["losses"], strong_reference["losses"])) > 1e-4
@@ -166,9 +182,10 @@ def test_an_expert_rank_that_receives_no_token_trains_without_hanging():
     assert results[0]["losses"] == results[1]["losses"]
 
 
-def test_capacity_dropping_at_ep2_finishes_and_matches_the_dense_run():
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_dropping_at_ep2_finishes_and_matches_the_dense_run(policy):
     # DeepSpeed #6809: ranks that drop different numbers of tokens must not disagree in the all-to-all.
-    extra = ("--moe-expert-capacity-factor", "0.5")
+    extra = ("--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", policy)
     assert_matches(run_layout(1, 1, 2, 1, 2, extra), dense_reference(extra))
 
 
