@@ -26,9 +26,10 @@ FORMAT = "megatron_lite.dense_gpt.v1"
 
 def dense_state_dict(reader: CheckpointReader, strip_vocab_padding: bool = False) -> Tuple[Config, Dict[str, torch.Tensor]]:
     """(config of the dense model, `GPTModel.state_dict()`-compatible fp32 tensors)."""
+    # One process: every parallel size 1 (the layer files hold every expert, so EP 1 is their layout too).
     config = reader.config.replace(parallel__tensor_model_parallel_size=1, parallel__pipeline_model_parallel_size=1,
                                    parallel__data_parallel_size=1, parallel__context_parallel_size=1,
-                                   parallel__world_size=1)
+                                   parallel__expert_model_parallel_size=1, parallel__world_size=1)
     vocab = config.model.vocab_size
     if strip_vocab_padding and vocab is not None:
         config = config.replace(model__padded_vocab_size=vocab)
