@@ -64,5 +64,7 @@ def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_voc
     reader = CheckpointReader(load_dir, iteration)
     config, state = dense_state_dict(reader, strip_vocab_padding)
     save_merged(output, config, state, reader.iteration, reader.consumed_samples)
+    buffers = {f"layers.{spec}.{name}" for spec, names in reader.layout.buffers.items() for name in names}
     return {"tag": reader.tag, "tp": reader.tp, "pp": reader.pp, "tensors": len(state),
-            "parameters": sum(t.numel() for t in state.values()), "padded_vocab_size": config.model.padded_vocab_size}
+            "parameters": sum(t.numel() for name, t in state.items() if name not in buffers),
+            "padded_vocab_size": config.model.padded_vocab_size}
