@@ -88,7 +88,7 @@ NUMBERS = {
         "--top-k": ["-1"], "--top-p": ["0", "1.1"], "--seed": ["-1"]}),
     "evaluate.py": (LOAD, {
         "--iteration": ["-1"], "--eval-iters": ["0"], "--tensor-model-parallel-size": ["0"],
-        "--pipeline-model-parallel-size": ["0"]}),
+        "--pipeline-model-parallel-size": ["0"], "--expert-model-parallel-size": ["0"]}),
 }
 
 

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     overwrite(p)
 
     p = sub.add_parser("export-hf", help="Hugging Face folder (config.json, model.safetensors, the tokenizer's files): "
-                                         "GPT2LMHeadModel, or LlamaForCausalLM for the Llama-family block")
+                                         "GPT2LMHeadModel, or LlamaForCausalLM for the Llama-family block (not yet a "
+                                         "Mixture-of-Experts model: refused)")
     source(p)
     p.add_argument("--output", required=True, help="folder to write (new or empty)")
     overwrite(p)

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                help="global batches to average (default: the run's)")
     add_number(p, "--tensor-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
     add_number(p, "--pipeline-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
+    add_number(p, "--expert-model-parallel-size", minimum=1, default=1,
+               help="Mixture-of-Experts models: split the experts over this many of the data-parallel ranks "
+                    "(default: 1, every rank holds every expert), whatever EP the run trained with")
     p.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     return p
 
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
         start = time.time()
         r = evaluate_checkpoint(args.load, args.iteration, data_path, split, args.split_name, args.eval_iters,
                                 args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                args.distributed_backend)
+                                args.distributed_backend, args.expert_model_parallel_size)
     except (ConfigError, CheckpointError) as e:
         if is_rank_zero_from_environment():
             print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)

@@ -36,6 +36,11 @@ def llama_block_flags(config: Config):
 def architecture_of(config: Config):
     """The module (hf_qwen3, hf_llama or hf_gpt2) whose architecture holds the model; refused with the reason
     when none."""
+    if config.model.num_experts is not None:  # no table maps experts: a dense export would silently drop them
+        raise CheckpointError(f"export-hf: the model has Mixture-of-Experts layers (--num-experts "
+                              f"{config.model.num_experts}), which no Hugging Face architecture here maps yet; "
+                              f"exporting would leave out every expert. convert_checkpoint.py merge writes one file "
+                              f"with every expert")
     if config.model.qk_layernorm:
         hf_qwen3.check_qwen3(config.model)  # QK-norm is Qwen3's: without the Llama-family block, refused
         return hf_qwen3

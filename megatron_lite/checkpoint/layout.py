@@ -13,7 +13,8 @@ The optimizer's parameters are numbered in the stage module's order: the tied
 embedding module first (DeepSpeed registers `tied_modules` before the numbered
 layers), then the stage's layers; split into the weight-decay group (every
 parameter with more than one dimension) and the no-decay group, as
-`training/optimizer.parameter_groups` does.
+`training/optimizer.parameter_groups` does; an MoE model's expert parameters
+come last, in groups of their own (training/optimizer.build_optimizer).
 """
 from __future__ import annotations
 
@@ -55,16 +56,28 @@ class ParamInfo:
         return len(self.shape) > 1
 
 
+def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
+    """A parameter's shape on one of `tp` TP ranks."""
+    shape = list(info.shape)
+    if info.partition_dim >= 0:
+        shape[info.partition_dim] //= tp
+    return tuple(shape)
+
+
 class ModelLayout:
-    """The parameters of a config's GPT: per spec, per pipeline stage, and the optimizer order."""
+    """The parameters of a config's GPT: per spec, per pipeline stage, and the optimizer order; and the
+    tensors besides them that a layer file holds (`buffers`)."""
 
     def __init__(self, config: Config):
         self.config = config
         self.specs = layer_specs(config)
         self.params: Dict[int, List[ParamInfo]] = {}
+        self.buffers: Dict[int, Dict[str, Tuple[int, ...]]] = {}
+        """Per spec with a file, its saved buffers' names and shapes: state the optimizer does not hold (an MoE
+        router's expert bias, model/router.py), whole on every TP and EP rank, so read from TP rank 0's file."""
         self.tied_spec: Dict[str, int] = {}  # tied key -> index of the spec whose file holds it
         self.tied_users: Dict[int, str] = {}  # spec index -> tied key, for every tied spec
-        described: Dict[str, List[Tuple[str, Tuple[int, ...], int, int]]] = {}
+        described: Dict[str, tuple] = {}  # layer kind -> _describe's (parameters, buffers)
         for index, spec in enumerate(self.specs):
             if isinstance(spec, TiedLayerSpec):
                 self.tied_users[index] = spec.key
@@ -77,14 +90,18 @@ class ModelLayout:
                 kind += "-moe" * is_moe_layer(config.model, spec.module_args[2])
             if kind not in described:
                 described[kind] = self._describe(spec)
-            self.params[index] = [ParamInfo(index, *entry) for entry in described[kind]]
+            params, self.buffers[index] = described[kind]
+            self.params[index] = [ParamInfo(index, *entry) for entry in params]
 
     @staticmethod
-    def _describe(spec) -> List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...]]]:
+    def _describe(spec) -> Tuple[List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...], int]],
+                                 Dict[str, Tuple[int, ...]]]:
         # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes;
         # on the meta device, so a large model's layer costs no memory.
         with torch.random.fork_rng(devices=[]), as_single_rank(), torch.device("meta"):
             module = spec.build()
+        names = {name for name, _ in module.named_parameters()}
+        buffers = {name: tuple(t.shape) for name, t in module.state_dict().items() if name not in names}
         described = []
         for name, p in module.named_parameters():
             split = getattr(p, "tensor_model_parallel", False)
@@ -94,7 +111,13 @@ class ModelLayout:
                 sections = (p.shape[dim] // stride,) * stride
             experts = getattr(p, "num_experts", 0) if getattr(p, "expert_parallel", False) else 0
             described.append((name, tuple(p.shape), dim, stride, tuple(sections), experts))
-        return described
+        return described, buffers
+
+    def file_shapes(self, spec: int, tp: int) -> Dict[str, Tuple[int, ...]]:
+        """Name -> shape of every tensor in a spec's layer file at TP = tp: its parameters' slices and buffers."""
+        shapes = {p.name: slice_shape(p, tp) for p in self.params[spec]}
+        shapes.update(self.buffers[spec])
+        return shapes
 
     def layer_specs_with_files(self) -> List[int]:
         """Spec indices that have a layer file (every spec but the tied head)."""
@@ -117,7 +140,8 @@ class ModelLayout:
         return self.stage_bounds(pp, self.config.parallel.pipeline_partition_method)
 
     def stage_parameters(self, start: int, stop: int) -> List[Tuple[ParamInfo, bool]]:
-        """(parameter, is a tied copy) of a stage in optimizer order: decay group, then no-decay group."""
+        """(parameter, is a tied copy) of a stage in optimizer order: decay group, then no-decay group, then the
+        expert parameters' groups (decay, no decay)."""
         ordered: List[Tuple[ParamInfo, bool]] = []
         seen_keys = []
         for index in range(start, stop):
@@ -130,5 +154,8 @@ class ModelLayout:
         for index in range(start, stop):
             if index not in self.tied_users:
                 ordered += [(p, False) for p in self.params[index]]
-        return [x for x in ordered if x[0].decays] + [x for x in ordered if not x[0].decays]
+        # training/optimizer.py's groups: weight decay, then none; an MoE model's expert parameters follow in
+        # groups of their own, decay first (deepspeed_compat.expert_optimizer_groups). sorted() keeps the order
+        # inside each group.
+        return sorted(ordered, key=lambda x: (x[0].experts > 0, not x[0].decays))
 

@@ -2,8 +2,9 @@
 
 Per parameter, by its dense name (the layer spec and the name inside the layer): the full fp32 master
 weight, Adam's `exp_avg` and `exp_avg_sq` (TP = 1 shapes, the vocabulary padded as saved), and the step;
-plus the run's state: iteration, consumed samples, the LR schedule, DeepSpeed's step counters and the fp16
-loss scaler. `LayoutFreeReader` reads it from
+per saved buffer (an MoE router's expert bias: `read_buffers`), the tensor; plus the run's state: iteration,
+consumed samples, the LR schedule, DeepSpeed's step counters and the fp16 loss scaler. `LayoutFreeReader`
+reads it from
 
 - any checkpoint the trainer saves: the fp32 masters and moments come from DeepSpeed's DP-partitioned
   optimizer files where there are any (ZeRO 1, bf16, fp16: fragments found through their slice mappings,
@@ -37,8 +38,8 @@ from megatron_lite.checkpoint.format import (
     write_metadata,
     zero_optimizer_files,
 )
-from megatron_lite.checkpoint.layout import ModelLayout
-from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state, slice_shape
+from megatron_lite.checkpoint.layout import ModelLayout, slice_shape
+from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.checkpoint.vocab import is_vocab_parameter
 from megatron_lite.config import Config
 
@@ -173,16 +174,42 @@ class LayoutFreeReader:
                                          target_rows).float()
             states[key] = ParamState(cut("fp32"), cut("exp_avg"), cut("exp_avg_sq"), per_rank[0].step)
 
-    def _universal_sources(self, spec: int, optimizer: bool) -> Dict[Key, List["Source"]]:
-        path = os.path.join(self.folder, universal_file(spec))
+    def read_buffers(self, specs: Optional[Iterable[int]] = None) -> Dict[Key, torch.Tensor]:
+        """Every saved buffer (layout.buffers: an MoE router's expert bias) of the given layer specs (default: all),
+        whole: from TP rank 0's layer file (every rank's holds it), or the universal file."""
+        wanted = set(self.layout.buffers) if specs is None else set(specs) & set(self.layout.buffers)
+        out: Dict[Key, torch.Tensor] = {}
+        for spec in sorted(s for s in wanted if self.layout.buffers[s]):
+            if self.universal:
+                path = os.path.join(self.folder, universal_file(spec))
+                saved = self._universal_file(path, spec)
+                tensors = {name: saved[name].get("buffer") for name in self.layout.buffers[spec]}
+            else:
+                path = os.path.join(self.folder, layer_file(spec, 0))
+                tensors = load_file(path, mmap=True)
+                check_layer_state(path, tensors, self.layout.file_shapes(spec, self.tp), self.tp)
+            for name, shape in self.layout.buffers[spec].items():
+                tensor = tensors[name]
+                if not torch.is_tensor(tensor) or tuple(tensor.shape) != shape:
+                    raise CheckpointError(f"{path}: {name} is not a tensor of shape {shape}, as the config gives: "
+                                          f"the file belongs to another model")
+                out[(spec, name)] = tensor.clone()
+        return out
+
+    def _universal_file(self, path: str, spec: int) -> dict:
         saved = load_file(path, mmap=True)
-        names = [p.name for p in self.layout.params[spec]]
+        names = [p.name for p in self.layout.params[spec]] + list(self.layout.buffers[spec])
         if not isinstance(saved, dict) or sorted(saved) != sorted(names):
             raise CheckpointError(f"{path}: holds {sorted(saved) if isinstance(saved, dict) else saved!r}, "
                                   f"the config expects {names}: the file belongs to another model")
+        return saved
+
+    def _universal_sources(self, spec: int, optimizer: bool) -> Dict[Key, List["Source"]]:
+        path = os.path.join(self.folder, universal_file(spec))
+        saved = self._universal_file(path, spec)
         out = {}
-        for name, entry in saved.items():
-            info = self.info((spec, name))
+        for info in self.layout.params[spec]:
+            name, entry = info.name, saved[info.name]
             if tuple(entry["fp32"].shape) != info.shape:
                 raise CheckpointError(f"{path}: {name} has shape {tuple(entry['fp32'].shape)}, the config "
                                       f"gives {info.shape}: the file belongs to another model")
@@ -250,10 +277,9 @@ class LayoutFreeReader:
         for spec in sorted(specs):
             path = os.path.join(self.folder, layer_file(spec, tp_rank))
             state = load_file(path, mmap=True)
-            check_layer_state(path, state, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]},
-                              self.tp)
-            for name, tensor in state.items():
-                tensors[(spec, name)] = {"fp32": tensor}
+            check_layer_state(path, state, self.layout.file_shapes(spec, self.tp), self.tp)
+            for info in self.layout.params[spec]:  # the buffers besides them: read_buffers
+                tensors[(spec, info.name)] = {"fp32": state[info.name]}
         if optimizer and self.metadata.get("optimizer_states", True):
             path = os.path.join(self.folder, model_states_file(stage, tp_rank, self.tp))
             engine_state = load_file(path, mmap=True)
@@ -267,11 +293,23 @@ class LayoutFreeReader:
             if count != len(params):
                 raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "
                                       f"config has {len(params)}: the file belongs to another model or stage split")
+            if self.ep > 1 and any(info.experts and info.spec in specs for info, _ in params):
+                # Every DP rank's experts are in the layer files (training/engine.py gathers them), but DeepSpeed
+                # writes a plain optimizer from DP rank 0 alone: the other EP ranks' experts' moments are not here.
+                raise CheckpointError(f"{path}: saved at --zero-stage 0 with --expert-model-parallel-size {self.ep}, "
+                                      f"so it holds the Adam moments of EP rank 0's experts only; take the weights "
+                                      f"without the moments (convert_checkpoint.py reshard --no-optimizer, or "
+                                      f"--finetune), or train with --zero-stage 1, whose files hold every expert's")
             for index, (info, copy) in enumerate(params):
                 entry = saved["state"].get(index)
                 key = (info.spec, info.name)
                 if key not in tensors or entry is None or copy:
                     continue
+                if tuple(entry["exp_avg"].shape) != tuple(tensors[key]["fp32"].shape):
+                    raise CheckpointError(f"{path}: the optimizer's parameter {index} has shape "
+                                          f"{tuple(entry['exp_avg'].shape)}, but {info.name} of layer {info.spec:02d}, "
+                                          f"its place in stage {stage}'s optimizer order, is "
+                                          f"{tuple(tensors[key]['fp32'].shape)}: the file belongs to another model")
                 tensors[key].update(exp_avg=entry["exp_avg"], exp_avg_sq=entry["exp_avg_sq"])
                 steps[key] = float(entry["step"])
         return {key: Source.of(t, steps.get(key)) for key, t in tensors.items()}
@@ -294,9 +332,10 @@ def write_universal(reader: LayoutFreeReader, folder: str) -> dict:
     metadata; returns the metadata."""
     for spec in reader.layout.layer_specs_with_files():
         states = reader.read([spec])
-        torch_save({name: {"fp32": state.fp32, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,
-                           "step": state.step} for (_, name), state in states.items()},
-                   os.path.join(folder, universal_file(spec)))
+        entries = {name: {"fp32": state.fp32, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq,
+                          "step": state.step} for (_, name), state in states.items()}
+        entries.update({name: {"buffer": tensor} for (_, name), tensor in reader.read_buffers([spec]).items()})
+        torch_save(entries, os.path.join(folder, universal_file(spec)))
     metadata = {k: v for k, v in reader.metadata.items() if k not in ("storage", "optimizer_states")}
     metadata.update(format=UNIVERSAL_FORMAT, run_state=asdict(reader.run_state()),
                     converted_from={"path": os.path.abspath(reader.folder), "layout": reader.metadata["layout"],

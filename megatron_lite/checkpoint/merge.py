@@ -26,9 +26,10 @@ FORMAT = "megatron_lite.dense_gpt.v1"
 
 def dense_state_dict(reader: CheckpointReader, strip_vocab_padding: bool = False) -> Tuple[Config, Dict[str, torch.Tensor]]:
     """(config of the dense model, `GPTModel.state_dict()`-compatible fp32 tensors)."""
+    # One process: every parallel size 1 (the layer files hold every expert, so EP 1 is their layout too).
     config = reader.config.replace(parallel__tensor_model_parallel_size=1, parallel__pipeline_model_parallel_size=1,
                                    parallel__data_parallel_size=1, parallel__context_parallel_size=1,
-                                   parallel__world_size=1)
+                                   parallel__expert_model_parallel_size=1, parallel__world_size=1)
     vocab = config.model.vocab_size
     if strip_vocab_padding and vocab is not None:
         config = config.replace(model__padded_vocab_size=vocab)
@@ -63,5 +64,7 @@ def merge(load_dir: str, output: str, iteration: Optional[int] = None, strip_voc
     reader = CheckpointReader(load_dir, iteration)
     config, state = dense_state_dict(reader, strip_vocab_padding)
     save_merged(output, config, state, reader.iteration, reader.consumed_samples)
+    buffers = {f"layers.{spec}.{name}" for spec, names in reader.layout.buffers.items() for name in names}
     return {"tag": reader.tag, "tp": reader.tp, "pp": reader.pp, "tensors": len(state),
-            "parameters": sum(t.numel() for t in state.values()), "padded_vocab_size": config.model.padded_vocab_size}
+            "parameters": sum(t.numel() for name, t in state.items() if name not in buffers),
+            "padded_vocab_size": config.model.padded_vocab_size}

@@ -24,7 +24,7 @@ from megatron_lite.checkpoint.format import (
     read_metadata,
     resolve_tag,
 )
-from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo
+from megatron_lite.checkpoint.layout import ModelLayout
 
 Key = Tuple[int, str]  # (spec index, parameter name)
 
@@ -32,14 +32,6 @@ Key = Tuple[int, str]  # (spec index, parameter name)
 def _list_some(names: List[str], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
-    """A parameter's shape on one of `tp` TP ranks."""
-    shape = list(info.shape)
-    if info.partition_dim >= 0:
-        shape[info.partition_dim] //= tp
-    return tuple(shape)
 
 
 def check_layer_state(path: str, state, expected: Dict[str, Tuple[int, ...]], tp: int) -> None:
@@ -106,12 +98,12 @@ class CheckpointReader:
         for t in range(self.tp):
             path = os.path.join(self.path, layer_file(spec, t))
             sd = load_file(path, mmap=True)  # mapped: merging reads each slice once, into the full tensor
-            check_layer_state(path, sd, {p.name: slice_shape(p, self.tp) for p in self.layout.params[spec]}, self.tp)
+            check_layer_state(path, sd, self.layout.file_shapes(spec, self.tp), self.tp)
             shards.append(sd)
         return shards
 
     def full_weights(self) -> Dict[Key, torch.Tensor]:
-        """Every parameter as its full fp32 tensor."""
+        """Every parameter as its full fp32 tensor, and every saved buffer (an MoE router's expert bias)."""
         weights: Dict[Key, torch.Tensor] = {}
         self.dtypes: Dict[Key, torch.dtype] = {}
         for spec in self.layout.layer_specs_with_files():
@@ -120,4 +112,7 @@ class CheckpointReader:
                 full = slicing.merge([sd[info.name] for sd in shards], info.partition_dim, info.partition_sections)
                 weights[(spec, info.name)] = full.float()
                 self.dtypes[(spec, info.name)] = full.dtype
+            for name in self.layout.buffers[spec]:  # whole on every TP rank
+                weights[(spec, name)] = shards[0][name].float()
+                self.dtypes[(spec, name)] = shards[0][name].dtype
         return weights

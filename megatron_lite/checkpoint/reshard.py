@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
+from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import atomic_folder, torch_save
 from megatron_lite.checkpoint.format import (
     CheckpointError,
@@ -36,12 +37,13 @@ from megatron_lite.checkpoint.format import (
     write_metadata,
 )
 from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
-from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo, slice_shape
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
 from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
+from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.partition import check_partition_method
 
 
@@ -52,6 +54,14 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
         raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not divide the model's "
                               f"{m.num_attention_heads} attention heads and --ffn-hidden-size {m.ffn_hidden_size}; "
                               f"use a TP size that divides both")
+    if m.num_experts is not None:  # each expert, and the shared expert, is split column-wise like the dense MLP
+        for flag, width in (("--moe-ffn-hidden-size", expert_ffn_hidden_size(m)),
+                            ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size)):
+            if width is not None and width % tp:
+                fits = [t for t in range(1, tp) if not width % t and not m.num_attention_heads % t]
+                raise CheckpointError(f"--target-tensor-model-parallel-size {tp} does not divide the model's "
+                                      f"{flag} {width}: each expert is split over TP like the dense MLP; use a TP "
+                                      f"size that divides it, e.g. {' or '.join(map(str, fits[-2:]))}")
     groups = m.num_query_groups or m.num_attention_heads
     head_dim = m.head_dim
     if (groups % tp and tp % groups) or (groups < tp and (groups * head_dim) % tp):
@@ -102,20 +112,38 @@ def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
             "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": tp}, "ds_version": deepspeed.__version__}
 
 
+def _optimizer_groups(config: Config, params: List[Tuple[ParamInfo, bool]]) -> List[Tuple[dict, List[int]]]:
+    """(keys besides the AdamW settings, optimizer indices) of each AdamW group training/optimizer.build_optimizer
+    makes of a stage's `params` (layout.stage_parameters: the optimizer's order) at this config's TP and EP 1
+    (the layer files hold every expert): decay, then none; with MoE layers each group named and the experts
+    moved into groups of their own by DeepSpeed's split (which also cuts a large group into parts), so that
+    torch's load_state_dict finds the groups the resumed run's optimizer has."""
+    tp = config.parallel.tensor_model_parallel_size
+    fakes = []
+    for info, _ in params:
+        fake = torch.empty(slice_shape(info, tp), device="meta")  # what the split counts: the size on a rank
+        fake.expert_parallel = info.experts > 0
+        fakes.append(fake)
+    index = {id(fake): i for i, fake in enumerate(fakes)}
+    groups = [{"params": [f for f, (info, _) in zip(fakes, params) if info.decays], "weight_decay": True},
+              {"params": [f for f, (info, _) in zip(fakes, params) if not info.decays], "weight_decay": False}]
+    groups = [g for g in groups if g["params"]]
+    if config.model.num_experts is not None:
+        deepspeed_compat.mark_expert_parameters(fakes)
+        groups = deepspeed_compat.expert_optimizer_groups([dict(g, name=f"group{i}") for i, g in enumerate(groups)])
+    return [({k: v for k, v in g.items() if k != "params"}, [index[id(f)] for f in g["params"]]) for g in groups]
+
+
 def engine_state(config: Config, layout: ModelLayout, bounds: List[int], run, stage: int, moments: dict) -> dict:
     """One stage's and TP rank's model-states file: a plain AdamW state (`moments`: optimizer index -> step and
     moments; empty for none) with the run's schedule and counters."""
     p = config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     dp = p.data_parallel_size * p.context_parallel_size  # DeepSpeed's data-parallel size
-    groups = _groups(config, run.lr_scheduler)
-    params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
-    decay = sum(1 for info, _ in params if info.decays)
+    decay, no_decay = _groups(config, run.lr_scheduler)
     param_groups = []
-    if decay:
-        param_groups.append(dict(groups[0], params=list(range(decay))))
-    if len(params) > decay:
-        param_groups.append(dict(groups[-1], params=list(range(decay, len(params)))))
+    for keys, indices in _optimizer_groups(config, layout.stage_parameters(bounds[stage], bounds[stage + 1])):
+        param_groups.append(dict(decay if keys.pop("weight_decay") else no_decay, **keys, params=indices))
     return _engine_state(run, {"state": moments, "param_groups": param_groups}, tp, pp, dp)
 
 
@@ -155,11 +183,13 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
         for stage in range(pp):
             params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
             files = [spec for spec in layout.layer_specs_with_files() if bounds[stage] <= spec < bounds[stage + 1]]
+            buffers = source.read_buffers(files)  # whole on every TP rank
             for r in range(tp):
                 states = source.read({info.spec for info, _ in params}, optimizer=optimizer, tp=tp, rank=r, rows=rows)
                 for spec in files:
-                    torch_save({info.name: states[(spec, info.name)].fp32 for info in layout.params[spec]},
-                               os.path.join(tmp, layer_file(spec, r)))
+                    tensors = {info.name: states[(spec, info.name)].fp32 for info in layout.params[spec]}
+                    tensors.update({name: buffers[(spec, name)] for name in layout.buffers[spec]})
+                    torch_save(tensors, os.path.join(tmp, layer_file(spec, r)))
                 step = max((s.step for s in states.values() if s.step is not None), default=None)
                 moments = {}
                 for index, (info, _) in enumerate(params):

@@ -55,7 +55,8 @@ def _describe_layout(layout: dict, storage) -> str:
 
 
 def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer: bool):
-    """{this rank's parameter: its slice of the fp32 master and moments}, the step, and the run state."""
+    """{this rank's parameter: its slice of the fp32 master and moments}, {this rank's saved buffer (an MoE
+    router's expert bias): its value}, the step, and the run state."""
     p = config.parallel
     tp, tp_rank = p.tensor_model_parallel_size, state.get_tensor_model_parallel_rank()
     layout = ModelLayout(config)
@@ -76,12 +77,27 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
                              for k, v in values[param].items()}
         if entry.step is not None:
             steps.append(entry.step)
-    return values, max(steps, default=0.0), reader.run_state() if optimizer else None
+    # Buffers are not the optimizer's: without them a layer would resume with its fresh values.
+    saved_buffers = reader.read_buffers({spec for spec, _ in params})
+    buffers = {}
+    for name, buffer in engine.module.named_buffers():
+        owner, inner = deepspeed_compat.pipeline_parameter_owner(name)
+        key = (layout.tied_spec[owner] if isinstance(owner, str) else owner, inner)
+        if key in saved_buffers:
+            buffers[buffer] = saved_buffers[key]
+    return values, buffers, max(steps, default=0.0), reader.run_state() if optimizer else None
+
+
+@torch.no_grad()
+def _set_buffers(buffers) -> None:
+    for buffer, value in buffers.items():
+        buffer.copy_(value.to(buffer.dtype))
 
 
 def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_places: bool) -> Resumed:
-    values, step, run = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
+    values, buffers, step, run = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
     deepspeed_compat.set_optimizer_state(engine.engine, values, step)
+    _set_buffers(buffers)
     if run.lr_scheduler is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(run.lr_scheduler)
         # The schedule's state does not set the optimizer's learning rate (DeepSpeed's own load restores it
@@ -117,14 +133,16 @@ def _rng_of_same_place(folder: str, saved_layout: dict) -> Optional[dict]:
 
 def load_weights_layout_free(engine, config: Config, folder: str, metadata: dict) -> None:
     """The model's weights only (evaluation under another layout)."""
-    values, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
+    values, buffers, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
     with torch.no_grad():
         for param, value in values.items():
             param.data.copy_(value["fp32"].to(param.dtype))
+    _set_buffers(buffers)
 
 
 def load_weights_fresh_optimizer(engine, config: Config, folder: str, metadata: dict) -> None:
     """Weights only, from any layout, into parameters and fp32 masters (--finetune, imported models); the
     optimizer, schedule, counters and random generators stay as a new run has them."""
-    values, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
+    values, buffers, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
     deepspeed_compat.set_master_weights(engine.engine, values)
+    _set_buffers(buffers)
