@@ -576,7 +576,10 @@ def expert_optimizer_groups(param_groups: List[dict]) -> List[dict]:
     ('moe': True), which DeepSpeed's ZeRO 1 and bf16 optimizers partition over expert-DP."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    return [g for g in split_params_into_different_moe_groups_for_optimizer(param_groups) if g["params"]]
+    # Never split a group by size (DeepSpeed's default cuts expert groups above 178,956,971 values): the count of
+    # groups would then depend on TP and EP, and a resumed LR schedule's per-group state with it.
+    return [g for g in split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=float("inf"))
+            if g["params"]]
 
 
 @contextlib.contextmanager

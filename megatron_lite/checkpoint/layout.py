@@ -53,7 +53,8 @@ class ParamInfo:
 
     @property
     def decays(self) -> bool:
-        return len(self.shape) > 1
+        """Weight decay, as training/optimizer.parameter_groups decides: matrices, per expert for experts."""
+        return len(self.shape) - (1 if self.experts else 0) > 1
 
 
 def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:

@@ -293,13 +293,6 @@ class LayoutFreeReader:
             if count != len(params):
                 raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "
                                       f"config has {len(params)}: the file belongs to another model or stage split")
-            if self.ep > 1 and any(info.experts and info.spec in specs for info, _ in params):
-                # Every DP rank's experts are in the layer files (training/engine.py gathers them), but DeepSpeed
-                # writes a plain optimizer from DP rank 0 alone: the other EP ranks' experts' moments are not here.
-                raise CheckpointError(f"{path}: saved at --zero-stage 0 with --expert-model-parallel-size {self.ep}, "
-                                      f"so it holds the Adam moments of EP rank 0's experts only; take the weights "
-                                      f"without the moments (convert_checkpoint.py reshard --no-optimizer, or "
-                                      f"--finetune), or train with --zero-stage 1, whose files hold every expert's")
             for index, (info, copy) in enumerate(params):
                 entry = saved["state"].get(index)
                 key = (info.spec, info.name)
