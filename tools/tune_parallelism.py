@@ -1,4 +1,4 @@
-"""Find a fast TP / CP / PP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
+"""Find a fast TP / CP / PP / EP / micro-batch / gas layout: plan candidates, sweep them as short real runs, report.
 
     python tools/tune_parallelism.py calibrate --output profile.json [--device cpu|cuda] [--world-size 4]
     python tools/tune_parallelism.py plan --nodes 4 --gpus-per-node 8 --gpu-memory-gb 80 \\
@@ -42,8 +42,9 @@ def plan_parser() -> argparse.ArgumentParser:
                     "(default 0.1)")
     add_number(parser, "--max-micro-batch", minimum=1, default=8, help="largest micro batch tried (powers of 2)")
     parser.add_argument("--order", choices=("shaden", "throughput"), default="shaden",
-                        help="shaden: the recipe's order (gas >= 8 PP, TP = GPUs per node, fewest stages, micro "
-                             "batch 1 first); throughput: predicted tokens/s")
+                        help="shaden: the recipe's order (gas >= 8 PP, TP = GPUs per node (TP x EP for an MoE "
+                             "model), fewest stages, the largest EP, micro batch 1 first); throughput: predicted "
+                             "tokens/s")
     parser.add_argument("--micro-batch-probe", action="store_true",
                         help="Samyam's mode: one node, --probe-layers layers at full hidden size, micro batch 1..64")
     add_number(parser, "--probe-layers", minimum=1, default=2)

@@ -11,7 +11,7 @@ import os
 
 from megatron_lite.config import Config
 from megatron_lite.deepspeed_config import deepspeed_optimizer
-from megatron_lite.model.arithmetic import total_parameters
+from megatron_lite.model.arithmetic import active_parameters, total_parameters
 
 
 def select_accelerator() -> None:
@@ -49,7 +49,12 @@ def layout_summary(config: Config, backend: str, device: str) -> str:
             f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "
             f"x DP {p.data_parallel_size} | GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
             f"heads{_block(m)}, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, "
-            f"{_count(total_parameters(config))} parameters")
+            f"{_count(total_parameters(config))} parameters{_active(config)}")
+
+
+def _active(config: Config) -> str:
+    """An MoE model's parameters a token passes through (its experts' top-k), beside the total."""
+    return f" ({_count(active_parameters(config))} active)" if config.model.num_experts is not None else ""
 
 
 def _gradients(config: Config) -> str:

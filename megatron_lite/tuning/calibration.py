@@ -35,7 +35,7 @@ from megatron_lite.reading import UnreadableFile, read_json
 FORMAT_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all")
 """The collectives the layouts use: TP's all-reduce (or sequence parallelism's all-gather and reduce-scatter),
-PP's send/recv, DP's all-reduce, CP's all-to-all."""
+PP's send/recv, DP's all-reduce, CP's all-to-all and EP's (the MoE dispatch and combine)."""
 
 
 @dataclass(frozen=True)

@@ -75,13 +75,15 @@ def shape_key(config) -> Dict[str, Any]:
 
 
 def run_config(base, world: int, tp: int, micro: int, layers: int, gas: int, fields: Dict[str, Any]):
-    """The validated config of one calibration run."""
+    """The validated config of one calibration run (EP 1: an MoE layer's experts all on the rank, as the plan
+    uses these times only at EP 1)."""
     from megatron_lite.validation import validate
 
     dp = world // tp
     config = base.replace(
         model__num_layers=layers, parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=1,
-        parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
+        parallel__context_parallel_size=1, parallel__expert_model_parallel_size=1, parallel__zero_stage=0,
+        parallel__cpu_offload=False,
         parallel__sequence_parallel=False, batch__micro_batch_size=micro, batch__global_batch_size=micro * gas * dp,
         batch__gradient_accumulation_steps=None, model__recompute_activations=False,
         model__recompute_granularity=None, model__recompute_method=None, model__recompute_num_layers=None)

@@ -1,10 +1,12 @@
-"""The tuning recipe: candidate TP / CP / PP / micro-batch / gas layouts for a cluster and a model.
+"""The tuning recipe: candidate TP / CP / PP / EP / micro-batch / gas layouts for a cluster and a model.
 
 Candidates come from the cluster shape: TP divides the GPUs per node, CP
 (context parallelism) is 1, 2, 4, ... up to the heads per TP rank (and
 --max-context-parallel) dividing the GPUs left, PP divides the GPUs left after
 TP x CP (layers need not divide: the cost partitioner balances and the
-imbalance shows in the predicted efficiency), DP is the rest, micro batch
+imbalance shows in the predicted efficiency), DP is the rest, EP (expert
+parallelism, Mixture-of-Experts models only) each degree that divides DP x CP
+and --num-experts (`expert_parallel_sizes`; 1 for a dense model), micro batch
 1, 2, 4, ... and gas from the global batch. Each candidate is the user's
 `Config` with its layout fields replaced, and goes through the validation
 pretrain_gpt.py runs (`validate_candidate`, the one call site), so a planned
@@ -34,13 +36,20 @@ says which saver that was:
           block and full recompute (no sequence parallelism: it runs under the
           pipeline engine only)
 
+EP partitions the routed experts' weights and optimizer states (model/memory.py books E/EP experts per
+rank, their states over DP x CP / EP), so it is a memory saver of its own, paid for in all-to-alls
+(tuning/throughput.py `Experts`).
+
 Order (default `shaden`): layouts with gas >= 8 x PP (bubble <= ~11%) first,
-then TP closest to the GPUs per node, then the saver tier (a layout that fits
-with sequence parallelism, selective recompute or context parallelism ranks
+then TP x EP closest to the GPUs per node (for a dense model EP is 1: TP closest to them; for an MoE
+model the EP and TP groups both belong in the NVLink domain, Megatron-LM's MoE guide), then the saver
+tier (a layout that fits with sequence parallelism, selective recompute or context parallelism ranks
 above one that needs whole layers recomputed, and all above ZeRO 2/3/offload:
 stages are added only when the cheap savers do not fit), the smallest CP (its
 all-to-alls cross nodes once TP x CP exceeds the GPUs per node), the fewest
-stages, micro batch 1 before larger ones, the saver's place in its tier, and
+stages, the largest EP (with TP x EP set, EP before TP: a smaller TP leaves larger GEMMs and fewer
+all-reduces, and EP's all-to-alls move only the routed copies; the MoE guide measured EP 8 x TP 1 above
+EP 4 x TP 2 for Mixtral 8x7B), micro batch 1 before larger ones, the saver's place in its tier, and
 predicted throughput last. `throughput`
 orders by the predicted tokens/s of tuning/throughput.py alone.
 Samyam's micro-batch probe (`micro_batch_probe`): one node, the model cut to a
@@ -58,26 +67,31 @@ from megatron_lite.arguments import build_parser, config_to_argv, given_fields
 from megatron_lite.atomic import write_text
 from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.model import memory
-from megatron_lite.model.activations import context_parallel_all_to_all_bytes
+from megatron_lite.model.activations import context_parallel_all_to_all_bytes, routed_copies
 from megatron_lite.model.arithmetic import (
     embedding_parameters,
     layer_parameters,
+    mlp_forward_flops,
     recompute_chunks,
     recompute_forward_flops_per_token,
     stage_bounds,
+    stage_expert_parameters,
     stage_flops,
+    stage_layer_numbers,
     transformer_layers_per_stage,
 )
+from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.calibration import Profile
-from megatron_lite.tuning.throughput import Hardware, predict_from_model_times, predict_step_seconds
+from megatron_lite.tuning.throughput import Experts, Hardware, predict_from_model_times, predict_step_seconds
 from megatron_lite.validation import validate
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
-                 "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload", "sequence_parallel",
-                 "recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers")
+                 "expert_model_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage",
+                 "cpu_offload", "sequence_parallel", "recompute_activations", "recompute_granularity",
+                 "recompute_method", "recompute_num_layers")
 """Config fields each candidate sets (the user's values for them are replaced)."""
 LAYOUT_FLAGS = tuple(flag_for(name) for name in LAYOUT_FIELDS)
 REJECTION_LABELS = {
@@ -188,6 +202,8 @@ class Candidate:
     data_parallel_size: int
     micro_batch_size: int
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    """EP: ranks of DP x CP that split each MoE layer's experts (1 for a dense model)."""
     gradient_accumulation_steps: int = 0
     zero_stage: int = 0
     cpu_offload: bool = False
@@ -209,6 +225,8 @@ class Candidate:
     predicted_pipeline_efficiency: float = 0.0
     predicted_step_seconds: float = 0.0
     predicted_tokens_per_s: float = 0.0
+    predicted_ep_comm_seconds: float = 0.0
+    """The expert all-to-alls' part of the predicted step: the slowest stage's per micro-batch x (g + p - 1)."""
     predicted_from: str = ""
     """What priced the step: "model times" (the profile's measurements of this model), "profile" (its GEMM and
     collective fits), "constants" (no profile)."""
@@ -223,8 +241,10 @@ class Candidate:
 
     @property
     def layout(self) -> str:
+        ep = self.expert_model_parallel_size
         return (f"tp{self.tensor_model_parallel_size}_cp{self.context_parallel_size}_"
-                f"pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}_mb{self.micro_batch_size}")
+                f"pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}{f'_ep{ep}' if ep > 1 else ''}"
+                f"_mb{self.micro_batch_size}")
 
 
 def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[str]) -> Config:
@@ -234,6 +254,7 @@ def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[st
         parallel__tensor_model_parallel_size=c.tensor_model_parallel_size,
         parallel__context_parallel_size=c.context_parallel_size,
         parallel__pipeline_model_parallel_size=c.pipeline_model_parallel_size,
+        parallel__expert_model_parallel_size=c.expert_model_parallel_size,
         parallel__zero_stage=c.zero_stage, parallel__cpu_offload=c.cpu_offload,
         parallel__sequence_parallel=c.sequence_parallel,
         batch__micro_batch_size=c.micro_batch_size, batch__gradient_accumulation_steps=None,
@@ -245,10 +266,12 @@ SAVER_FLAGS = ("cpu_offload", "sequence_parallel", "recompute_granularity", "rec
 
 
 def layout_argv(c: Candidate, config: Config) -> List[str]:
-    """A candidate's layout flags, TP / CP / PP / micro batch / ZeRO always spelled out (and the
-    DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
+    """A candidate's layout flags, TP / CP / PP / micro batch / ZeRO always spelled out, EP too for an MoE model
+    (and the DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
     shown = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
              "micro_batch_size", "zero_stage")
+    if config.model.num_experts is not None:
+        shown += ("expert_model_parallel_size",)
     return (config_to_argv(config, fields=shown, include_defaults=True)
             + config_to_argv(config, fields=SAVER_FLAGS)
             + (config_to_argv(config, fields=("deepspeed_config",)) if c.offload_param else []))
@@ -256,6 +279,15 @@ def layout_argv(c: Candidate, config: Config) -> List[str]:
 
 def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_parallel_sizes(model: Config, data_context_ranks: int, limit: Optional[int] = None) -> List[int]:
+    """EP degrees to try where DP x CP = `data_context_ranks`: those dividing it and --num-experts (each EP
+    rank holds whole experts), up to `limit`; [1] for a dense model."""
+    experts = model.model.num_experts
+    if experts is None:
+        return [1]
+    return [e for e in divisors(data_context_ranks) if experts % e == 0 and (limit is None or e <= limit)]
 
 
 @dataclass
@@ -330,10 +362,12 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     m = config.model
     bounds = stage_bounds(config, estimate=True)
     flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
+    numbers = stage_layer_numbers(config, bounds)
     params = [st["parameters"] for st in c.stage_memory]
-    again = [recompute_forward_flops_per_token(m, [n]) for n in layers]
-    redone = [_recomputed_layers(m, n) for n in layers]
+    again = [recompute_forward_flops_per_token(m, [len(n)], first_layer=n.start) for n in numbers]
+    redone = [len(_recomputed_layer_numbers(m, n)) for n in numbers]
     bytes_per_value = 2 if config.precision.dtype_name != "fp32" else 4
+    experts = expert_costs(config, bounds, bytes_per_value)
     times = _predict_from_model_times(c, config, profile, layers, params, redone, bytes_per_value)
     if times is not None:
         c.predicted_from = "model times"
@@ -346,7 +380,10 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
                                      recompute_flops=again, cpu_offload=c.cpu_offload,
                                      sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
                                      cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
-                                     recomputed_layers=redone, profile=profile, bytes_per_value=bytes_per_value)
+                                     recomputed_layers=redone, profile=profile, bytes_per_value=bytes_per_value,
+                                     experts=experts)
+    c.predicted_ep_comm_seconds = times.get("ep_comm_seconds", 0.0) * (c.gradient_accumulation_steps
+                                                                         + c.pipeline_model_parallel_size - 1)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
@@ -357,8 +394,9 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
     """The step priced by the profile's measured times of this very model (tuning/measure_model.py), where it has
     them: same shape, the plan's world size, this TP and micro batch; ZeRO 0, no CP, no offload, as they were
     measured (ZeRO 1-3 and offload from the fits on top: throughput.predict_from_model_times). None otherwise,
-    and under context parallelism, which calibrate does not run (the GEMM + collectives model prices it)."""
-    if profile is None or not profile.models or c.context_parallel_size > 1:
+    and under context or expert parallelism, which calibrate does not run (the GEMM + collectives model prices
+    them)."""
+    if profile is None or not profile.models or c.context_parallel_size > 1 or c.expert_model_parallel_size > 1:
         return None
     from megatron_lite.tuning.measure_model import shape_key  # imports torch: planning without a profile needs none
 
@@ -370,7 +408,9 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
     m, tp = config.model, c.tensor_model_parallel_size
     return predict_from_model_times(
         point, profile, world=world, stage_layers=layers, stage_parameters=params,
-        calibration_parameters=lambda n: embedding_parameters(m, tp) + n * layer_parameters(m, tp),
+        # The calibration's model: the first n layers (an MoE layer holds every expert there: EP 1).
+        calibration_parameters=lambda n: embedding_parameters(m, tp) + sum(layer_parameters(m, tp, k)
+                                                                           for k in range(1, n + 1)),
         tp=tp, pp=c.pipeline_model_parallel_size, dp=c.data_parallel_size, micro=c.micro_batch_size,
         gas=c.gradient_accumulation_steps, hidden=m.hidden_size, seq=m.seq_length,
         sequence_parallel=c.sequence_parallel, selective=m.recompute_granularity == "selective", recomputed_layers=redone,
@@ -378,20 +418,43 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
         bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload)
 
 
-def _recomputed_layers(m, layers: int) -> int:
-    """Layers of a stage whose forward full recompute runs again in backward (their all-to-alls too)."""
+def _recomputed_layer_numbers(m, numbers: range) -> List[int]:
+    """The layers (numbered from 1) of a stage holding `numbers` whose forward full recompute runs again in
+    backward (their all-to-alls too)."""
     if m.recompute_granularity != "full":
-        return 0
-    return sum(end - start for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers,
-                                                                     layers) if again)
+        return []
+    return [numbers.start + i for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers,
+                                                                        len(numbers)) if again
+            for i in range(start, end)]
+
+
+def expert_costs(config: Config, bounds: Sequence[int], bytes_per_value: int) -> Optional[Experts]:
+    """What the routed experts of a validated MoE config cost the step (tuning/throughput.py `Experts`): per
+    stage its MoE layers, those full recompute runs again and the experts' parameters on a rank; the bytes of
+    one dispatch all-to-all on a rank (the routed copies it sends, within the capacity, of h values); an MoE
+    layer's k expert MLPs' FLOPs per token, and the rows each local expert's GEMM gets. None for a dense model."""
+    m, ep = config.model, config.parallel.expert_model_parallel_size
+    if m.num_experts is None:
+        return None
+    numbers = stage_layer_numbers(config, bounds)
+    sent, _ = routed_copies(config)
+    return Experts(
+        ep=ep, stage_moe_layers=[sum(is_moe_layer(m, n) for n in stage) for stage in numbers],
+        stage_recomputed_moe_layers=[sum(is_moe_layer(m, n) for n in _recomputed_layer_numbers(m, stage))
+                                     for stage in numbers],
+        all_to_all_bytes=sent * m.hidden_size * bytes_per_value,
+        stage_parameters=stage_expert_parameters(config, bounds),
+        layer_flops_per_token=m.moe_router_topk * mlp_forward_flops(m, expert_ffn_hidden_size(m)),
+        rows_per_expert=ep * sent / m.num_experts)
 
 
 def _shaden_key(c: Candidate, gpus_per_node: int):
-    # Pipeline stages are added only where the cheap savers do not make fewer stages fit.
+    # Pipeline stages are added only where the cheap savers do not make fewer stages fit. EP is 1 for a dense
+    # model: TP x EP is TP, and the EP entry ties.
     return (c.gradient_accumulation_steps < 8 * c.pipeline_model_parallel_size,
-            abs(math.log2(c.tensor_model_parallel_size / gpus_per_node)),
-            c.saver_tier, c.context_parallel_size, c.pipeline_model_parallel_size, c.micro_batch_size,
-            c.saver_order, -c.predicted_tokens_per_s)
+            abs(math.log2(c.tensor_model_parallel_size * c.expert_model_parallel_size / gpus_per_node)),
+            c.saver_tier, c.context_parallel_size, c.pipeline_model_parallel_size, -c.expert_model_parallel_size,
+            c.micro_batch_size, c.saver_order, -c.predicted_tokens_per_s)
 
 
 def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
@@ -399,12 +462,13 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
          hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
          micro_batch_probe: bool = False, probe_layers: int = 2, progress=None,
          max_context_parallel: Optional[int] = None, profile: Optional[Profile] = None,
-         all_savers: bool = False) -> Plan:
+         all_savers: bool = False, max_expert_parallel: Optional[int] = None) -> Plan:
     """Candidates for the cluster, validated, memory-checked, predicted and ordered.
 
     model_argv: pretrain_gpt.py flags describing the model and the batch (argparse exits 2 on an
     unknown one); the layout flags among them are replaced per candidate, which the plan's notes say.
     max_context_parallel: the largest CP tried (default: the heads per TP rank; 1 plans without CP).
+    max_expert_parallel: the largest EP tried for an MoE model (default: --num-experts; 1 plans without EP).
     profile: measured hardware (tuning/calibration.py) that prices the candidates instead of `hardware`.
     all_savers: keep every memory saver that fits a layout as a candidate of its own, not only the fastest (to
     sweep them: recompute and sequence parallelism cost time a sweep can measure)."""
@@ -435,10 +499,11 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     tps = divisors(gpus_per_node)
     layouts = [(tp, cp) for tp in tps for cp in context_parallel_sizes(model, tp, world, max_context_parallel)]
     for tp, cp in layouts:
-        for pp in ([1] if micro_batch_probe else divisors(world // (tp * cp))):
+        for pp, ep in [(pp, ep) for pp in ([1] if micro_batch_probe else divisors(world // (tp * cp)))
+                       for ep in expert_parallel_sizes(model, world // (tp * pp), max_expert_parallel)]:
             dp = world // (tp * cp * pp)
             for micro in micro_sizes:
-                base = Candidate(tp, pp, dp, micro, context_parallel_size=cp)
+                base = Candidate(tp, pp, dp, micro, context_parallel_size=cp, expert_model_parallel_size=ep)
                 planned = model.replace(batch__global_batch_size=micro * dp) if micro_batch_probe else model
                 fitting: Optional[List[Tuple[Candidate, Config]]] = [] if all_savers else None
                 c, config, reason, code = _try_savers(base, planned, model_fields, world, budget, device,
@@ -446,8 +511,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
                 if c is None:
                     rejected.append({"layout": base.layout, "tensor_model_parallel_size": tp,
                                      "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
-                                     "data_parallel_size": dp, "micro_batch_size": micro, "reason": reason,
-                                     "reason_code": code})
+                                     "data_parallel_size": dp, "expert_model_parallel_size": ep,
+                                     "micro_batch_size": micro, "reason": reason, "reason_code": code})
                     continue
                 for c, config in fitting or [(c, config)]:
                     _predict(c, config, hw, profile)
@@ -470,7 +535,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
             c.name += "_" + "".join(ch if ch.isalnum() else "-" for ch in c.saver.lower()).replace("---", "_")
     cluster = {"nodes": nodes, "gpus_per_node": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
                "memory_margin": memory_margin, "order": order, "all_savers": all_savers, "device": device, "hardware": asdict(hw),
-               "max_context_parallel": max_context_parallel}
+               "max_context_parallel": max_context_parallel, "max_expert_parallel": max_expert_parallel,
+               "num_experts": model.model.num_experts}
     if profile is not None:
         cluster["profile"] = {"device": profile.device, "device_name": profile.device_name, "backend": profile.backend,
                               "torch_version": profile.torch_version, "date": profile.date}
@@ -511,25 +577,31 @@ def first_choice_reason(p: Plan) -> str:
     if p.cluster["order"] == "throughput" or p.mode == "micro-batch-probe":
         return f"{c.layout}: the highest predicted tokens/s; {tail}"
     pp, gas = c.pipeline_model_parallel_size, c.gradient_accumulation_steps
-    tp, cp = c.tensor_model_parallel_size, c.context_parallel_size
-    return (f"{c.layout}: gas {gas} {'>=' if gas >= 8 * pp else '<'} 8 x PP {pp}, "
-            f"TP {tp} {'= GPUs per node' if tp == gpus_per_node else f'the nearest to {gpus_per_node} GPUs per node'}, "
-            f"memory saver '{c.saver}' (tier {c.saver_tier}), CP {cp}, {pp} stage{'s' if pp > 1 else ''}, micro "
-            f"batch {c.micro_batch_size} (Shaden's order, in that priority); {tail}")
+    tp, cp, ep = c.tensor_model_parallel_size, c.context_parallel_size, c.expert_model_parallel_size
+    moe = p.cluster.get("num_experts") is not None
+    group = f"TP {tp} x EP {ep}" if moe else f"TP {tp}"
+    fills = "= GPUs per node" if tp * ep == gpus_per_node else f"the nearest to {gpus_per_node} GPUs per node"
+    return (f"{c.layout}: gas {gas} {'>=' if gas >= 8 * pp else '<'} 8 x PP {pp}, {group} {fills}, "
+            f"memory saver '{c.saver}' (tier {c.saver_tier}), CP {cp}, {pp} stage{'s' if pp > 1 else ''}, "
+            f"{f'EP {ep}, ' if moe else ''}micro batch {c.micro_batch_size} (Shaden's order, in that priority); {tail}")
 
 
 def format_plan(p: Plan, limit: int = 30) -> str:
-    lines = [f"{'rank':>4} {'thr.rank':>8} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} {'micro':>5} {'gas':>5} "
-             f"{'peak GiB (stages)':>24} {'pipe eff':>8} {'rel. thr':>8}  saver"]
+    # An MoE model's plan adds EP and the expert all-to-alls' share of the predicted step.
+    moe = p.cluster.get("num_experts") is not None
+    lines = [f"{'rank':>4} {'thr.rank':>8} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} " + ("  EP " if moe else "")
+             + f"{'micro':>5} {'gas':>5} {'peak GiB (stages)':>24} {'pipe eff':>8} {'rel. thr':>8} "
+             + ("a2a % " if moe else "") + " saver"]
     for c in p.candidates[:limit]:
         peaks = [x / memory.GIB for x in c.peak_bytes_per_stage]
         peak_txt = (f"{max(peaks):.3g} ({peaks[0]:.3g}..{peaks[-1]:.3g})" if len(peaks) > 1
                     else f"{peaks[0]:.3g}")
+        a2a = f"{100 * c.predicted_ep_comm_seconds / c.predicted_step_seconds:>5.1f} " if moe else ""
         lines.append(f"{c.rank:>4} {c.throughput_rank:>8} {c.tensor_model_parallel_size:>3} "
                      f"{c.context_parallel_size:>3} {c.pipeline_model_parallel_size:>3} "
-                     f"{c.data_parallel_size:>4} {c.micro_batch_size:>5} "
-                     f"{c.gradient_accumulation_steps:>5} {peak_txt:>24} {c.predicted_pipeline_efficiency:>8.3f} "
-                     f"{c.predicted_relative_throughput:>8.3f}  {c.saver}")
+                     f"{c.data_parallel_size:>4} " + (f"{c.expert_model_parallel_size:>4} " if moe else "")
+                     + f"{c.micro_batch_size:>5} {c.gradient_accumulation_steps:>5} {peak_txt:>24} "
+                     f"{c.predicted_pipeline_efficiency:>8.3f} {c.predicted_relative_throughput:>8.3f} {a2a} {c.saver}")
     if len(p.candidates) > limit:
         lines.append(f"... {len(p.candidates) - limit} more in the JSON")
     kinds: Dict[str, List[str]] = {}

@@ -5,7 +5,7 @@ sorted by the wrong column after one was added). Runs that did not complete are
 listed after the ranked ones with their status.
 
 Measured pipeline efficiency of a PP > 1 run = its tokens/s over that of the
-completed PP = 1 run with the same TP, CP and micro batch (one plan has one world
+completed PP = 1 run with the same TP, CP, EP and micro batch (one plan has one world
 size, so this is the throughput per GPU lost to the pipeline); runs without
 such a baseline have none.
 
@@ -44,7 +44,8 @@ COLUMNS = ("rank_by_metric", "layout", "status", "tokens_per_s", "samples_per_s"
 
 def _measured_efficiency(rows: List[Dict[str, Any]]) -> None:
     def key(r):
-        return r["tensor_model_parallel_size"], r.get("context_parallel_size") or 1, r["micro_batch_size"]
+        return (r["tensor_model_parallel_size"], r.get("context_parallel_size") or 1,
+                r.get("expert_model_parallel_size") or 1, r["micro_batch_size"])
 
     base = {key(r): r for r in rows
             if r["status"] == "completed" and r["pipeline_model_parallel_size"] == 1 and r.get("tokens_per_s")}

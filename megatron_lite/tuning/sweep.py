@@ -5,7 +5,8 @@
         -- --data-path data/corpus_text_document --tokenizer-type NullTokenizer ...
 
 Launcher placeholders (str.format): {nproc_per_node} (processes per node: the plan's GPUs per
-node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x CP x PP x DP of the candidate), {port} (a free TCP port on this host),
+node, or the world size when that is smaller), {gpus_per_node}, {nodes}, {world_size} (= TP x CP x PP x DP of
+the candidate; its EP is taken out of DP x CP, so no rank more), {port} (a free TCP port on this host),
 {name} (the run's folder name), {run_dir} (its absolute path), {script} (pretrain_gpt.py; appended
 after the launcher when the template does not place it). Inside a Slurm allocation use e.g.
 "srun --ntasks {world_size} --ntasks-per-node {gpus_per_node} python".
@@ -189,10 +190,11 @@ def run_one(cmd: List[str], run_dir: str, time_limit: float, env: Optional[Dict[
 def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any],
                  measured: Dict[str, Any]) -> Dict[str, Any]:
     keys = ("name", "layout", "rank", "throughput_rank", "tensor_model_parallel_size", "context_parallel_size",
-            "pipeline_model_parallel_size", "data_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage", "cpu_offload",
+            "pipeline_model_parallel_size", "data_parallel_size", "expert_model_parallel_size", "micro_batch_size",
+            "gradient_accumulation_steps", "zero_stage", "cpu_offload",
             "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers", "saver",
             "predicted_pipeline_efficiency", "predicted_tokens_per_s", "predicted_step_seconds", "predicted_from",
-            "predicted_relative_throughput", "peak_bytes_per_stage", "argv")
+            "predicted_ep_comm_seconds", "predicted_relative_throughput", "peak_bytes_per_stage", "argv")
     line = {k: candidate.get(k) for k in keys}
     line["predicted_peak_gib_per_stage"] = [b / 2 ** 30 for b in candidate.get("peak_bytes_per_stage") or []]
     line.update(status=status, returncode=run.get("returncode"), seconds=run.get("seconds"))

@@ -3,7 +3,7 @@
 One optimizer step of a layout (TP t, CP c, PP p, DP n, micro batch b, gas g), with s = b S / c the
 tokens of a micro-batch a rank holds (S the sequence; context parallelism splits it c ways):
 
-  step = (g + p - 1) x max over stages (compute_i + tp_comm_i + cp_comm_i) + p2p + dp_comm + offload
+  step = (g + p - 1) x max over stages (compute_i + tp_comm_i + cp_comm_i + ep_comm_i) + p2p + dp_comm + offload
 
   compute_i  = (3 x stage forward FLOPs + what recompute runs again on the stage: model/arithmetic.py
                `recompute_forward_flops_per_token`) x b S / (t c) / (peak x gemm_eff(s))
@@ -21,8 +21,21 @@ tokens of a micro-batch a rank holds (S the sequence; context parallelism splits
   p2p        = 2 (g + p - 1) x s h x 2 bytes / bandwidth between consecutive stages (/ t with
                sequence parallelism: a stage sends its sequence shard)
   dp_comm    = 2 (N-1)/N x stage parameters x 2 bytes / bandwidth, N = n c (gradients are reduced
-               over DP x CP); ZeRO 3 moves 1.5x that
+               over DP x CP); ZeRO 3 moves 1.5x that. Routed experts' gradients go over the N/e ranks
+               holding the same experts instead (expert-DP), the rest over N
   offload    = 16 bytes x partition parameters / host bandwidth (CPU Adam and the copies)
+
+Mixture of Experts with expert parallelism e (EP, `Experts`; a dense model has no such terms): an MoE
+layer sends its N = T k routed copies (T = b S / c the tokens a rank dispatches: every TP rank dispatches
+all of them; fewer copies with a capacity, model/activations.py `routed_copies`) to the experts' ranks and
+brings the outputs back, one all-to-all each; backward runs the mirror pair, full recompute the forward
+pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
+  ep_comm_i  = (4 moe_i + 2 recomputed moe_i) x (e-1)/e x R / bandwidth,   R = N h x 2 bytes
+               (moe_i: the stage's MoE layers). EP ranks are consecutive places of DP x CP, so the group
+               spans t e ranks and sits in a node when t e <= GPUs per node, the network beyond
+  experts    in compute_i the routed experts' GEMMs run at gemm_eff(e N / E), not gemm_eff(s): E/e local
+               experts each get the copies of e ranks (balanced routing), so EP grows the expert GEMMs as
+               it shrinks the experts a rank holds
 
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
 model/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
@@ -36,9 +49,13 @@ model's activation dtype (bytes_per_value: 4 for fp32 training):
   tp_comm_i  = layers_i x 4 all-reduces of s h values (sequence parallelism: a reduce-scatter and an
                all-gather each)
   cp_comm_i  = (2 layers_i + recomputed layers_i) x 2 all-to-alls of A/2 bytes each
+  ep_comm_i  = the profile's all-to-all over e ranks of R bytes, 4 per MoE layer (2 forward, 2 backward)
+               and 2 per recomputed one, and a message more per forward for the row counts dispatch
+               exchanges first (parallel/experts.py); a fit measured at e ranks has the (e-1)/e share
+               leaving a rank in its bandwidth, another group size is scaled by that share
   p2p        = 2 (g + p - 1) sends of s h values (/ t with sequence parallelism)
   dp_comm    = one all-reduce of the stage's parameters over n c ranks, a message per 500 MB bucket;
-               ZeRO 3 1.5x
+               ZeRO 3 1.5x; routed experts' over n c / e ranks
   offload    = 16 bytes x partition parameters / measured copy bandwidth
 The profile measures one machine: groups that cross nodes are priced as the local ones.
 """
@@ -46,7 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.tuning.calibration import Profile
 
@@ -67,6 +84,35 @@ class Hardware:
     """Host memory bandwidth one rank gets for offloaded optimizer work, GB/s."""
 
 
+@dataclass(frozen=True)
+class Experts:
+    """What a layout's routed experts add to the step (module docstring, Mixture of Experts)."""
+    ep: int
+    """Expert-parallel ranks (1: every rank holds every expert and nothing is sent)."""
+    stage_moe_layers: Sequence[int]
+    """MoE layers on each stage."""
+    stage_recomputed_moe_layers: Sequence[int]
+    """MoE layers of each stage whose forward (all-to-alls included) full recompute runs again."""
+    all_to_all_bytes: float
+    """R: the rows one dispatch all-to-all moves on a rank per micro-batch (sent copies x h x bytes per value)."""
+    stage_parameters: Sequence[int]
+    """The routed experts' parameters one rank of each stage holds (part of the stage's parameters), whose
+    gradients are reduced over expert-DP (DP x CP / EP)."""
+    layer_flops_per_token: float
+    """Forward FLOPs per token of one MoE layer's routed experts (part of the stage FLOPs): k expert MLPs."""
+    rows_per_expert: float
+    """Rows a local expert's GEMM gets per micro-batch (EP x the copies a rank sends / experts)."""
+
+
+def ep_all_to_all_seconds(experts: Optional[Experts], moe_layers: int, recomputed: int, price) -> float:
+    """A stage's expert all-to-alls per micro-batch, `price(bytes, messages)`: R bytes each, 4 per MoE layer
+    (dispatch and combine, forward and backward) and 2 per MoE layer full recompute runs again; messages
+    count the calls, with the exchange of row counts before each forward dispatch (parallel/experts.py)."""
+    if experts is None or experts.ep == 1 or not moe_layers:
+        return 0.0
+    return price((4 * moe_layers + 2 * recomputed) * experts.all_to_all_bytes, 5 * moe_layers + 3 * recomputed)
+
+
 def gemm_efficiency(tokens: int) -> float:
     return tokens / (tokens + 256.0)
 
@@ -77,53 +123,97 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                          recompute_flops: Sequence[float], cpu_offload: bool,
                          sequence_parallel: bool = False, cp: int = 1, cp_all_to_all_bytes: int = 0,
                          recomputed_layers: Sequence[int] = (), profile: Optional[Profile] = None,
-                         bytes_per_value: int = 2) -> Dict[str, float]:
+                         bytes_per_value: int = 2, experts: Optional[Experts] = None) -> Dict[str, float]:
     """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
     cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again;
-    profile: measured hardware instead of hw's constants (bytes_per_value is used with it only)."""
+    profile: measured hardware instead of hw's constants (bytes_per_value is used with it only);
+    experts: the routed experts of an MoE model (None: a dense model). ep_comm_seconds in the result: the
+    slowest stage's expert all-to-alls per micro-batch."""
     if profile is not None:
         return _predict_with_profile(stage_flops_per_token, stage_layers, stage_parameters, profile, hidden=hidden,
                                      seq=seq, tp=tp, pp=pp, dp=dp, micro=micro, gas=gas, zero_stage=zero_stage,
                                      recompute_flops=recompute_flops, cpu_offload=cpu_offload,
                                      sequence_parallel=sequence_parallel, cp=cp,
                                      cp_all_to_all_bytes=cp_all_to_all_bytes, recomputed_layers=recomputed_layers,
-                                     bytes_per_value=bytes_per_value)
+                                     bytes_per_value=bytes_per_value, experts=experts)
     tokens = micro * seq // cp
-    flops_per_s = hw.peak_tflops * 1e12 * gemm_efficiency(tokens)
+    rate = lambda rows: hw.peak_tflops * 1e12 * gemm_efficiency(rows)  # noqa: E731
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
     tp_bw = gbps(tp <= hw.gpus_per_node)
     cp_bw = gbps(tp * cp <= hw.gpus_per_node)
     act_bytes = tokens * hidden * 2
     recomputed = list(recomputed_layers) or [0] * len(stage_layers)
+    moe = _stage_experts(experts, len(stage_layers))
+    ep = experts.ep if experts is not None else 1
+    ep_bw = gbps(tp * ep <= hw.gpus_per_node)  # EP ranks: t e consecutive ranks (module docstring)
+    all_to_all = lambda nbytes, messages: (ep - 1) / ep * nbytes / ep_bw  # noqa: E731
     per_stage: List[float] = []
-    for flops, again, layers, redone in zip(stage_flops_per_token, recompute_flops, stage_layers, recomputed):
-        compute = (3.0 * flops + again) * tokens / tp / flops_per_s
+    ep_comms: List[float] = []
+    for flops, again, layers, redone, (moe_layers, moe_redone) in zip(
+            stage_flops_per_token, recompute_flops, stage_layers, recomputed, moe):
+        compute = _compute_seconds(flops, again, moe_layers, moe_redone, experts, tokens / tp, rate(tokens), rate)
         tp_comm = layers * 4 * 2 * (tp - 1) / tp * act_bytes / tp_bw if tp > 1 else 0.0
         cp_comm = (2 * layers + redone) * (cp - 1) / cp * cp_all_to_all_bytes / cp_bw if cp > 1 else 0.0
-        per_stage.append(compute + tp_comm + cp_comm)
+        ep_comm = ep_all_to_all_seconds(experts, moe_layers, moe_redone, all_to_all)
+        per_stage.append(compute + tp_comm + cp_comm + ep_comm)
+        ep_comms.append(ep_comm)
     # Rank order is (pipe, data, model), data = DP x CP: a stage spans tp x cp x dp consecutive ranks.
     sent = act_bytes / tp if sequence_parallel else act_bytes
     stage_ranks = tp * cp * dp
     p2p = 2 * (gas + pp - 1) * sent / gbps(stage_ranks * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
-    reduced = dp * cp  # gradients are reduced over DP x CP
+    reduced = dp * cp  # gradients are reduced over DP x CP, the routed experts' over DP x CP / EP
+
+    def all_reduce(parameters: float, ranks: int) -> float:
+        return 2 * (ranks - 1) / ranks * parameters * 2 / gbps(stage_ranks <= hw.gpus_per_node) if ranks > 1 else 0.0
+
+    dp_comm = max(all_reduce(params - expert, reduced) + all_reduce(expert, reduced // ep)
+                  for params, expert in zip(stage_parameters, _expert_parameters(experts, stage_parameters))
+                  ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
-    dp_comm = (2 * (reduced - 1) / reduced * largest * 2 / gbps(stage_ranks <= hw.gpus_per_node)
-               * (1.5 if zero_stage == 3 else 1.0) if reduced > 1 else 0.0)
     offload = 16.0 * largest / reduced / (hw.host_gbps * 1e9) if cpu_offload else 0.0
-    pipeline = (gas + pp - 1) * max(per_stage)
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload)
+
+
+def _stage_experts(experts: Optional[Experts], stages: int) -> List[Tuple[int, int]]:
+    """(MoE layers, recomputed MoE layers) per stage; zeros for a dense model."""
+    if experts is None:
+        return [(0, 0)] * stages
+    return list(zip(experts.stage_moe_layers, experts.stage_recomputed_moe_layers))
+
+
+def _expert_parameters(experts: Optional[Experts], stage_parameters: Sequence[int]) -> Sequence[int]:
+    return experts.stage_parameters if experts is not None else [0] * len(stage_parameters)
+
+
+def _compute_seconds(flops: float, again: float, moe_layers: int, moe_redone: int, experts: Optional[Experts],
+                     tokens_per_tp_rank: float, dense_rate: float, rate) -> float:
+    """A stage's compute per micro-batch: 3 x forward + recompute, the routed experts' part at the rate of
+    their GEMMs' rows (`rate(rows)`), the rest at `dense_rate`."""
+    expert = 0.0 if experts is None else (3.0 * moe_layers + moe_redone) * experts.layer_flops_per_token
+    seconds = (3.0 * flops + again - expert) * tokens_per_tp_rank / dense_rate
+    if expert:
+        seconds += expert * tokens_per_tp_rank / rate(experts.rows_per_expert)
+    return seconds
+
+
+def _step(per_stage: List[float], ep_comms: List[float], gas: int, pp: int, p2p: float, dp_comm: float,
+          offload: float) -> Dict[str, float]:
+    slowest = max(range(len(per_stage)), key=lambda i: per_stage[i])
+    pipeline = (gas + pp - 1) * per_stage[slowest]
     step = pipeline + p2p + dp_comm + offload
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
-            "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": max(per_stage)}
+            "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": per_stage[slowest],
+            "ep_comm_seconds": ep_comms[slowest]}
 
 
 def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
                           stage_parameters: Sequence[int], profile: Profile, *, hidden: int, seq: int, tp: int,
                           pp: int, dp: int, micro: int, gas: int, zero_stage: int, recompute_flops: Sequence[float],
                           cpu_offload: bool, sequence_parallel: bool, cp: int, cp_all_to_all_bytes: int,
-                          recomputed_layers: Sequence[int], bytes_per_value: int) -> Dict[str, float]:
+                          recomputed_layers: Sequence[int], bytes_per_value: int,
+                          experts: Optional[Experts] = None) -> Dict[str, float]:
     """The same terms as predict_step_seconds, priced by a measured profile (module docstring)."""
     tokens = micro * seq // cp
-    flops_per_s = profile.gemm_flops_per_s(tokens)
     comm = profile.collective_seconds
     act_bytes = tokens * hidden * bytes_per_value
     if sequence_parallel:
@@ -131,24 +221,34 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
     else:
         tp_pair = comm("all_reduce", tp, act_bytes)
     recomputed = list(recomputed_layers) or [0] * len(stage_layers)
+    ep = experts.ep if experts is not None else 1
+    all_to_all = lambda nbytes, messages: comm("all_to_all", ep, nbytes, messages=messages)  # noqa: E731
     per_stage: List[float] = []
-    for flops, again, layers, redone in zip(stage_flops_per_token, recompute_flops, stage_layers, recomputed):
-        compute = (3.0 * flops + again) * tokens / tp / flops_per_s
+    ep_comms: List[float] = []
+    moe = _stage_experts(experts, len(stage_layers))
+    for flops, again, layers, redone, (moe_layers, moe_redone) in zip(
+            stage_flops_per_token, recompute_flops, stage_layers, recomputed, moe):
+        compute = _compute_seconds(flops, again, moe_layers, moe_redone, experts, tokens / tp,
+                                   profile.gemm_flops_per_s(tokens), profile.gemm_flops_per_s)
         tp_comm = layers * 4 * tp_pair
         cp_comm = (2 * layers + redone) * comm("all_to_all", cp, cp_all_to_all_bytes, messages=2)
-        per_stage.append(compute + tp_comm + cp_comm)
+        ep_comm = ep_all_to_all_seconds(experts, moe_layers, moe_redone, all_to_all)
+        per_stage.append(compute + tp_comm + cp_comm + ep_comm)
+        ep_comms.append(ep_comm)
     sent = act_bytes / tp if sequence_parallel else act_bytes
     p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
     reduced = dp * cp
+
+    def all_reduce(parameters: float, ranks: int) -> float:
+        nbytes = parameters * bytes_per_value
+        return comm("all_reduce", ranks, nbytes, messages=math.ceil(nbytes / DP_BUCKET_BYTES)) if nbytes else 0.0
+
+    dp_comm = max(all_reduce(params - expert, reduced) + all_reduce(expert, reduced // ep)
+                  for params, expert in zip(stage_parameters, _expert_parameters(experts, stage_parameters))
+                  ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
-    grad_bytes = largest * bytes_per_value
-    dp_comm = comm("all_reduce", reduced, grad_bytes, messages=math.ceil(grad_bytes / DP_BUCKET_BYTES)) * (
-        1.5 if zero_stage == 3 else 1.0)
     offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
-    pipeline = (gas + pp - 1) * max(per_stage)
-    step = pipeline + p2p + dp_comm + offload
-    return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
-            "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": max(per_stage)}
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload)
 
 
 def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world: int, stage_layers: Sequence[int],

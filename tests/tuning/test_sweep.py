@@ -157,11 +157,36 @@ def test_a_context_parallel_candidate_launches_tp_x_cp_x_pp_x_dp_ranks_and_its_r
     assert rows[0]["layout"] == "tp1_cp2_pp1_dp1_mb1" and rows[0]["measured_pipeline_efficiency"] == 1.0
 
 
+def test_an_expert_parallel_candidate_launches_with_its_ep_and_its_record_and_report_say_ep(tmp_path):
+    moe = TINY + ["--num-experts", "4", "--moe-router-topk", "2"]
+    plan = recipe.plan(moe, 1, 2, 80, max_micro_batch=1, max_context_parallel=1, device="cpu",
+                       workdir=str(tmp_path)).to_dict()
+    assert {c["layout"] for c in plan["candidates"]} >= {"tp1_cp1_pp1_dp2_mb1", "tp1_cp1_pp1_dp2_ep2_mb1"}
+    plan["candidates"] = [c for c in plan["candidates"] if c["layout"] == "tp1_cp1_pp1_dp2_ep2_mb1"]
+    fake = tmp_path / "fake.py"
+    fake.write_text("import sys\nfrom megatron_lite.training.records import RecordWriter\n"
+                    "writer = RecordWriter(sys.argv[sys.argv.index('--tensorboard-dir') + 1])\n"
+                    f"for record in {_records([1.0, 1.0, 1.0])!r}:\n"
+                    "    writer.write(record.pop('kind'), **record)\n")
+    counts = sweep.sweep(plan, str(tmp_path / "out"), f"{sys.executable} {fake} --ranks {{world_size}} {{script}}",
+                         [], train_iters=3, warmup_iters=1, time_limit=60, log=lambda s: None)
+    assert counts == {"completed": 1}
+    command = (tmp_path / "out" / plan["candidates"][0]["name"] / "command.txt").read_text()
+    assert "--ranks 2 " in command and "--expert-model-parallel-size 2" in command and "--num-experts 4" in command
+    line = json.loads((tmp_path / "out" / "results.jsonl").read_text())
+    assert (line["expert_model_parallel_size"], line["data_parallel_size"]) == (2, 2)
+    assert line["predicted_ep_comm_seconds"] > 0
+    rows = report.write_report(str(tmp_path / "out"), out_dir=str(tmp_path / "report"))["rows"]
+    assert rows[0]["layout"] == "tp1_cp1_pp1_dp2_ep2_mb1" and rows[0]["measured_pipeline_efficiency"] == 1.0
+
+
 def test_layout_flags_among_the_fixed_flags_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
         sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--tensor-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--context-parallel-size"):
         sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--context-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size"):
+        sweep.sweep(_fake_plan(tmp_path, 1), str(tmp_path / "o"), "torchrun", ["--expert-model-parallel-size", "2"])
 
 
 def test_unknown_launcher_placeholder_is_named(tmp_path):
