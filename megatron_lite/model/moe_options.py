@@ -26,3 +26,15 @@ def is_moe_layer(model: ModelConfig, layer_number: int) -> bool:
 def expert_ffn_hidden_size(model: ModelConfig) -> int:
     """A routed expert's inner width: --moe-ffn-hidden-size, else --ffn-hidden-size."""
     return model.moe_ffn_hidden_size or model.ffn_hidden_size
+
+
+def layer_freq_for(model: ModelConfig, layers: int) -> str:
+    """--moe-layer-freq for the same model cut to its first `layers` layers (the planner's probes and
+    calibration runs): a pattern keeps its first entries, with its last one MoE if the cut left none; N stays."""
+    _, pattern = parse_moe_layer_freq(model.moe_layer_freq)
+    if pattern is None:
+        return model.moe_layer_freq
+    cut = list(pattern[:layers])
+    if any(pattern) and not any(cut):
+        cut[-1] = 1
+    return "[" + ",".join(map(str, cut)) + "]"

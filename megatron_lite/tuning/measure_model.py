@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from megatron_lite.model.moe_options import layer_freq_for
 from megatron_lite.tuning.calibration import ModelTimes, describe
 from megatron_lite.tuning.measure import spawn_ranks
 
@@ -81,7 +82,8 @@ def run_config(base, world: int, tp: int, micro: int, layers: int, gas: int, fie
 
     dp = world // tp
     config = base.replace(
-        model__num_layers=layers, parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=1,
+        model__num_layers=layers, model__moe_layer_freq=layer_freq_for(base.model, layers),
+        parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=1,
         parallel__context_parallel_size=1, parallel__expert_model_parallel_size=1, parallel__zero_stage=0,
         parallel__cpu_offload=False,
         parallel__sequence_parallel=False, batch__micro_batch_size=micro, batch__global_batch_size=micro * gas * dp,

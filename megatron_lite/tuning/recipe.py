@@ -80,7 +80,7 @@ from megatron_lite.model.arithmetic import (
     stage_layer_numbers,
     transformer_layers_per_stage,
 )
-from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer
+from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, layer_freq_for
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.deepspeed_config import deepspeed_config
@@ -485,7 +485,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     model_fields = [key.split("__")[1] for key in given if key.split("__")[1] not in LAYOUT_FIELDS]
     if micro_batch_probe:
         nodes = 1
-        model = model.replace(model__num_layers=probe_layers)
+        model = model.replace(model__num_layers=probe_layers,
+                              model__moe_layer_freq=layer_freq_for(model.model, probe_layers))
         model_fields += ["num_layers", "global_batch_size"]
         max_micro_batch = max(max_micro_batch, 64)
     world = nodes * gpus_per_node

@@ -178,3 +178,11 @@ def test_expert_costs_count_each_stages_moe_layers_and_those_full_recompute_runs
     assert experts.rows_per_expert == 2 * 32 * 2 / 4  # EP x T k / E
     dense, _ = parse_args(MOE[:-4], world_size=1)
     assert recipe.expert_costs(dense, stage_bounds(dense, estimate=True), bytes_per_value=4) is None
+
+
+def test_the_micro_batch_probe_cuts_a_layer_pattern_with_the_layers(tmp_path):
+    # The probe trains the model's first layers only: a one-entry-per-layer --moe-layer-freq must shrink with them.
+    argv = MIXTRAL_8X7B + ["--moe-layer-freq", "([0]*1+[1]*31)"]
+    p = _plan(argv, tmp_path, nodes=1, micro_batch_probe=True, max_micro_batch=2)
+    assert p.mode == "micro-batch-probe" and p.candidates
+    assert not [r for r in p.rejected if "--moe-layer-freq" in str(r)], p.rejected[:2]
