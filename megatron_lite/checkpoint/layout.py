@@ -53,8 +53,8 @@ class ParamInfo:
 
     @property
     def decays(self) -> bool:
-        """Weight decay, as training/optimizer.parameter_groups decides: matrices, per expert for experts."""
-        return len(self.shape) - (1 if self.experts else 0) > 1
+        """Weight decay, as training/optimizer.parameter_groups decides: every tensor of more than one dimension."""
+        return len(self.shape) > 1
 
 
 def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:

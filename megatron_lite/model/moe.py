@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.grouped_linear import grouped_linear
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.router import TopKRouter, within_capacity
 from megatron_lite.parallel.experts import combine, dispatch, local_experts
@@ -118,25 +119,17 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """rows [N, h] grouped by local expert (tokens_per_expert[e] rows each) -> [N, h], partial over TP."""
         if self.grouped_gemm and rows.is_cuda and hasattr(torch, "_grouped_mm"):
-            offsets = torch.tensor(tokens_per_expert, device=rows.device).cumsum(0).to(torch.int32)
-            inner = torch._grouped_mm(rows, self.weight1.transpose(1, 2), offs=offsets)
-            if self.bias1 is not None:
-                inner = inner + self.bias1.repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
-            out = torch._grouped_mm(self._activation(inner), self.weight2.transpose(1, 2), offs=offsets)
-            if self.bias2 is not None:
-                out = out + self._output_bias().repeat_interleave(torch.tensor(tokens_per_expert, device=rows.device), 0)
-            return out
-        outs = []
-        # One GEMM pair per local expert over its rows (a loop over experts, never over tokens). unbind, not
-        # weight[e]: indexing's backward writes a zero-filled [E, ...] gradient per expert (measured: 18% of a
-        # CPU step in aten::fill_), unbind's stacks the E parts once.
-        w1, w2 = self.weight1.unbind(0), self.weight2.unbind(0)
-        b1 = self.bias1.unbind(0) if self.bias1 is not None else [None] * len(w1)
-        b2 = self._output_bias().unbind(0) if self.bias2 is not None else None
-        for e, part in enumerate(rows.split(tokens_per_expert)):
-            out = F.linear(self._activation(F.linear(part, w1[e], b1[e])), w2[e])
-            outs.append(out if b2 is None else out + b2[e])
-        return torch.cat(outs) if outs else rows.new_zeros((0, self.weight2.shape[1]))
+            counts = torch.tensor(tokens_per_expert, device=rows.device)
+            offsets = counts.cumsum(0).to(torch.int32)
+
+            def linear(x, weight, bias):  # one grouped GEMM over every expert's rows
+                y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+                return y if bias is None else y + bias.repeat_interleave(counts, 0, output_size=x.shape[0])
+        else:
+            def linear(x, weight, bias):  # one GEMM per expert, a loop over experts, never over tokens
+                return grouped_linear(x, weight, tokens_per_expert, bias)
+        inner = linear(rows, self.weight1, self.bias1)
+        return linear(self._activation(inner), self.weight2, None if self.bias2 is None else self._output_bias())
 
     def _output_bias(self) -> torch.Tensor:
         """bias2 on TP rank 0, zeros elsewhere: the outputs are partial sums over TP, the bias counts once. Zero

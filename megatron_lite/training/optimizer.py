@@ -29,14 +29,14 @@ from megatron_lite.parallel.grad_norm import global_grad_norm
 
 
 def parameter_groups(named_parameters: Iterable, weight_decay: float) -> List[dict]:
-    """Biases and norm gains (every 1-D parameter, per expert for an MoE layer's stacked experts) get no weight
-    decay, as in Megatron-LM."""
+    """Biases and norm gains (every 1-D parameter) get no weight decay, as in Megatron-LM. An MoE layer's
+    stacked expert biases [E, n] are 2-D and decay (Megatron-LM's per-expert biases do not: a known difference,
+    docs/model.md)."""
     decay, no_decay = [], []
     for _, p in named_parameters:
         if not p.requires_grad:
             continue
-        dims = p.dim() - (1 if getattr(p, "expert_parallel", False) else 0)
-        (no_decay if dims == 1 else decay).append(p)
+        (no_decay if p.dim() == 1 else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
