@@ -100,7 +100,7 @@ experts receive (`routed_copies`: T K under balanced routing, each expert T K / 
   experts  their input rows                                           e N h
            GeLU: inner and activation, SwiGLU: [gate; up], silu, product      2 e N F / t, 4 e N F / t
   combine  the experts' outputs (EP > 1: as they come back)           e N h
-           the einsum's copy of the [T, K, h] outputs it sums                e K T h
+           the [T, K, h] outputs in token order, kept by their weighting      e K T h
   shared   the MLP at width F_s                                       2 e T F_s / t (SwiGLU: 4)
            --moe-shared-expert-gate: the sigmoid and the shared output (e T + e T h) / r
 The input (the norm's output) is the norm's term, except at 16 bits without a shared expert: then only

@@ -193,37 +193,28 @@ def mlp_forward_flops(model: ModelConfig, ffn: Optional[int] = None) -> float:
 
 def moe_forward_flops(model: ModelConfig) -> float:
     """Forward FLOPs per token of an MoE layer's MLP, active experts only: the router's logits (2 h E), k
-    experts' MLPs of width F, the weighted sum of their k outputs (`_weighted_sum_flops`), the shared
-    expert and its gate (2 h). Dropless routing sends every token to k experts whatever the balance;
+    experts' MLPs of width F, the shared expert and its gate (2 h); the weighted sum of the k outputs is
+    elementwise (model/moe.py), not a matmul, so neither this count nor torch's FLOP counter has it. Dropless routing sends every token to k experts whatever the balance;
     with a capacity the dropped copies are not computed, counted all the same (as Megatron-LM counts)."""
     h, k = model.hidden_size, model.moe_router_topk
-    flops = (2.0 * h * model.num_experts + k * mlp_forward_flops(model, expert_ffn_hidden_size(model))
-             + _weighted_sum_flops(model))
+    flops = 2.0 * h * model.num_experts + k * mlp_forward_flops(model, expert_ffn_hidden_size(model))
     if model.moe_shared_expert_intermediate_size is not None:
         flops += mlp_forward_flops(model, model.moe_shared_expert_intermediate_size)
         flops += 2.0 * h if model.moe_shared_expert_gate else 0.0
     return flops
 
 
-def _weighted_sum_flops(model: ModelConfig) -> float:
-    """The k expert outputs' weighted sum, einsum("tkh,tk->th"): a batched matmul of 2 h k per token for
-    k > 1; at k = 1 torch's einsum multiplies elementwise, no matmul (torch's FLOP counter agrees)."""
-    k = model.moe_router_topk
-    return 2.0 * model.hidden_size * k if k > 1 else 0.0
-
-
 def _last_matmul_flops(model: ModelConfig, layer_number: Optional[int]) -> float:
     """The MLP's last matmul, whose output nothing keeps (full recompute does not run it again, see
     recompute_forward_flops_per_token): the dense MLP's output projection (2 h f); in an MoE layer the
-    shared expert's output projection, or without a shared expert the weighted sum of the k outputs (none
-    at k = 1, where the experts' outputs are kept for the elementwise product); none with the gate (its
-    product keeps the shared expert's output)."""
+    shared expert's output projection; none without a shared expert (the layer ends with the elementwise
+    weighted sum) or with its gate (whose product keeps the shared expert's output)."""
     if layer_number is None or not is_moe_layer(model, layer_number):
         return 2.0 * model.hidden_size * model.ffn_hidden_size
     shared = model.moe_shared_expert_intermediate_size
-    if shared is None:
-        return _weighted_sum_flops(model)
-    return 0.0 if model.moe_shared_expert_gate else 2.0 * model.hidden_size * shared
+    if shared is None or model.moe_shared_expert_gate:
+        return 0.0
+    return 2.0 * model.hidden_size * shared
 
 
 def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0,

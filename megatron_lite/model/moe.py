@@ -187,7 +187,8 @@ class MoELayer(nn.Module):
         keep = within_capacity(indices, weights, self.num_experts, self.capacity_factor, self.drop_policy)
         rows, plan = dispatch(tokens, indices, self.num_experts, keep)
         outputs = combine(self.experts(rows, plan.tokens_per_local_expert), plan)  # [T, k, h] partial over TP
-        y = torch.einsum("tkh,tk->th", outputs, weights).view(b, -1, h)  # [b, s, h] (SP: whole s), partial over TP
+        # [T, k, h] x [T, k] summed over k: elementwise (einsum would run it as T tiny bmm products)
+        y = (outputs * weights.unsqueeze(-1)).sum(1).view(b, -1, h)  # [b, s, h] (SP: whole s), partial over TP
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
