@@ -15,8 +15,9 @@ ep:     two processes (gloo, one thread each) each holding two engines of one Mo
         all-reduced), the same global batch; interleaved rounds; printed: ms per step, ep2/dp2, and the time
         ep2 spends in its all-to-alls (parallel/experts.py counts it).
 gemm:   one MoE layer's experts on dispatched rows under balanced routing (T k rows, E experts), forward and
-        backward: the per-expert loop (what runs on CPU), one padded bmm over [E, capacity, h], and
-        torch._grouped_mm forward only (its CPU backward is missing in torch 2.13).
+        backward: the per-expert loop (model/grouped_linear.py, what runs on CPU), one bmm over [E, T k / E, h]
+        (what a padded path costs when routing is perfectly balanced, no padding), and torch._grouped_mm
+        forward only (its CPU backward is missing in torch 2.13).
 """
 from __future__ import annotations
 
@@ -120,9 +121,10 @@ def child_gemm(steps: int):
         gate, up = inner.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def loop():
-        out = torch.cat([F.linear(act(F.linear(part, w1[e])), w2[e]) for e, part in enumerate(rows.split(counts))])
-        out.sum().backward()
+    from megatron_lite.model.grouped_linear import grouped_linear
+
+    def loop():  # what runs on CPU (model/moe.py): one GEMM per expert into one output
+        grouped_linear(act(grouped_linear(rows, w1, counts)), w2, counts).sum().backward()
 
     def bmm():
         x = rows.view(EXPERTS, rows_per_expert, HIDDEN)  # balanced: no padding needed
@@ -136,7 +138,7 @@ def child_gemm(steps: int):
 
     def loop_forward():
         with torch.no_grad():
-            torch.cat([F.linear(act(F.linear(part, w1[e])), w2[e]) for e, part in enumerate(rows.split(counts))])
+            grouped_linear(act(grouped_linear(rows, w1, counts)), w2, counts)
 
     return {name: statistics.median(_time_steps(fn, steps))
             for name, fn in (("loop", loop), ("bmm", bmm), ("loop forward", loop_forward),
