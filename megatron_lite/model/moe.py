@@ -26,6 +26,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.grouped_linear import grouped_linear
+from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.router import TopKRouter, within_capacity
 from megatron_lite.parallel.experts import combine, dispatch, local_experts
@@ -147,8 +148,6 @@ class GroupedExperts(nn.Module):
 class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, sequence_parallel: bool = False, layer_number: int = 0):
         super().__init__()
-        from megatron_lite.model.transformer import ParallelMLP  # the dense MLP, as the shared expert
-
         self.sequence_parallel = sequence_parallel and tp_world_size() > 1
         self.layer_number = layer_number
         self.num_experts = config.num_experts

@@ -1,0 +1,50 @@
+"""The dense MLP of a transformer layer on tensor-parallel linears (GeLU, or SwiGLU), and the weight
+initialisations the layers share; also an MoE layer's shared expert (model/moe.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def normal_init(std: float):
+    return lambda weight: nn.init.normal_(weight, mean=0.0, std=std)
+
+
+def scaled_normal_init(std: float, num_layers: int):
+    """Output projections of residual branches: std / sqrt(2 L), as in GPT-2 and Megatron-LM."""
+    return normal_init(std / math.sqrt(2.0 * num_layers))
+
+
+class ParallelMLP(nn.Module):
+    """GeLU MLP (exact, or tanh with --openai-gelu), or with --swiglu the SiLU-gated one: down(silu(gate(x)) * up(x)).
+
+    Under SwiGLU the master [2 ffn, h] weight of dense_h_to_4h is [gate; up] and each rank takes the
+    matching ffn/tp rows of both (stride 2), so its gate and up slices belong together."""
+
+    def __init__(self, config: ModelConfig, sequence_parallel: bool = False):
+        super().__init__()
+        ffn, self.swiglu = config.ffn_hidden_size, config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, 2 * ffn if self.swiglu else ffn,
+                                                  bias=config.add_bias_linear, stride=2 if self.swiglu else 1,
+                                                  init_method=normal_init(config.init_method_std),
+                                                  sequence_parallel=sequence_parallel)
+        self.dense_4h_to_h = RowParallelLinear(
+            ffn, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
+            init_method=scaled_normal_init(config.init_method_std, config.num_layers),
+            sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [b, s, h] -> [b, s, ffn/tp] (SwiGLU: [b, s, 2 ffn/tp] first) -> [b, s, h]
+        # (sequence parallel: [b, s/tp, h] in and out)
+        inner = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = inner.chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        return self.dense_4h_to_h(F.gelu(inner, approximate=self.gelu_approximate))
