@@ -448,6 +448,19 @@ def expert_costs(config: Config, bounds: Sequence[int], bytes_per_value: int) ->
         rows_per_expert=ep * sent / m.num_experts)
 
 
+def _unmeasured(c: Candidate, measured: bool) -> bool:
+    """Priced from the generic terms while other layouts of the plan are priced from measured steps."""
+    return measured and c.predicted_from != "model times"
+
+
+def _layout_kind(c: Candidate) -> str:
+    """What a layout splits beyond data parallelism, for the plan's notes: 'TP 2 x CP 2', 'PP 2', 'DP only'."""
+    parts = [f"{name} {size}" for name, size in (("TP", c.tensor_model_parallel_size), ("CP", c.context_parallel_size),
+                                                 ("PP", c.pipeline_model_parallel_size),
+                                                 ("EP", c.expert_model_parallel_size)) if size > 1]
+    return " x ".join(parts) or "DP only"
+
+
 def _shaden_key(c: Candidate, gpus_per_node: int):
     # Pipeline stages are added only where the cheap savers do not make fewer stages fit. EP is 1 for a dense
     # model: TP x EP is TP, and the EP entry ties.
@@ -523,8 +536,19 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     best = max((c.predicted_tokens_per_s for c in kept), default=1.0)
     for c in kept:
         c.predicted_relative_throughput = c.predicted_tokens_per_s / best
-    for i, c in enumerate(sorted(kept, key=lambda c: -c.predicted_tokens_per_s), 1):
+    # A layout priced from calibrate's timed steps of this model outranks one priced from the generic terms
+    # (the profile's GEMM and collective fits, or the constants): those terms ran 2.6-2.9x fast for context
+    # parallelism on the 2-core VM (issue 48), so a generic price only ranks among its own kind.
+    measured = any(c.predicted_from == "model times" for c in kept)
+    for i, c in enumerate(sorted(kept, key=lambda c: (_unmeasured(c, measured), -c.predicted_tokens_per_s)), 1):
         c.throughput_rank = i
+    generic = [c for c in kept if _unmeasured(c, measured)]
+    if generic:
+        kinds = sorted({_layout_kind(c) for c in generic})
+        notes.append(f"{len(generic)} of {len(kept)} layouts ({', '.join(kinds)}) are priced from the profile's "
+                     f"generic terms, not from calibrate's timed steps of this model: their thr.rank comes after "
+                     f"the {len(kept) - len(generic)} measured ones (the 'from' column); calibrate with those "
+                     f"layouts to rank them by measurement")
     if order == "throughput" or micro_batch_probe:
         kept.sort(key=lambda c: c.throughput_rank)
     else:
@@ -587,12 +611,16 @@ def first_choice_reason(p: Plan) -> str:
             f"{f'EP {ep}, ' if moe else ''}micro batch {c.micro_batch_size} (Shaden's order, in that priority); {tail}")
 
 
+PRICED_FROM = {"model times": "model", "profile": "profile", "constants": "const"}
+"""The table's 'from' column: calibrate's timed steps of this model, the profile's generic fits, or the constants."""
+
+
 def format_plan(p: Plan, limit: int = 30) -> str:
     # An MoE model's plan adds EP and the expert all-to-alls' share of the predicted step.
     moe = p.cluster.get("num_experts") is not None
     lines = [f"{'rank':>4} {'thr.rank':>8} {'TP':>3} {'CP':>3} {'PP':>3} {'DP':>4} " + ("  EP " if moe else "")
              + f"{'micro':>5} {'gas':>5} {'peak GiB (stages)':>24} {'pipe eff':>8} {'rel. thr':>8} "
-             + ("a2a % " if moe else "") + " saver"]
+             + ("a2a % " if moe else "") + f"{'from':>7}  saver"]
     for c in p.candidates[:limit]:
         peaks = [x / memory.GIB for x in c.peak_bytes_per_stage]
         peak_txt = (f"{max(peaks):.3g} ({peaks[0]:.3g}..{peaks[-1]:.3g})" if len(peaks) > 1
@@ -602,7 +630,8 @@ def format_plan(p: Plan, limit: int = 30) -> str:
                      f"{c.context_parallel_size:>3} {c.pipeline_model_parallel_size:>3} "
                      f"{c.data_parallel_size:>4} " + (f"{c.expert_model_parallel_size:>4} " if moe else "")
                      + f"{c.micro_batch_size:>5} {c.gradient_accumulation_steps:>5} {peak_txt:>24} "
-                     f"{c.predicted_pipeline_efficiency:>8.3f} {c.predicted_relative_throughput:>8.3f} {a2a} {c.saver}")
+                     f"{c.predicted_pipeline_efficiency:>8.3f} {c.predicted_relative_throughput:>8.3f} {a2a}"
+                     f"{PRICED_FROM.get(c.predicted_from, c.predicted_from):>7}  {c.saver}")
     if len(p.candidates) > limit:
         lines.append(f"... {len(p.candidates) - limit} more in the JSON")
     kinds: Dict[str, List[str]] = {}
