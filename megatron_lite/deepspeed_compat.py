@@ -559,7 +559,7 @@ def register_expert_groups(expert_group, expert_ranks, expert_data_group, expert
 
 
 def mark_expert_parameters(parameters) -> int:
-    """Mark parameters tagged `expert_parallel` (model/moe.py) as DeepSpeed's MoE parameters; how many."""
+    """Mark parameters tagged `expert_parallel` (parallel/experts.py mark_expert_parameter) as DeepSpeed's MoE parameters; how many."""
     from deepspeed.moe.utils import is_moe_param
 
     marked = 0

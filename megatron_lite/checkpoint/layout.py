@@ -28,6 +28,7 @@ from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.gpt import TransformerLayerPipe, layer_specs
 from megatron_lite.model.moe_options import is_moe_layer
+from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.tp import as_single_rank
 
 VOCAB_PARAMETERS = ("word_embeddings.weight", "output.weight")
@@ -110,7 +111,7 @@ class ModelLayout:
             sections = getattr(p, "partition_sections", None) if split else ()
             if sections is None:
                 sections = (p.shape[dim] // stride,) * stride
-            experts = getattr(p, "num_experts", 0) if getattr(p, "expert_parallel", False) else 0
+            experts = p.num_experts if is_expert_parameter(p) else 0
             described.append((name, tuple(p.shape), dim, stride, tuple(sections), experts))
         return described, buffers
 

@@ -246,6 +246,7 @@ class LayoutFreeReader:
         # An expert parameter is partitioned over expert-DP within each EP block (DP x CP place d held block
         # d % EP): its fragments in (block, place) order are every expert in global order.
         expert_order = sorted(range(len(paths)), key=lambda d: (d % self.ep, d // self.ep))
+        expert_position = {d: i for i, d in enumerate(expert_order)}
         for rank, path in enumerate(paths):
             partition = self._partition(path)
             for pipeline_name, fragment in partition.fragments.items():
@@ -253,7 +254,7 @@ class LayoutFreeReader:
                 if key[0] not in specs:
                     continue
                 entry = pieces.setdefault(key, {name: [None] * len(paths) for name in names})
-                at = expert_order.index(rank) if self.info(key).experts else rank
+                at = expert_position[rank] if self.info(key).experts else rank
                 for name in names:
                     entry[name][at] = fragment[name]
                 steps[key] = partition.steps[pipeline_name] if optimizer else None

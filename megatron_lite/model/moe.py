@@ -29,7 +29,7 @@ from megatron_lite.model.grouped_linear import grouped_linear
 from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.router import TopKRouter, within_capacity
-from megatron_lite.parallel.experts import combine, dispatch, local_experts
+from megatron_lite.parallel.experts import combine, dispatch, local_experts, mark_expert_parameter
 from megatron_lite.parallel.layers import (
     _master_slice,
     equal_sections,
@@ -44,18 +44,6 @@ from megatron_lite.parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron_lite.parallel.tp import tp_rank, tp_world_size
-
-
-def mark_expert_parameter(param: torch.Tensor, num_experts: int) -> None:
-    """Tag a parameter holding this rank's experts along dim 0: reduced over expert-DP, not DP x CP
-    (deepspeed_compat.mark_expert_parameters tells DeepSpeed), counted over EP in the gradient norm, and
-    stored by global expert index in checkpoints."""
-    param.expert_parallel = True
-    param.num_experts = num_experts
-
-
-def is_expert_parameter(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "expert_parallel", False))
 
 
 class GroupedExperts(nn.Module):
@@ -79,9 +67,10 @@ class GroupedExperts(nn.Module):
             return lambda w: nn.init.normal_(w, mean=0.0, std=scale, generator=gen)
 
         out_std = std / (2.0 * config.num_layers) ** 0.5
+        self.num_experts, self.local_range = experts, local_experts(experts)
         w1 = [_master_slice((out1, h), 0, equal_sections(out1, 2 if self.swiglu else 1), expert_init(e, std))
-              for e in local_experts(experts)]
-        w2 = [_master_slice((h, ffn), 1, (ffn,), expert_init(e, out_std)) for e in local_experts(experts)]
+              for e in self.local_range]
+        w2 = [_master_slice((h, ffn), 1, (ffn,), expert_init(e, out_std)) for e in self.local_range]
         self.weight1 = nn.Parameter(torch.stack(w1))
         self.weight2 = nn.Parameter(torch.stack(w2))
         set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if self.swiglu else 1)
@@ -96,7 +85,6 @@ class GroupedExperts(nn.Module):
             self.bias2.tp_partial_gradient = True
         for param in self.parameters():
             mark_expert_parameter(param, experts)
-        self.num_experts, self.local_range = experts, local_experts(experts)
         self.whole = None
         """{name: [E, ...]} every expert's tensor while a checkpoint is written (training/engine.py gathers them),
         which the layer's state dict then holds: files store experts by global index, whatever the EP."""

@@ -28,6 +28,18 @@ from megatron_lite.parallel.tp import _parallel, tp_group, tp_world_size
 _seconds = 0.0
 
 
+def mark_expert_parameter(param: torch.Tensor, num_experts: int) -> None:
+    """Tag a parameter holding this rank's experts along dim 0: reduced over expert-DP, not DP x CP
+    (deepspeed_compat.mark_expert_parameters tells DeepSpeed), counted over EP in the gradient norm, and
+    stored by global expert index in checkpoints."""
+    param.expert_parallel = True
+    param.num_experts = num_experts
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
 def ep_world_size() -> int:
     """EP size; 1 without parallel state or inside tp.as_single_rank() (a layer built for its dense shapes)."""
     return state.get_expert_model_parallel_world_size() if _parallel() else 1

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_lite.deepspeed_compat import is_pipe_replicated_copy
 from megatron_lite.parallel import state
+from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.tp import tp_rank
 
 
@@ -25,10 +26,6 @@ def counts_toward_grad_norm(param: torch.Tensor) -> bool:
     if is_pipe_replicated_copy(param):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank() == 0
-
-
-def _is_expert(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "expert_parallel", False))
 
 
 def _squared_norm(grads, device) -> torch.Tensor:
@@ -43,11 +40,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], group=None) -> torch.Te
     params = list(parameters)
     device = params[0].device if params else torch.device("cpu")
     counted = [p for p in params if p.grad is not None and counts_toward_grad_norm(p)]
-    squared = _squared_norm([p.grad for p in counted if not _is_expert(p)], device)
-    experts = [p.grad for p in counted if _is_expert(p)]
-    if experts or any(_is_expert(p) for p in params):
+    squared = _squared_norm([p.grad for p in counted if not is_expert_parameter(p)], device)
+    if any(is_expert_parameter(p) for p in params):  # the same on every EP rank of a stage: all join the sum
         # Each EP rank holds other experts: their squares add up over the EP group, each expert once.
-        expert_squared = _squared_norm(experts, device)
+        expert_squared = _squared_norm([p.grad for p in counted if is_expert_parameter(p)], device)
         if state.is_initialized() and state.get_expert_model_parallel_world_size() > 1:
             dist.all_reduce(expert_squared, group=state.get_expert_model_parallel_group())
         squared = squared + expert_squared

@@ -60,6 +60,7 @@ from megatron_lite.config import Config
 from megatron_lite.deepspeed_config import deepspeed_optimizer
 from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.parallel import state
+from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.training.async_save import AsyncWriter, write_in_turn
 from megatron_lite.training.distributed import gather_problems, is_rank_zero_from_environment
 from megatron_lite.training.layout_free_resume import (
@@ -259,7 +260,7 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
         expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
         # an MoE layer's file holds every expert (training/engine.py Engine.save), this rank its EP block
         expected.update({name: (p.num_experts,) + tuple(p.shape[1:]) for name, p in module.named_parameters()
-                         if getattr(p, "expert_parallel", False)})
+                         if is_expert_parameter(p)})
         files.append((os.path.join(folder, layer_file(spec, tp_rank)),
                       lambda path, value, expected=expected: check_layer_state(path, value, expected, tp)))
     files.append((os.path.join(folder, model_states_file(stage, tp_rank, tp)), check_model_states))

@@ -9,11 +9,12 @@ from typing import Dict
 
 import torch
 
+from megatron_lite.model.moe import MoELayer
 from megatron_lite.parallel.experts import sum_over_batch
 
 
 def moe_layers(module: torch.nn.Module) -> list:
-    return [m for m in module.modules() if hasattr(m, "router") and hasattr(m, "step_sums")]
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
 
 
 def update_expert_biases(module: torch.nn.Module, sequence_parallel: bool) -> None:

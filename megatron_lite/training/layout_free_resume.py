@@ -20,7 +20,7 @@ from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.config import Config
 from megatron_lite.parallel import state
-from megatron_lite.parallel.experts import ep_rank
+from megatron_lite.parallel.experts import ep_rank, is_expert_parameter
 from megatron_lite.training.distributed import gather_problems
 from megatron_lite.training.rng_state import read_rng_state, set_rng_state
 
@@ -71,7 +71,7 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
     for key, param in params.items():
         entry = saved[key]
         values[param] = {"fp32": entry.fp32, "exp_avg": entry.exp_avg, "exp_avg_sq": entry.exp_avg_sq}
-        if getattr(param, "expert_parallel", False):  # saved: every expert; this rank holds its EP block
+        if is_expert_parameter(param):  # saved: every expert; this rank holds its EP block
             count = param.shape[0]
             values[param] = {k: None if v is None else v.narrow(0, ep_rank() * count, count)
                              for k, v in values[param].items()}
