@@ -29,7 +29,7 @@ from megatron_lite.model.grouped_linear import grouped_linear
 from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.router import TopKRouter, within_capacity
-from megatron_lite.parallel.experts import combine, dispatch, local_experts, mark_expert_parameter
+from megatron_lite.parallel.experts import combine, dispatch, local_experts, mark_expert_parameter, token_shards
 from megatron_lite.parallel.layers import (
     _master_slice,
     equal_sections,
@@ -153,8 +153,10 @@ class MoELayer(nn.Module):
                 set_tensor_model_parallel_attributes(self.shared_expert_gate, False)
                 if self.sequence_parallel:
                     set_sequence_parallel_attribute(self.shared_expert_gate)
-        # This rank's sums over the step's micro-batches: aux loss, z-loss, dropped fraction, micro-batches
-        # (training/expert_balance.py sums them over the batch once per step into `last_step`).
+        # This rank's sums over the step's micro-batches: its shares of the aux loss and z-loss, of the dropped
+        # fraction and of the micro-batch count (1 / the ranks sharing a micro-batch's tokens each), which
+        # training/expert_balance.py sums over the batch once per step into `last_step`: no collective and no
+        # wait for the device per micro-batch for the metrics.
         self.register_buffer("step_sums", torch.zeros(4), persistent=False)
         self.last_step = {}
         """The last global batch's load per expert and mean router losses and dropped fraction, for the metrics."""
@@ -181,9 +183,11 @@ class MoELayer(nn.Module):
         else:
             y = reduce_from_tensor_model_parallel_region(y)
         if self.training:
+            zero, share = self.step_sums.new_zeros(()), 1.0 / token_shards(self.sequence_parallel)
             losses = self.router.last_losses
-            dropped = 0.0 if keep is None else float(1.0 - keep.float().mean())
-            self.step_sums += torch.tensor([losses.get("aux_loss", 0.0), losses.get("z_loss", 0.0), dropped, 1.0])
+            dropped = zero if keep is None else 1.0 - keep.float().mean()
+            self.step_sums += torch.stack([losses.get("aux_loss", zero), losses.get("z_loss", zero), dropped * share,
+                                           zero + share])
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

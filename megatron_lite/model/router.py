@@ -35,8 +35,6 @@ class Routing(NamedTuple):
     """[T, k] each chosen expert's weight (the input's dtype)."""
     indices: torch.Tensor
     """[T, k] global expert ids (int64)."""
-    tokens_per_expert: torch.Tensor
-    """[E] routed copies per expert over the micro-batch's tokens on every rank holding them (before drops)."""
 
 
 class TopKRouter(nn.Module):
@@ -63,7 +61,8 @@ class TopKRouter(nn.Module):
         self.last_load = None
         """Routed copies per expert over the last global batch (update_expert_bias), for the metrics."""
         self.last_losses = {}
-        """Detached values of the last micro-batch's losses (aux_loss, z_loss), for the metrics."""
+        """This rank's shares (detached tensors) of the last micro-batch's losses (aux_loss, z_loss), for the
+        metrics: summed once per step with the rest (training/expert_balance.py), not per micro-batch here."""
 
     def forward(self, x: torch.Tensor, samples: int) -> Routing:
         """x [T, h] this rank's tokens (T = samples x its part of the sequence)."""
@@ -87,9 +86,8 @@ class TopKRouter(nn.Module):
         local = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
         if self.training:
             self.local_load += local
-        tokens_per_expert = sum_over_token_shards(local, self.sequence_parallel)
-        weights = self._attach_losses(weights, logits, indices, tokens_per_expert, samples)
-        return Routing(weights.to(x.dtype), indices, tokens_per_expert)
+        weights = self._attach_losses(weights, logits, indices, local, samples)
+        return Routing(weights.to(x.dtype), indices)
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """[T, E] scores (no gradient) -> [T, k] chosen experts, by the biased scores, within the kept groups."""
@@ -104,20 +102,20 @@ class TopKRouter(nn.Module):
             scores = grouped.masked_fill(~mask[..., None], float("-inf")).view(T, -1)
         return scores.topk(self.topk, dim=-1).indices
 
-    def _attach_losses(self, weights, logits, indices, tokens_per_expert, samples):
-        """Make backward add the gradients of the aux and z losses (their values: self.last_losses)."""
+    def _attach_losses(self, weights, logits, indices, local_load, samples):
+        """Make backward add the gradients of the aux and z losses (this rank's shares: self.last_losses)."""
         self.last_losses = {}
         if self.training and self.balancing != "none" and self.aux_coeff > 0:
-            aux = self._balancing_loss(logits, indices, tokens_per_expert, samples)
+            aux = self._balancing_loss(logits, indices, local_load, samples)
             weights = attach(weights, aux)
         if self.training and self.z_coeff:
             total = logits.shape[0] * token_shards(self.sequence_parallel)
             z_local = self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
-            self.last_losses["z_loss"] = float(sum_over_token_shards(z_local.detach(), self.sequence_parallel))
+            self.last_losses["z_loss"] = z_local.detach()
             weights = attach(weights, z_local)
         return weights
 
-    def _balancing_loss(self, logits, indices, tokens_per_expert, samples) -> torch.Tensor:
+    def _balancing_loss(self, logits, indices, local_load, samples) -> torch.Tensor:
         """This rank's share of coeff x E / k x sum_e f_e P_e (f: routed fraction, P: mean probability),
         f and the token totals over the whole micro-batch, P's sum over this rank's tokens."""
         E, k = self.num_experts, self.topk
@@ -135,10 +133,11 @@ class TopKRouter(nn.Module):
             counts = sum_over_token_shards(counts, self.sequence_parallel)
             seq = T // samples * shards
             aux = (per_sample.sum(1) * counts).sum() * (E * self.aux_coeff / (k * seq * seq * samples))
-        else:
+        else:  # f from the copies per expert over every rank holding the micro-batch's tokens
             total = logits.shape[0] * shards
+            tokens_per_expert = sum_over_token_shards(local_load, self.sequence_parallel)
             aux = (probs.sum(0) * tokens_per_expert).sum() * (E * self.aux_coeff / (k * total * total))
-        self.last_losses["aux_loss"] = float(sum_over_token_shards(aux.detach(), self.sequence_parallel))
+        self.last_losses["aux_loss"] = aux.detach()
         return aux
 
     @torch.no_grad()

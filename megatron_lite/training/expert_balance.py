@@ -25,8 +25,8 @@ def update_expert_biases(module: torch.nn.Module, sequence_parallel: bool) -> No
         return  # a pipeline stage without MoE layers: nothing to sum, and its peers have none either
     packed = sum_over_batch(torch.stack([torch.cat([m.router.local_load, m.step_sums]) for m in layers]),
                             sequence_parallel)
-    # Router losses and drop fractions (each micro-batch's, the same on the ranks sharing its tokens) and the
-    # micro-batch count are summed over the same ranks: their ratio is the mean over the batch's micro-batches.
+    # Each rank added its share of every micro-batch's router losses, dropped fraction and count (model/moe.py):
+    # summed over the batch's ranks, their ratio is the mean over the batch's micro-batches.
     for layer, sums in zip(layers, packed):
         load, (aux, z, dropped, micro) = sums[:-4], sums[-4:].tolist()
         micro = max(micro, 1.0)
