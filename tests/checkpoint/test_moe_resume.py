@@ -2,35 +2,13 @@
 expert-parallel size (and TP, DP) with its optimizer state, continuing the uninterrupted losses."""
 import pytest
 
+from tests.checkpoint.test_moe_tools import _train as train
 from tests.harness import run_distributed
-from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
-from tests.model.test_moe_parallel import MOE
-
-STEPS, SAVE_AT = 4, 2
 
 
 def _train(tp, dp, ep, extra, save=None, load=None):
-    from megatron_lite.parallel import state
-    from megatron_lite.training import checkpointing
-    from megatron_lite.training.engine import Engine
-
-    flags = list(MOE) + list(extra) + ["--expert-model-parallel-size", str(ep), "--train-iters", str(STEPS),
-                                       "--lr-warmup-iters", "1"]
-    flags += (["--save", save] if save else []) + (["--load", load] if load else [])
-    config = tiny_config(tp, 1, dp, flags)
-    state.initialize(tp, 1, expert_model_parallel_size=ep)
-    engine = Engine(config)
-    start, note = 0, None
-    if load:
-        resumed = checkpointing.load(engine, config)
-        start, note = resumed.iteration, resumed.note
-    data = micro_batches(config, global_batches(config, STEPS)[start:], state.get_data_parallel_rank(), dp)
-    losses = {}
-    for iteration in range(start + 1, STEPS + 1):
-        losses[iteration] = engine.train_step(data).loss
-        if save and iteration == SAVE_AT:
-            checkpointing.save(engine, config, iteration, iteration * config.batch.global_batch_size,
-                               checkpointing.SaveFolder(lock=None, run_id="test"))
+    """(losses, the resume's note) of test_moe_tools' run at PP 1."""
+    losses, note, _ = train(tp, 1, dp, ep, extra, save, load)
     return losses, note
 
 

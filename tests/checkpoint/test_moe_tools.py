@@ -25,7 +25,7 @@ def _train(tp, pp, dp, ep, extra, save=None, load=None):
     from megatron_lite import deepspeed_compat
     from megatron_lite.checkpoint.layout import ModelLayout
     from megatron_lite.parallel import state
-    from megatron_lite.parallel.experts import local_experts
+    from megatron_lite.parallel.experts import is_expert_parameter, local_experts
     from megatron_lite.training import checkpointing
     from megatron_lite.training.engine import Engine
 
@@ -49,8 +49,7 @@ def _train(tp, pp, dp, ep, extra, save=None, load=None):
             layout = ModelLayout(config)
             for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
                 spec = layout.tied_spec[owner] if isinstance(owner, str) else owner
-                experts = local_experts(config.model.num_experts) if getattr(param, "expert_parallel", False) \
-                    else None
+                experts = local_experts(config.model.num_experts) if is_expert_parameter(param) else None
                 weights[(spec, name)] = (param.detach().clone(), experts)
             for name, buffer in engine.module.named_buffers():
                 owner, inner = deepspeed_compat.pipeline_parameter_owner(name)
