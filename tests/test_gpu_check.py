@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     assert [r["step"] for r in results] == [key for key, *_ in gpu_check_steps.STEPS]
     assert {r["step"]: r["status"] for r in results} == {"env": "pass", "install": "skip", "build": "pass",
                                                           "a": "pass", "b": "pass", "calibrate": "pass", "c": "pass",
-                                                          "d": "pass"}
+                                                          "d": "pass", "moe": "pass"}
     markdown = (report / "gpu_check.md").read_text()
     table_start = markdown.index("| step | what | status |")
     assert all(markdown.index(f"\n## {key}:") > table_start for key in ("a", "b", "c", "d"))
@@ -36,6 +37,31 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     assert set(c["predicted_over_measured"]) == {"calibrated", "constants"}
     assert all(isinstance(v, float) and v > 0 for v in c["predicted_over_measured"].values())
     assert "passed" in (report / "gpu_check_tests.log").read_text()  # the whole pytest output is kept
+    assert {r["step"]: r for r in results}["moe"]["numbers"]["loop"]["tokens_per_s"] > 0
+
+
+def test_each_failing_tests_traceback_is_written_when_it_fails_not_at_the_end(tmp_path):
+    """A pytest run the GPU check kills at its budget never prints its summary: the plugin writes each failure
+    as its report arrives, so a run killed after the failure has it on disk."""
+    (tmp_path / "test_two.py").write_text(
+        "import time\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'the reason'\n"
+        "def test_hangs():\n    time.sleep(60)\n")
+    log = tmp_path / "failures.log"
+    env = {**os.environ, "MEGATRON_LITE_FAILURE_LOG": str(log), "PYTHONPATH": REPO_ROOT}
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                            "benchmarks.gpu_check.immediate_failures", str(tmp_path / "test_two.py")],
+                           cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run.poll() is None, "pytest ended: the hanging test did not hang"
+    finally:
+        run.kill()
+        run.wait()
+    text = log.read_text()
+    assert "test_two.py::test_fails (call)" in text and "the reason" in text and "test_hangs" not in text
 
 
 def test_a_step_out_of_time_is_recorded_and_the_next_step_still_runs(tmp_path):

@@ -15,6 +15,8 @@ Steps, in order (steps.py has each one):
            mode pretrain_gpt.py offers; and the plan's predicted step of the no-recompute run, priced
            by the calibrated profile and by the constants, over the measured one
   d        a small model's bf16 loss curve against its fp32 curve, 100 steps
+  moe      a ~1B Mixture-of-Experts GPT (12 layers of 8 experts, top-2), bf16, ZeRO 1, 30 iterations:
+           tokens/s, TFLOP/s, MFU, peak memory vs our estimate, per-expert GEMM loop vs --moe-grouped-gemm
 Every step has a time budget; a step that fails or runs out of time is recorded and the next one
 runs. The report (markdown, a summary table at the top, and JSON) is rewritten after every step
 into --report-dir (default: $OUT when set, else gpu_check_report/), and results accumulate there

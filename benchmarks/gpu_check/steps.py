@@ -15,6 +15,7 @@ from benchmarks.gpu_check.context import REPO, Context, OutOfTime, StepFailed, l
 from megatron_lite.cpp_runtime import MARKER
 
 TEST_DEVICE_VARIABLE = "MEGATRON_LITE_TEST_DEVICE"  # tests/device.py
+FAILURE_LOG_VARIABLE = "MEGATRON_LITE_FAILURE_LOG"  # immediate_failures.py
 
 
 def use_installed_wheels(ctx: Context) -> None:
@@ -115,13 +116,18 @@ def failed_tests(output: str) -> List[str]:
     lines = [line[:200] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     if lines:
         return lines
-    return sorted({m.group(1)[:200] for m in re.finditer(r"(tests/\S+::\S+) (?:FAILED|ERROR)", output)})
+    # "tests/x.py::t FAILED" without pytest-xdist, "[gw3] [ 4%] FAILED tests/x.py::t" with it.
+    found = re.finditer(r"(tests/\S+::\S+) (?:FAILED|ERROR)|(?:FAILED|ERROR) (tests/\S+::\S+)", output)
+    return sorted({(m.group(1) or m.group(2))[:200] for m in found})
 
 
 def run_pytest(ctx: Context, args: List[str], env: Dict[str, str] = None, budget: float = None):
     """(counts, failed test lines, passed cleanly, note). Running out of time is a note with the
     counts so far (-v names every test as it ends), not the end of the step."""
-    command = [ctx.python, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider", *args]
+    command = [ctx.python, "-m", "pytest", "-v", "--tb=short", "-rfE", "-p", "no:cacheprovider",
+               "-p", "benchmarks.gpu_check.immediate_failures", *args]
+    os.makedirs(ctx.report_dir, exist_ok=True)
+    env = {**(env or {}), FAILURE_LOG_VARIABLE: os.path.join(ctx.report_dir, "gpu_check_failures.log")}
     try:
         done = ctx.run(command, env=env, budget=budget)
     except OutOfTime as e:
@@ -148,7 +154,12 @@ def parallel_workers(ctx: Context) -> List[str]:
     if ctx.dry_run:
         return []
     probe = ctx.run([ctx.python, "-c", "import xdist"], budget=60)
-    return ["-n", "4"] if probe.returncode == 0 else []
+    if probe.returncode != 0:
+        return []
+    workers = ["-n", os.environ.get("MEGATRON_LITE_GPU_CHECK_WORKERS", "4")]
+    # One test that hangs (a collective one rank never joins) must not eat the step's whole budget.
+    timeout = ctx.run([ctx.python, "-c", "import pytest_timeout"], budget=60)
+    return workers + (["--timeout", "180"] if timeout.returncode == 0 else [])
 
 
 def tests(ctx: Context):
@@ -414,6 +425,55 @@ def gpt_1_3b(ctx: Context):
     return ("fail" if failures else "pass"), summary, details, numbers
 
 
+def moe_training(ctx: Context):
+    """A ~1B-parameter Mixture-of-Experts GPT (12 layers of 8 experts, top-2), bf16, ZeRO 1, on one GPU:
+    tokens/s, TFLOP/s and MFU (FLOPs of the k experts a token passes through), peak memory against our
+    estimate; with the per-expert GEMM loop and with --moe-grouped-gemm (torch._grouped_mm)."""
+    vocab = 512 if ctx.dry_run else 50304
+    made = ctx.run([ctx.python, "tools/synthetic_data.py", "--output-dir", os.path.join(ctx.work_dir, f"random-{vocab}"),
+                    "--vocab-size", str(vocab), "--num-tokens", str(200_000 if ctx.dry_run else 2_000_000)], check=True)
+    data = last_line(made.output)
+    if ctx.dry_run:
+        model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                 "--num-experts", "4", "--moe-ffn-hidden-size", "128"]
+        micro, iters, log_interval, warmup, variants = 2, 4, 2, 1, [("loop", [])]
+    else:
+        model = ["--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048",
+                 "--num-experts", "8", "--moe-ffn-hidden-size", "4096"]
+        micro, iters, log_interval, warmup = 4, 30, 10, 5
+        variants = [("loop", []), ("grouped", ["--moe-grouped-gemm"])]
+    common = model + ["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--tokenizer-type", "NullTokenizer",
+                      "--vocab-size", str(vocab), "--data-path", data, "--split", "100,0,0",
+                      "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"), "--global-batch-size", "16",
+                      "--micro-batch-size", str(micro), "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
+                      "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
+                      "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
+    rows, numbers, failures = [], {}, []
+    for i, (name, flags) in enumerate(variants):
+        try:
+            parsed = train(ctx, f"moe-{name}", common + flags, ctx.remaining() / (len(variants) - i))
+        except StepFailed as e:
+            failures.append(f"{name}: {e}")
+            rows.append(f"| {name} | failed: {str(e)[:150]} | | | | |")
+            continue
+        last = parsed["iterations"][-1]
+        memory = parsed["memory"][0] if parsed["memory"] else {}
+        numbers[name] = {**last, **{f"memory_{k}": v for k, v in memory.items()}}
+        rows.append(f"| {name} | {last.get('tokens_per_s', 0):.0f} | {last.get('tflops', 0):.1f} | "
+                    f"{last.get('mfu_percent', float('nan')):.1f} | {memory.get('measured_gib', float('nan')):.2f} | "
+                    f"{memory.get('estimated_gib', float('nan')):.2f} |")
+    details = ("| expert GEMMs | tokens/s | TFLOP/s | MFU % | peak GiB | estimated GiB |\n|---|---|---|---|---|---|\n"
+               + "\n".join(rows) + "\n")
+    summary = "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
+                        + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
+                        + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
+                        f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
+    if numbers.get("loop", {}).get("tokens_per_s") and numbers.get("grouped", {}).get("tokens_per_s"):
+        numbers["grouped_over_loop"] = numbers["grouped"]["tokens_per_s"] / numbers["loop"]["tokens_per_s"]
+        summary += f"; grouped GEMM / loop tokens/s {numbers['grouped_over_loop']:.3f}"
+    return ("fail" if failures else "pass"), "; ".join(filter(None, [summary] + failures)), details, numbers
+
+
 def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
     """(dataset prefix, tokenizer model) from the Python standard library's sources, by our tools."""
     folder = os.path.join(ctx.work_dir, f"corpus-{docs}-{vocab}")
@@ -478,4 +538,5 @@ STEPS = (
     ("calibrate", "tune_parallelism.py calibrate: GEMM, copy, collectives", 90, 90, calibrate),
     ("c", "~1.3B GPT, bf16, ZeRO 1, 30 iterations, each recompute mode", 540, 240, gpt_1_3b),
     ("d", "bf16 vs fp32 loss curve, 100 steps", 300, 180, bf16_vs_fp32),
+    ("moe", "~1B MoE GPT (8 experts, top-2), bf16, ZeRO 1: per-expert loop vs grouped GEMM", 300, 120, moe_training),
 )

@@ -18,7 +18,7 @@ expert outputs, is partial over TP.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,14 @@ from megatron_lite.parallel.mappings import (
 from megatron_lite.parallel.tp import tp_rank, tp_world_size
 
 
+def _stacked_parameter(masters: List[torch.Tensor]) -> nn.Parameter:
+    stacked = torch.stack(masters)
+    param = nn.Parameter(torch.empty(stacked.shape, dtype=stacked.dtype))
+    with torch.no_grad():
+        param.copy_(stacked)
+    return param
+
+
 class GroupedExperts(nn.Module):
     """This rank's E/EP experts as stacked weights: weight1 [E/EP, F/tp (SwiGLU: 2F/tp), h], weight2
     [E/EP, h, F/tp] (nn.Linear's [out, in] per expert); biases when the block has them."""
@@ -71,8 +79,11 @@ class GroupedExperts(nn.Module):
         w1 = [_master_slice((out1, h), 0, equal_sections(out1, 2 if self.swiglu else 1), expert_init(e, std))
               for e in self.local_range]
         w2 = [_master_slice((h, ffn), 1, (ffn,), expert_init(e, out_std)) for e in self.local_range]
-        self.weight1 = nn.Parameter(torch.stack(w1))
-        self.weight2 = nn.Parameter(torch.stack(w2))
+        # Made where the dense layers make theirs (the default device, parallel/layers.py's _parameter), filled
+        # from the CPU masters: a parameter of the CPU stack stayed on the CPU in a model built on the GPU, and
+        # the GPU check's MoE tests failed in the first expert GEMM.
+        self.weight1 = _stacked_parameter(w1)
+        self.weight2 = _stacked_parameter(w2)
         set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if self.swiglu else 1)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
         self.bias1 = self.bias2 = None

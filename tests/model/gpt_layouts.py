@@ -32,10 +32,12 @@ def documents_of(config, tokens, eod):
     m = config.model
     if eod is None or not (m.reset_position_ids or needs_document_ids(m)):
         return torch.arange(tokens.shape[1]).expand_as(tokens).contiguous(), None
-    ids = torch.stack([torch.from_numpy(document_ids(row.numpy(), eod)) for row in tokens])
+    # The data pipeline finds documents in the CPU batch; under MEGATRON_LITE_TEST_DEVICE=cuda the test's tokens
+    # are on the GPU, and numpy() of them failed the GPU check's document-masking tests.
+    ids = torch.stack([torch.from_numpy(document_ids(row.numpy(), eod)) for row in tokens.cpu()])
     positions = (torch.stack([torch.from_numpy(positions_in_documents(row.numpy())) for row in ids])
                  if m.reset_position_ids else torch.arange(tokens.shape[1]).expand_as(tokens).contiguous())
-    return positions, ids if needs_document_ids(m) else None
+    return positions.to(tokens.device), ids.to(tokens.device) if needs_document_ids(m) else None
 
 
 def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=None):
