@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written tensors (default: float32, the trained fp32 masters)")
 
-    p = sub.add_parser("import-hf", help="Hugging Face GPT2LMHeadModel, LlamaForCausalLM or MistralForCausalLM folder "
-                                         "-> a checkpoint of ours at iteration 0 under any TP x PP; train it with "
+    p = sub.add_parser("import-hf", help="Hugging Face GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, "
+                                         "MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM folder "
+                                         "-> a checkpoint of ours at iteration 0 under any TP x PP (x EP); train it with "
                                          "pretrain_gpt.py --load CKPT --use-checkpoint-args")
     p.add_argument("--input", required=True, help="the Hugging Face folder (config.json and safetensors, as "
                                                   "save_pretrained writes; pytorch_model.bin is read without "
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     overwrite(p)
     add_number(p, "--target-tensor-model-parallel-size", minimum=1, default=1)
     add_number(p, "--target-pipeline-model-parallel-size", minimum=1, default=1)
+    add_number(p, "--target-expert-model-parallel-size", minimum=1, default=1,
+               help="the --expert-model-parallel-size the training run will use (MoE models; it must divide the "
+                    "experts)")
     p.add_argument("--target-pipeline-partition-method", default=None,
                    help="the --pipeline-partition-method the training run will use (default: cost)")
     add_number(p, "--seq-length", minimum=1, example=2048, default=None,
@@ -163,12 +167,14 @@ def main(argv=None) -> int:
 
             r = import_hf(args.input, args.output, args.target_tensor_model_parallel_size,
                           args.target_pipeline_model_parallel_size, lambda config: validate(config, 1)[0],
-                          args.target_pipeline_partition_method, args.seq_length, overwrite=args.overwrite)
+                          args.target_pipeline_partition_method, args.seq_length, overwrite=args.overwrite,
+                          ep=args.target_expert_model_parallel_size)
             for note in r["notes"]:
                 print(note)
             vocab, padded = r["vocab"]
             print(f"imported {args.input} ({r['architecture']}, {r['parameters']:,} parameters, vocabulary {vocab} "
-                  f"padded to {padded}) into {args.output}/{r['tag']} at TP={r['target'][0]}, PP={r['target'][1]}: "
+                  f"padded to {padded}) into {args.output}/{r['tag']} at TP={r['target'][0]}, PP={r['target'][1]}"
+                  + (f", EP={r['target'][2]}" if r['target'][2] > 1 else "") + ": "
                   f"fp32 weights, no optimizer state; train it with --load {args.output} --use-checkpoint-args; "
                   f"{time.time() - start:.1f}s")
         else:

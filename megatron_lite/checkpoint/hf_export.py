@@ -1,7 +1,9 @@
 """Export to a Hugging Face folder (config.json, model.safetensors, the tokenizer's files): a `GPT2LMHeadModel`
 for GPT-2's block (mapping: checkpoint/hf_gpt2.py), a `LlamaForCausalLM` for the Llama-family block
 (checkpoint/hf_llama.py), a `Qwen3ForCausalLM` for the Llama-family block with --qk-layernorm
-(checkpoint/hf_qwen3.py). The TP and PP shards are merged first; the padded vocabulary rows are dropped
+(checkpoint/hf_qwen3.py); with experts, a `Qwen3MoeForCausalLM` under --qk-layernorm, a `Qwen2MoeForCausalLM`
+with a gated shared expert or --add-qkv-bias, else a `MixtralForCausalLM` (hf_qwen3_moe.py, hf_qwen2_moe.py,
+hf_mixtral.py), each expert written under save_pretrained's per-expert names. The TP and PP shards are merged first; the padded vocabulary rows are dropped
 (vocab_size = the tokenizer's). Tensors are written in --dtype (float32 by default: the trained masters).
 Writing needs `safetensors` (a dependency); reading it back, `transformers`.
 """
@@ -14,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_qwen3
+from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe, hf_qwen3, hf_qwen3_moe
 from megatron_lite.checkpoint.merge import dense_state_dict
 from megatron_lite.checkpoint.preflight import refuse_filled_folder
 from megatron_lite.checkpoint.reader import CheckpointReader
@@ -36,11 +38,16 @@ def llama_block_flags(config: Config):
 def architecture_of(config: Config):
     """The module (hf_qwen3, hf_llama or hf_gpt2) whose architecture holds the model; refused with the reason
     when none."""
-    if config.model.num_experts is not None:  # no table maps experts: a dense export would silently drop them
-        raise CheckpointError(f"export-hf: the model has Mixture-of-Experts layers (--num-experts "
-                              f"{config.model.num_experts}), which no Hugging Face architecture here maps yet; "
-                              f"exporting would leave out every expert. convert_checkpoint.py merge writes one file "
-                              f"with every expert")
+    m = config.model
+    if m.num_experts is not None:  # each check refuses, naming the flag, what its architecture cannot hold
+        if m.qk_layernorm:
+            hf_qwen3_moe.check_qwen3_moe(m)
+            return hf_qwen3_moe
+        if m.moe_shared_expert_intermediate_size or getattr(m, "add_qkv_bias", False):
+            hf_qwen2_moe.check_qwen2_moe(m)
+            return hf_qwen2_moe
+        hf_mixtral.check_mixtral(m)
+        return hf_mixtral
     if config.model.qk_layernorm:
         hf_qwen3.check_qwen3(config.model)  # QK-norm is Qwen3's: without the Llama-family block, refused
         return hf_qwen3

@@ -1,8 +1,11 @@
 """A Hugging Face model folder -> a checkpoint of ours at iteration 0, under any TP x PP layout.
 
 `GPT2LMHeadModel` maps through checkpoint/hf_gpt2.py, `LlamaForCausalLM` and `MistralForCausalLM` through
-checkpoint/hf_llama.py, `Qwen3ForCausalLM` through checkpoint/hf_qwen3.py: the tables export uses, walked
-the other way. config.json becomes our model flags (a field we cannot represent is refused by name,
+checkpoint/hf_llama.py, `Qwen3ForCausalLM` through checkpoint/hf_qwen3.py, the MoE models
+`MixtralForCausalLM`, `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` through hf_mixtral.py, hf_qwen2_moe.py and
+hf_qwen3_moe.py (either spelling of their experts: checkpoint/hf_moe.py): the tables export uses, walked
+the other way. Our layer files hold every expert of a layer (by global index, whatever the EP), so the target
+EP (--target-expert-model-parallel-size) is the recorded layout's, checked against the expert count. config.json becomes our model flags (a field we cannot represent is refused by name,
 before anything is written); the weights are read one tensor at a time (checkpoint/hf_folder.py), fused
 and padded to our vocabulary padding, cut into the target's TP slices and written per layer file and TP
 rank, so the importer holds one output file and the tensor being cut, not the model; a tensor split by
@@ -23,7 +26,17 @@ from typing import Callable, Optional
 import torch
 
 from megatron_lite.atomic import atomic_folder, torch_save
-from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mapping, hf_qwen3, slicing
+from megatron_lite.checkpoint import (
+    hf_gpt2,
+    hf_llama,
+    hf_mapping,
+    hf_mixtral,
+    hf_moe,
+    hf_qwen2_moe,
+    hf_qwen3,
+    hf_qwen3_moe,
+    slicing,
+)
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     fused_weights,
@@ -41,7 +54,8 @@ from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.checkpoint.reshard import target_config, write_engine_states
 from megatron_lite.config import Config, ConfigError
 
-ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3) for name in module.ARCHITECTURES}
+ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
+                 for name in module.ARCHITECTURES}
 
 
 def architecture(hf: dict, where: str):
@@ -66,7 +80,7 @@ def _sliding_window(hf: dict, fields: dict, where: str, switched: bool = False) 
 
 
 def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Optional[str],
-                    seq_length: Optional[int], where: str, validate: Callable[[Config], Config]):
+                    seq_length: Optional[int], where: str, validate: Callable[[Config], Config], ep: int = 1):
     """(our Config at the target layout, notes) for a Hugging Face config.json; refusals name the field.
     `validate` is training's validation (megatron_lite.validation, a layer above this one: the caller's)."""
     try:
@@ -87,7 +101,14 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
         config = validate(config)
     except ConfigError as e:
         raise CheckpointError(f"{where} describes a model megatron_lite cannot build: {e}") from None
-    return target_config(config, tp, pp, partition_method), notes
+    experts = config.model.num_experts
+    if ep > 1 and (experts is None or experts % ep):
+        fits = [d for d in range(1, (experts or 1) + 1) if experts and not experts % d]
+        raise CheckpointError(f"--target-expert-model-parallel-size {ep} does not divide the model's "
+                              + (f"{experts} experts ({where}); use one of {', '.join(map(str, fits))}" if experts
+                                 else f"experts: {where} describes a dense model; leave it at 1"))
+    config = target_config(config, tp, pp, partition_method)
+    return config.replace(parallel__expert_model_parallel_size=ep), notes
 
 
 def _check_weights(files: WeightFiles, table, module, hf: dict) -> None:
@@ -135,16 +156,18 @@ def _owned_slice(full: torch.Tensor, info, tp: int, rank: int) -> torch.Tensor:
 
 def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callable[[Config], Config],
               partition_method: Optional[str] = None, seq_length: Optional[int] = None,
-              log: Callable[[str], None] = print, overwrite: bool = False) -> dict:
+              log: Callable[[str], None] = print, overwrite: bool = False, ep: int = 1) -> dict:
     """`validate(config) -> config`: the checks and derived fields training applies, on the imported model's
     config at TP = PP = 1 (tools/convert_checkpoint.py passes megatron_lite.validation's)."""
     refuse_existing(output, "--output", overwrite, input_folder, "--input")
     hf = read_config(input_folder)
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
-    config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate)
+    config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate, ep)
     files = WeightFiles(input_folder, module.hf_name)
-    table = module.mapping(config.model)
+    # An MoE folder spells its experts one way or the other (hf_moe.py): the table follows the files.
+    fused = {"fused": hf_moe.fused_names(files.names())} if getattr(module, "EXPERTS", False) else {}
+    table = module.mapping(config.model, **fused)
     _check_weights(files, table, module, hf)
     by_ours = {e.ours: e for e in table}
     layout = ModelLayout(config)
@@ -189,6 +212,6 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
                               "weights": files.kind}})
         write_latest(tmp_root, tag)
     m = config.model
-    return {"tag": tag, "architecture": name, "target": (tp, pp), "notes": notes, "config": config,
-            "parameters": sum(sum(e.rows) * math.prod(e.shape[1:]) for e in table),  # theirs: no padding
+    return {"tag": tag, "architecture": name, "target": (tp, pp, ep), "notes": notes, "config": config,
+            "parameters": sum(sum(e.rows) * math.prod(e.flat_shape[1:]) for e in table),  # theirs: no padding
             "vocab": (m.vocab_size, m.padded_vocab_size), "largest_tensor_elements": largest}

@@ -4,7 +4,9 @@ both ways (export: checkpoint/hf_export.py; import: checkpoint/hf_import.py).
 An entry names one of our dense (TP = PP = 1) parameters and the Hugging Face tensors it holds, stacked
 along dim 0 in order (q, k, v into the fused QKV; gate, up into SwiGLU's first linear). Rows of ours past
 the sum of theirs are vocabulary padding: dropped on the way out, zeros on the way in. GPT-2's Conv1D
-stores linear weights as [in, out], ours as [out, in]: such entries are `transposed`.
+stores linear weights as [in, out], ours as [out, in]: such entries are `transposed`. Our stacked expert
+weights ([E, R, C], every expert of an MoE layer) map to one Hugging Face tensor per expert and projection:
+such entries have `experts` E and stack theirs along the flattened [E R, C] (checkpoint/hf_moe.py).
 """
 from __future__ import annotations
 
@@ -30,9 +32,18 @@ class Mapped:
     """dim 0 (ours) of each of theirs (the other dims are ours); rows of ours past their sum are padding."""
     transposed: bool = False
     """Theirs is stored [in, out] (GPT-2's Conv1D)."""
+    experts: int = 0
+    """Ours is [E, R, C...] and theirs stack along its flattened [E R, C...] (E per-expert tensors); else 0."""
+
+    @property
+    def flat_shape(self) -> Tuple[int, ...]:
+        """The shape theirs are stacked along: ours, with an expert stack's first two dims as one."""
+        if not self.experts:
+            return self.shape
+        return (self.shape[0] * self.shape[1],) + self.shape[2:]
 
     def their_shape(self, index: int) -> Tuple[int, ...]:
-        shape = (self.rows[index],) + self.shape[1:]
+        shape = (self.rows[index],) + self.flat_shape[1:]
         return shape[::-1] if self.transposed else shape
 
 
@@ -59,7 +70,7 @@ def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str
     """Our dense tensor -> its Hugging Face tensors (padding dropped). Pieces of a split tensor are copies
     (safetensors refuses tensors that share memory); a whole tensor is a view."""
     check_shape(entry.ours, tensor.shape, entry.shape, flags)
-    pieces = tensor[:sum(entry.rows)].split(entry.rows)
+    pieces = tensor.reshape(entry.flat_shape)[:sum(entry.rows)].split(entry.rows)
     out = []
     for name, piece in zip(entry.theirs, pieces):
         piece = piece.t() if entry.transposed else piece
@@ -68,7 +79,19 @@ def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str
 
 
 def ours_of(entry: Mapped, read: Callable[[str], torch.Tensor], flags: str) -> torch.Tensor:
-    """Our dense tensor from its Hugging Face tensors, read one at a time by name; padding rows are zeros."""
+    """Our dense tensor from its Hugging Face tensors, read one at a time by name; padding rows are zeros.
+    An expert stack is filled in place as its tensors are read: never its pieces and the stack at once."""
+    if entry.experts:
+        out, offset = None, 0
+        for index, name in enumerate(entry.theirs):
+            tensor = read(name)
+            check_shape(name, tensor.shape, entry.their_shape(index), flags)
+            if out is None:
+                out = torch.empty(entry.flat_shape, dtype=tensor.dtype)
+            out[offset:offset + entry.rows[index]] = tensor
+            offset += entry.rows[index]
+            del tensor
+        return out.view(entry.shape)
     pieces = []
     for index, name in enumerate(entry.theirs):
         tensor = read(name)

@@ -88,3 +88,54 @@ def np_stack(arrays):
     import numpy as np
 
     return np.stack(arrays)
+
+
+def _save_moe(folder, model_class, config_class, seed, fields, overrides):
+    torch.manual_seed(seed)
+    fields.update(overrides)
+    model = _perturb(model_class(config_class(**fields)), seed).eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+def moe_router_spread(model):
+    """Routers with larger weights than _perturb's, so every expert is chosen for some tokens."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and "shared" not in name:
+                p.mul_(4.0)
+    return model
+
+
+def save_mixtral(folder, seed=31, **overrides):
+    """A MixtralForCausalLM: 4 experts of width 48, top 2, grouped-query attention, an untied head."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, num_local_experts=4, num_experts_per_tok=2,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, router_aux_loss_coef=0.01)
+    return _save_moe(folder, transformers.MixtralForCausalLM, transformers.MixtralConfig, seed, fields, overrides)
+
+
+def save_qwen2_moe(folder, seed=32, **overrides):
+    """A Qwen2MoeForCausalLM: 4 experts of width 16, top 2 (not renormalised), a gated shared expert of 24, q/k/v
+    biases, the second of its 3 layers dense (mlp_only_layers) with width 48, a head tied to the embedding."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, shared_expert_intermediate_size=24, mlp_only_layers=[1],
+                  norm_topk_prob=False, qkv_bias=True, tie_word_embeddings=True, use_sliding_window=False)
+    return _save_moe(folder, transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig, seed, fields, overrides)
+
+
+def save_qwen3_moe(folder, seed=33, **overrides):
+    """A Qwen3MoeForCausalLM: QK-norm, heads of 16, 4 experts of width 16, top 2 renormalised, every second layer
+    with experts (decoder_sparse_step 2), an untied head."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=True,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
+    return _save_moe(folder, transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, seed, fields, overrides)
