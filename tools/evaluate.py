@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-name", choices=("train", "valid", "test"), default="valid", help="which split to use")
     add_number(p, "--eval-iters", minimum=1, default=None, example=10,
                help="global batches to average (default: the run's)")
+    add_number(p, "--global-batch-size", minimum=1, default=None, example=8,
+               help="samples per evaluated batch (default: the run's; an imported checkpoint's is 1, which more "
+                    "than one data-parallel rank cannot split)")
     add_number(p, "--tensor-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
     add_number(p, "--pipeline-model-parallel-size", minimum=1, default=None, help="default: the checkpoint's")
     add_number(p, "--expert-model-parallel-size", minimum=1, default=1,
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
         start = time.time()
         r = evaluate_checkpoint(args.load, args.iteration, data_path, split, args.split_name, args.eval_iters,
                                 args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                args.distributed_backend, args.expert_model_parallel_size)
+                                args.distributed_backend, args.expert_model_parallel_size, args.global_batch_size)
     except (ConfigError, CheckpointError) as e:
         if is_rank_zero_from_environment():
             print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)

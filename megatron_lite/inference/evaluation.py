@@ -43,7 +43,7 @@ class EvalResult:
 
 
 def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method: str, data_path, split,
-                 eval_iters: Optional[int], load: str, ep: int = 1) -> Config:
+                 eval_iters: Optional[int], load: str, ep: int = 1, global_batch_size: Optional[int] = None) -> Config:
     """The run's config under the evaluation's layout, checked by the same validation training uses. EP is the
     evaluation's own (default 1: every expert on every rank), whatever the run's: the layer files hold every
     expert, and each rank loads its block (model/moe.py)."""
@@ -53,6 +53,7 @@ def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method:
         parallel__data_parallel_size=None, parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
         parallel__pipeline_partition_method=partition_method, parallel__distributed_backend=None,
         batch__gradient_accumulation_steps=None, batch__rampup_batch_size=None, model__padded_vocab_size=None,
+        batch__global_batch_size=global_batch_size or source.batch.global_batch_size,
         data__data_path=tuple(data_path) if data_path else source.data.data_path,
         data__split=tuple(split) if split else source.data.split, data__num_workers=0,
         training__eval_iters=eval_iters if eval_iters is not None else source.training.eval_iters,
@@ -66,7 +67,7 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
                         data_path: Optional[Sequence[Tuple[float, str]]] = None,
                         split: Optional[Tuple[float, float, float]] = None, split_name: str = "valid", eval_iters: Optional[int] = None,
                         tp: Optional[int] = None, pp: Optional[int] = None, backend: Optional[str] = None,
-                        ep: int = 1) -> EvalResult:
+                        ep: int = 1, global_batch_size: Optional[int] = None) -> EvalResult:
     """Collective: every rank of the launched job calls it; all return the same result."""
     init_distributed(backend)
     world = dist.get_world_size()
@@ -81,7 +82,8 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
     elif reader.metadata.get("layers_per_stage"):  # a `profile` split is known only from the checkpoint
         method = ",".join(map(str, reader.metadata["layers_per_stage"]))
     try:
-        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir, ep)
+        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir, ep,
+                              global_batch_size)
         if not config.data.data_path:  # before any group: every rank stops here alike
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp, expert_model_parallel_size=ep)
@@ -121,12 +123,14 @@ def _dataset(config: Config, split_name: str):
 
 
 def evaluation_samples(load_dir: str, data_path: Sequence[Tuple[float, str]], split: Tuple[float, float, float],
-                       split_name: str = "valid", eval_iters: Optional[int] = None) -> list:
+                       split_name: str = "valid", eval_iters: Optional[int] = None,
+                       global_batch_size: Optional[int] = None) -> list:
     """The samples `evaluate_checkpoint` averages the loss over (dicts of tokens, labels and loss mask, in
     order), read in this process without any process group: for checking its loss against another
     implementation's."""
     reader = CheckpointReader(load_dir)
     config = _eval_config(reader.config, reader.tp * reader.pp, reader.tp, reader.pp,
-                          reader.config.parallel.pipeline_partition_method, data_path, split, eval_iters, load_dir)
+                          reader.config.parallel.pipeline_partition_method, data_path, split, eval_iters, load_dir,
+                          global_batch_size=global_batch_size)
     dataset = _dataset(config, split_name)
     return [dataset[i] for i in range(config.training.eval_iters * config.batch.global_batch_size)]

@@ -24,6 +24,14 @@ MODEL_FIELDS = (
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
     ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
+    # The experts and how they are chosen are the model's (Megatron-LM's load_args_from_checkpoint takes them too);
+    # the router's losses, capacity and dispatch are the run's. Before these were here, --use-checkpoint-args
+    # left an MoE checkpoint's run without --num-experts, and a resume could change the experts unchecked.
+    ("model", "num_experts"), ("model", "moe_ffn_hidden_size"), ("model", "moe_layer_freq"),
+    ("model", "moe_router_topk"), ("model", "moe_router_score_function"), ("model", "moe_router_pre_softmax"),
+    ("model", "moe_router_topk_scaling_factor"), ("model", "moe_router_num_groups"),
+    ("model", "moe_router_group_topk"), ("model", "moe_router_enable_expert_bias"),
+    ("model", "moe_shared_expert_intermediate_size"), ("model", "moe_shared_expert_gate"),
 )
 # Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
 # (Megatron-LM lets a resumed run change them); the window is the model's own.
