@@ -13,6 +13,7 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.validation.numbers import numbers_of
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
+from megatron_lite.validation.moe import moe_pipeline_rules
 from megatron_lite.validation.rules import (
     batch_rules,
     logging_rules,
@@ -40,6 +41,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("precision", precision_rules, (NUMBERS["precision"], NUMBERS["parallel"])),
     ("logging", logging_rules, (NUMBERS["logging"], NUMBERS["parallel"])),
     ("tokenizer", tokenizer_rules, ("parallel", "model", NUMBERS["data"])),
+    ("moe-pipeline", moe_pipeline_rules, ("parallel", "model", "precision", "tokenizer")),
     ("data", data_rules, ("batch", "training", NUMBERS["data"])),
     ("tokenizer-data", tokenizer_matches_data, ("tokenizer", "data")),
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),

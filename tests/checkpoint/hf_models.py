@@ -130,11 +130,11 @@ def save_qwen2_moe(folder, seed=32, **overrides):
 
 
 def save_qwen3_moe(folder, seed=33, **overrides):
-    """A Qwen3MoeForCausalLM: QK-norm, heads of 16, 4 experts of width 16, top 2 renormalised, every second layer
-    with experts (decoder_sparse_step 2), an untied head."""
+    """A Qwen3MoeForCausalLM: QK-norm, heads of 16, 4 experts of width 16, top 2 renormalised, every second of its 4
+    layers with experts (decoder_sparse_step 2: each of 2 pipeline stages holds one), an untied head."""
     import transformers
 
-    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=True,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)

@@ -285,7 +285,7 @@ def _train(corpus, ckpt, tp, pp, dp, ep, save, tb):
     args = ["pretrain_gpt.py", *TRAIN, *data_args(corpus), "--tensor-model-parallel-size", tp,
             "--pipeline-model-parallel-size", pp, "--expert-model-parallel-size", ep, "--load", ckpt,
             "--use-checkpoint-args", "--save", save, "--tensorboard-dir", tb, "--zero-stage", "1"]
-    result = run_entry(args, tp * pp * dp, timeout=400)
+    result = run_entry([str(a) for a in args], tp * pp * dp, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return scalars(tb, "train/loss")
 
