@@ -59,6 +59,10 @@ def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM") -> None:
     if missing:
         raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
                               f"{', '.join(missing)} (GPT-2-shaped models export as GPT2LMHeadModel instead)")
+    if m.add_qkv_bias:
+        raise CheckpointError(f"{architecture} has no bias on q_proj, k_proj and v_proj alone (its attention_bias "
+                              f"adds one to o_proj too), but this model was built with --add-qkv-bias: Qwen2's "
+                              f"attention, which no Hugging Face architecture here maps yet")
     if m.padded_vocab_size is None:
         raise CheckpointError("the model config has no vocabulary size; give --vocab-size N or a --tokenizer-model")
     if m.window_size is not None and m.window_attn_skip_freq is not None:

@@ -24,6 +24,7 @@ MODEL_FIELDS = (
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
     ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
+    ("model", "add_qkv_bias"),
 )
 # Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
 # (Megatron-LM lets a resumed run change them); the window is the model's own.
@@ -42,7 +43,8 @@ FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "data_parallel_size": "the data-parallel size (world size / (TP x CP x PP))",
               "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
               "kv_channels": "--kv-channels (the head width)",
-              "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
+              "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)",
+              "add_qkv_bias": "a bias in the QKV linear (--add-qkv-bias, or biases in every linear layer)"}
 
 
 def flag_name(field: str) -> str:
@@ -68,6 +70,8 @@ def _value(config: Config, section: str, name: str):
         return config.model.num_attention_heads
     if name == "kv_channels":  # the width, given or implied (a checkpoint saved before the flag implies it)
         return config.model.head_dim
+    if name == "add_qkv_bias":  # whether the QKV linear has one: redundant beside every linear's bias
+        return config.model.qkv_bias
     return value
 
 
