@@ -474,7 +474,7 @@ class TrainingConfig:
     use_checkpoint_args: bool = option(False, "--use-checkpoint-args")
     """Take the model's shape flags (layers, widths, heads, query groups, block options, vocabulary, position
     type, maximum positions) from --load's checkpoint; flags given on the command line must agree with it.
-    --seq-length stays this run's."""
+    --seq-length stays this run's. Its tokenizer (--tokenizer-type and its files) too, unless one is given."""
     finetune: bool = option(False, "--finetune")
     """Load only the weights of --load's checkpoint: iteration 0, a fresh optimizer and learning-rate
     schedule, the data from its start (Megatron-LM's --finetune). An imported checkpoint always starts so."""

@@ -15,6 +15,7 @@ import os
 from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
 
 # (section, field) of the model's shape and meaning; a resume must keep every one.
 MODEL_FIELDS = (
@@ -112,15 +113,18 @@ def _saved(load: str):
 
 def with_checkpoint_args(config: Config, given: Iterable[str]) -> Config:
     """--use-checkpoint-args: the model fields of --load's checkpoint, except those given as flags (`given`:
-    `model__field` names), which the resume check then compares with the checkpoint."""
+    `section__field` names), which the resume check then compares with the checkpoint; its tokenizer too
+    unless a tokenizer flag is given."""
     load = config.training.load
     saved = _saved(load) if load else None
     if saved is None:
         raise ConfigError(f"--use-checkpoint-args takes the model flags from --load's checkpoint, but "
                           f"{'no --load was given' if not load else f'--load {load} holds no checkpoint'}; give "
                           f"--load CKPT (a convert_checkpoint.py import-hf output, or a --save folder)")
-    model = saved[2].model
+    model, data = saved[2].model, saved[2].data
     taken = {f"model__{name}": getattr(model, name) for name in CHECKPOINT_ARGS if f"model__{name}" not in given}
+    if not any(f"data__{name}" in given for name in TOKENIZER_FIELDS):  # as Megatron-LM's: the one recorded
+        taken.update({f"data__{name}": getattr(data, name) for name in TOKENIZER_FIELDS})
     return config.replace(**taken)
 
 
