@@ -215,6 +215,9 @@ class ModelConfig:
     --norm-epsilon."""
     add_bias_linear: bool = option(True, "--disable-bias-linear", action="store_false")
     """Drop the bias of every linear layer (attention and MLP), as Llama does."""
+    add_qkv_bias: bool = option(False, "--add-qkv-bias")
+    """Give the fused QKV linear a bias even with --disable-bias-linear, as Qwen2 and Qwen2-MoE have (biases
+    on q_proj, k_proj and v_proj only); with biases everywhere it changes nothing."""
     use_rope_scaling: bool = option(False, "--use-rope-scaling")
     """Llama 3.1's rotary frequency scaling (low/high-frequency factors 1 and 4, original context 8192)."""
     rope_scaling_factor: float = option(8.0, "--rope-scaling-factor", minimum=1, maximum=1024)
@@ -318,6 +321,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Width of one attention head: --kv-channels, or --hidden-size / --num-attention-heads when not given."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the fused QKV linear has a bias: every linear's (no --disable-bias-linear), or --add-qkv-bias."""
+        return self.add_bias_linear or self.add_qkv_bias
 
 
 @dataclass(frozen=True)
@@ -466,7 +474,7 @@ class TrainingConfig:
     use_checkpoint_args: bool = option(False, "--use-checkpoint-args")
     """Take the model's shape flags (layers, widths, heads, query groups, block options, vocabulary, position
     type, maximum positions) from --load's checkpoint; flags given on the command line must agree with it.
-    --seq-length stays this run's."""
+    --seq-length stays this run's. Its tokenizer (--tokenizer-type and its files) too, unless one is given."""
     finetune: bool = option(False, "--finetune")
     """Load only the weights of --load's checkpoint: iteration 0, a fresh optimizer and learning-rate
     schedule, the data from its start (Megatron-LM's --finetune). An imported checkpoint always starts so."""

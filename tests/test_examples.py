@@ -16,6 +16,7 @@ def test_continue_from_hf_imports_trains_at_tp2_pp2_exports_and_transformers_loa
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "at TP=2, PP=2" in out and "iteration 0, a fresh optimizer" in out
+    assert "tokenizer: --tokenizer-type HuggingFaceTokenizer --tokenizer-model" in out  # recorded, then trained with
     assert "run completed: 4 of 4 iterations" in out
     assert "transformers loaded" in out and "continue_from_hf.sh done" in out
     assert sorted(os.listdir(tmp_path / "run" / "exported")) == ["config.json", "model.safetensors",

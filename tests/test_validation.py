@@ -379,3 +379,16 @@ def test_a_resume_that_changes_the_window_is_refused_and_one_that_changes_docume
     problems = resume_differences(saved, cfg(model__window_size=(63, 0)))
     assert any(p.startswith("--window-size: checkpoint") for p in problems), problems
     assert any(p.startswith("--window-attn-skip-freq: checkpoint 2") for p in problems), problems
+
+
+def test_a_resume_that_adds_or_drops_the_qkv_bias_is_refused_and_a_flag_that_changes_nothing_is_not():
+    from megatron_lite.validation.resume import resume_differences
+
+    no_biases = cfg(model__add_bias_linear=False)
+    qwen2 = Config.from_dict(cfg(model__add_bias_linear=False, model__add_qkv_bias=True).to_dict())  # as read
+    assert resume_differences(qwen2, no_biases) == [
+        "a bias in the QKV linear (--add-qkv-bias, or biases in every linear layer): checkpoint True, this run False"]
+    added = resume_differences(Config.from_dict(no_biases.to_dict()), qwen2)
+    assert len(added) == 1 and added[0].endswith("checkpoint False, this run True")
+    # With biases in every linear layer the QKV linear has one either way: the same model.
+    assert resume_differences(Config.from_dict(cfg().to_dict()), cfg(model__add_qkv_bias=True)) == []

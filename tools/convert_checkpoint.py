@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.checkpoint import preflight  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.tokenizer import add_tokenizer_flags, check_tokenizer_flags, given_tokenizer  # noqa: E402
 from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.targets import OVERWRITE_HELP  # noqa: E402
 
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_number(p, "--seq-length", minimum=1, example=2048, default=None,
                    help="sequence length recorded in the checkpoint's config (default: the model's maximum "
                         "positions); training chooses its own with --seq-length")
+    add_tokenizer_flags(p, "none, recorded as NullTokenizer: ids as text")
     return parser
 
 
@@ -113,6 +115,7 @@ def refuse_early(args) -> None:
     else:
         preflight.refuse_target("--output", args.output, args.overwrite, args.input, "--input")
         preflight.hf_config_path(args.input)
+        check_tokenizer_flags(given_tokenizer(args))
         return
     tag = resolve_tag(args.load, args.iteration)
     if args.command == "reshard":
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
             r = import_hf(args.input, args.output, args.target_tensor_model_parallel_size,
                           args.target_pipeline_model_parallel_size, lambda config: validate(config, 1)[0],
                           args.target_pipeline_partition_method, args.seq_length, overwrite=args.overwrite,
-                          ep=args.target_expert_model_parallel_size)
+                          ep=args.target_expert_model_parallel_size, tokenizer=given_tokenizer(args))
             for note in r["notes"]:
                 print(note)
             vocab, padded = r["vocab"]

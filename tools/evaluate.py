@@ -17,8 +17,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
-from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
-from megatron_lite.config import ConfigError, parse_data_path, parse_split  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
+    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
+)
+from megatron_lite.config import Config, ConfigError, parse_data_path, parse_split  # noqa: E402
 from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.training.distributed import is_rank_zero_from_environment  # noqa: E402
 from megatron_lite.validation.probes import data_path_weight_rules  # noqa: E402
@@ -43,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                help="Mixture-of-Experts models: split the experts over this many of the data-parallel ranks "
                     "(default: 1, every rank holds every expert), whatever EP the run trained with")
     p.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    add_tokenizer_flags(p, "the one the checkpoint records; it gives the end-of-document id and is checked "
+                           "against the data's")
     return p
 
 
@@ -54,7 +59,12 @@ def main(argv=None) -> int:
         split = parse_split(args.split) if args.split else None
         if split:
             split_rules(split)
-        resolve_tag(args.load, args.iteration)  # the reader's own first check, made before torch is imported
+        check_tokenizer_flags(given_tokenizer(args))
+        tag = resolve_tag(args.load, args.iteration)  # the reader's own first check, made before torch is imported
+        tokenizer = None
+        if given_tokenizer(args):  # checked against the model's vocabulary here, before torch too
+            saved = Config.from_dict(read_metadata(args.load, tag)["config"])
+            tokenizer, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
         from megatron_lite.training.console import select_accelerator
 
         select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
@@ -63,7 +73,8 @@ def main(argv=None) -> int:
         start = time.time()
         r = evaluate_checkpoint(args.load, args.iteration, data_path, split, args.split_name, args.eval_iters,
                                 args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                args.distributed_backend, args.expert_model_parallel_size, args.global_batch_size)
+                                args.distributed_backend, args.expert_model_parallel_size, tokenizer,
+                                args.global_batch_size)
     except (ConfigError, CheckpointError) as e:
         if is_rank_zero_from_environment():
             print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)

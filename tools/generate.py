@@ -16,6 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
 from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
+    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
+)
 from megatron_lite.flag_numbers import add_number  # noqa: E402
 
 
@@ -34,45 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_number(p, "--seed", minimum=0, default=1234)
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence for every token")
     p.add_argument("--no-stop-at-eod", action="store_true", help="keep going after the end-of-document token")
-    p.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece model, or Hugging Face tokenizer folder (default: the one training used)")
-    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json (default: the one training used)")
-    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt (default: the one training used)")
+    add_tokenizer_flags(p, "the one the checkpoint records, which for a model imported without tokenizer files "
+                           "is NullTokenizer: ids as text")
     return p
-
-
-def run_tokenizer(args, config):
-    """The tokenizer the run trained with, or the files given instead; refused when its vocabulary differs."""
-    from megatron_lite.data.tokenizer import TOKENIZER_FILE_FIELDS, build_tokenizer
-
-    kind = config.data.tokenizer_type or "NullTokenizer"
-    reads = TOKENIZER_FILE_FIELDS.get(kind, ())
-    files = {}
-    for field in ("tokenizer_model", "vocab_file", "merge_file"):
-        flag, given = "--" + field.replace("_", "-"), getattr(args, field)
-        if given and field not in reads:
-            raise CheckpointError(f"{flag} {given} is not read by {kind}, the tokenizer the run used")
-        files[field] = path = given or getattr(config.data, field)
-        if field in reads and not (path and os.path.exists(path)):
-            raise CheckpointError(f"{flag} {path}: no such file; give the {kind} files the run used with "
-                                  + " and ".join("--" + f.replace("_", "-") for f in reads))
-    tokenizer = build_tokenizer(kind, files["tokenizer_model"], config.model.vocab_size, files["vocab_file"],
-                                files["merge_file"])
-    if tokenizer.vocab_size != config.model.vocab_size:
-        named = " ".join(f"--{field.replace('_', '-')} {files[field]}" for field in reads)
-        raise CheckpointError(f"{named} has {tokenizer.vocab_size} pieces, but the model in {args.load} was trained "
-                              f"with a vocabulary of {config.model.vocab_size}; give the tokenizer the run used")
-    return tokenizer
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if not os.path.isfile(args.load):  # a folder: the reader's own first check, made before torch is imported
-        try:
+    try:  # the tokenizer flags' own checks, and for a folder the reader's first one, made before torch is imported
+        check_tokenizer_flags(given_tokenizer(args))
+        if not os.path.isfile(args.load):
             resolve_tag(args.load, args.iteration)
-        except CheckpointError as e:
-            print(f"generate.py: error: {e}", file=sys.stderr)
-            return 2
+    except CheckpointError as e:
+        print(f"generate.py: error: {e}", file=sys.stderr)
+        return 2
     from megatron_lite.training.console import select_accelerator
 
     select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
@@ -83,7 +61,7 @@ def main(argv=None) -> int:
 
     try:
         config, model = load_dense_model(args.load, args.iteration)
-        tokenizer = run_tokenizer(args, config)
+        _, tokenizer = checkpoint_tokenizer(config, given_tokenizer(args), f"the model in {args.load}")
         prompt = tokenizer.tokenize(args.prompt)
         options = SamplingOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, use_kv_cache=not args.no_kv_cache,

@@ -48,20 +48,21 @@ if [[ ! -f $OUT/corpus_text_document.idx ]]; then
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_MODEL" --append-eod --workers 2
 fi
 
-# 2. Import: our checkpoint at iteration 0, cut for TP 2 x PP 2.
+# 2. Import: our checkpoint at iteration 0, cut for TP 2 x PP 2, recording the model's tokenizer (a folder:
+#    HuggingFaceTokenizer), which must have the model's vocabulary.
 rm -rf "$OUT/imported" "$OUT/ckpt" "$OUT/exported"
 python3 tools/convert_checkpoint.py import-hf --input "$HF_MODEL" --output "$OUT/imported" \
-    --target-tensor-model-parallel-size 2 --target-pipeline-model-parallel-size 2
+    --target-tensor-model-parallel-size 2 --target-pipeline-model-parallel-size 2 --tokenizer-model "$HF_MODEL"
 
-# 3. Train further: the model flags come from the checkpoint (--use-checkpoint-args); it starts at iteration 0
-#    with a fresh optimizer. --seq-length is this run's choice.
+# 3. Train further: the model flags and the tokenizer come from the checkpoint (--use-checkpoint-args); it
+#    starts at iteration 0 with a fresh optimizer. --seq-length is this run's choice.
 python3 -m torch.distributed.run --nproc_per_node 4 pretrain_gpt.py \
     --load "$OUT/imported" --use-checkpoint-args --save "$OUT/ckpt" --save-interval "$ITERS" \
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
     --seq-length 128 --micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS" \
     --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 4 --hidden-dropout 0 --attention-dropout 0 \
-    --data-path "$OUT/corpus_text_document" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_MODEL" \
-    --split 98,2,0 --num-workers 0 --log-interval 5 --eval-interval "$ITERS" --eval-iters 2
+    --data-path "$OUT/corpus_text_document" --split 98,2,0 --num-workers 0 --log-interval 5 \
+    --eval-interval "$ITERS" --eval-iters 2
 
 # 4. Export (with the tokenizer's files) and load it in transformers.
 python3 tools/convert_checkpoint.py export-hf --load "$OUT/ckpt" --output "$OUT/exported"

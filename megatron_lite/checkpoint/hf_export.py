@@ -43,7 +43,7 @@ def architecture_of(config: Config):
         if m.qk_layernorm:
             hf_qwen3_moe.check_qwen3_moe(m)
             return hf_qwen3_moe
-        if m.moe_shared_expert_intermediate_size or getattr(m, "add_qkv_bias", False):
+        if m.moe_shared_expert_intermediate_size or m.add_qkv_bias:
             hf_qwen2_moe.check_qwen2_moe(m)
             return hf_qwen2_moe
         hf_mixtral.check_mixtral(m)

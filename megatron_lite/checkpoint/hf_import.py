@@ -52,7 +52,9 @@ from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import RunState
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.checkpoint.reshard import target_config, write_engine_states
+from megatron_lite.checkpoint.tokenizer import with_tokenizer
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.data.sidecar import tokenizer_sha256
 
 ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
                  for name in module.ARCHITECTURES}
@@ -156,14 +158,18 @@ def _owned_slice(full: torch.Tensor, info, tp: int, rank: int) -> torch.Tensor:
 
 def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callable[[Config], Config],
               partition_method: Optional[str] = None, seq_length: Optional[int] = None,
-              log: Callable[[str], None] = print, overwrite: bool = False, ep: int = 1) -> dict:
+              log: Callable[[str], None] = print, overwrite: bool = False, ep: int = 1,
+              tokenizer: Optional[dict] = None) -> dict:
     """`validate(config) -> config`: the checks and derived fields training applies, on the imported model's
-    config at TP = PP = 1 (tools/convert_checkpoint.py passes megatron_lite.validation's)."""
+    config at TP = PP = 1 (tools/convert_checkpoint.py passes megatron_lite.validation's). `tokenizer`: the
+    tokenizer flags' fields to record (checkpoint/tokenizer.py; refused unless it fits the vocabulary)."""
     refuse_existing(output, "--output", overwrite, input_folder, "--input")
     hf = read_config(input_folder)
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
     config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate, ep)
+    config, note = with_tokenizer(config, tokenizer or {}, f"the model of {where}")
+    notes.append(note)
     files = WeightFiles(input_folder, module.hf_name)
     # An MoE folder spells its experts one way or the other (hf_moe.py): the table follows the files.
     fused = {"fused": hf_moe.fused_names(files.names())} if getattr(module, "EXPERTS", False) else {}
@@ -200,13 +206,14 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
             log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
         run = RunState(iteration=0, consumed_samples=0)
         write_engine_states(tmp, config, layout, bounds, run)
-        p = config.parallel
+        p, d = config.parallel, config.data
         write_metadata(tmp, {
             "iteration": 0, "consumed_samples": 0,
             "layout": layout_of(tp, pp, p.data_parallel_size),
             "layers_per_stage": layout.layers_per_stage(bounds),
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
-            "tokenizer_sha256": None, "storage": {"zero_stage": 0, "precision": "fp32"},
+            "tokenizer_sha256": tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file),
+            "storage": {"zero_stage": 0, "precision": "fp32"},
             "optimizer_states": False, "config": config.to_dict(),
             "imported_from": {"path": os.path.abspath(input_folder), "architecture": name,
                               "weights": files.kind}})

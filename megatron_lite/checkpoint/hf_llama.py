@@ -48,9 +48,9 @@ def vocab_size(m: ModelConfig) -> int:
     return m.vocab_size or m.padded_vocab_size
 
 
-def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM") -> None:
-    """`architecture` (Llama's, or Qwen3's built on it) holds our model only with the Llama-family block; say
-    which flags are missing."""
+def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias: bool = False) -> None:
+    """`architecture` (Llama's, or one built on it) holds our model only with the Llama-family block; say which
+    flags are missing. `qkv_bias`: the architecture has q/k/v biases alone (Qwen2-MoE's qkv_bias)."""
     missing = [flag for flag, ok in (("--swiglu", m.swiglu),
                                      ("--normalization RMSNorm", m.normalization == "RMSNorm"),
                                      ("--disable-bias-linear", not m.add_bias_linear),
@@ -59,6 +59,10 @@ def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM") -> None:
     if missing:
         raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
                               f"{', '.join(missing)} (GPT-2-shaped models export as GPT2LMHeadModel instead)")
+    if m.add_qkv_bias and not qkv_bias:
+        raise CheckpointError(f"{architecture} has no bias on q_proj, k_proj and v_proj alone (its attention_bias "
+                              f"adds one to o_proj too), but this model was built with --add-qkv-bias: Qwen2's "
+                              f"attention, which only Qwen2MoeForCausalLM (a model with experts) maps here")
     if m.padded_vocab_size is None:
         raise CheckpointError("the model config has no vocabulary size; give --vocab-size N or a --tokenizer-model")
     if m.window_size is not None and m.window_attn_skip_freq is not None:

@@ -37,7 +37,7 @@ def check_mixtral(m: ModelConfig) -> None:
              "has no shared expert (Qwen2MoeForCausalLM holds one with its gate)"),
             (not all(moe_layer_pattern(m)), f"--moe-layer-freq {m.moe_layer_freq}",
              "has experts in every layer (Qwen2MoeForCausalLM and Qwen3MoeForCausalLM have dense layers too)"),
-            (getattr(m, "add_qkv_bias", False), "--add-qkv-bias", "has no attention biases")):
+            (m.add_qkv_bias, "--add-qkv-bias", "has no attention biases")):
         if refused:
             raise CheckpointError(f"MixtralForCausalLM {why}; this model was built with {flag}")
 

@@ -32,7 +32,7 @@ hf_name, is_derived = hf_llama.hf_name, hf_llama.is_derived
 
 
 def check_qwen2_moe(m: ModelConfig) -> None:
-    hf_llama.check_llama(m, "Qwen2MoeForCausalLM")
+    hf_llama.check_llama(m, "Qwen2MoeForCausalLM", qkv_bias=True)
     hf_moe.check_router(m, "Qwen2MoeForCausalLM")
     if m.qk_layernorm:
         raise CheckpointError("Qwen2MoeForCausalLM has no QK-norm (Qwen3MoeForCausalLM holds it); this model was "
@@ -46,7 +46,7 @@ def check_qwen2_moe(m: ModelConfig) -> None:
 def mapping(m: ModelConfig, fused: bool = False) -> List[Mapped]:
     check_qwen2_moe(m)
     table = hf_llama.table(m)
-    if getattr(m, "add_qkv_bias", False):
+    if m.add_qkv_bias:
         a, g, hd = m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.head_dim
         biased = []
         for entry in table:
@@ -73,7 +73,7 @@ def hf_config(m: ModelConfig) -> dict:
     config = {k: v for k, v in hf_llama.hf_config(m).items() if k not in ("pretraining_tp", "mlp_bias",
                                                                           "attention_bias")}
     return dict(config, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
-                qkv_bias=bool(getattr(m, "add_qkv_bias", False)), use_sliding_window=False, sliding_window=None,
+                qkv_bias=bool(m.add_qkv_bias), use_sliding_window=False, sliding_window=None,
                 max_window_layers=m.num_layers, num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                 moe_intermediate_size=expert_ffn_hidden_size(m),
                 shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,

@@ -33,7 +33,7 @@ def check_qwen3_moe(m: ModelConfig) -> None:
     if m.moe_shared_expert_intermediate_size:
         raise CheckpointError("Qwen3MoeForCausalLM has no shared expert; this model was built with "
                               "--moe-shared-expert-intermediate-size")
-    if getattr(m, "add_qkv_bias", False):
+    if m.add_qkv_bias:
         raise CheckpointError("Qwen3MoeForCausalLM has no attention biases; this model was built with --add-qkv-bias")
 
 

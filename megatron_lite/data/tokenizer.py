@@ -19,9 +19,17 @@ from megatron_lite.reading import UnreadableFile, file_problem, read_json, read_
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 GPT2_EOD = "<|endoftext|>"
+TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+"""The config fields (data section; flags of the same names) that say which tokenizer."""
 TOKENIZER_FILE_FIELDS = {**{kind: ("tokenizer_model",) for kind in SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer",)},
                          "GPT2BPETokenizer": ("vocab_file", "merge_file"), "NullTokenizer": ()}
 """The config fields (flags) naming each type's files."""
+TOKENIZER_NEEDS = {**{kind: "--tokenizer-model PATH.model" for kind in SENTENCEPIECE_TYPES},
+                   "HuggingFaceTokenizer": "--tokenizer-model FOLDER (a Hugging Face tokenizer folder, or its "
+                                           "tokenizer.json)",
+                   "GPT2BPETokenizer": "--vocab-file VOCAB.json and --merge-file MERGES.txt",
+                   "NullTokenizer": "--vocab-size N"}
+"""What each type's flags are, as messages name them."""
 HF_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 """Files beside a tokenizer.json that name its special tokens (eos, bos, pad), as transformers reads them."""
 GPT2_HINT = ("give GPT-2-style vocab.json and merges.txt (tools/train_tokenizer.py --model-type byte-level-bpe "
@@ -282,6 +290,32 @@ def _named_special_tokens(path: str) -> dict:
         if isinstance(value, str):
             named[key] = value
     return named
+
+
+def inferred_tokenizer_type(tokenizer_model, vocab_file, merge_file, vocab_size) -> Optional[str]:
+    """--tokenizer-type when not given: --vocab-file/--merge-file -> GPT2BPETokenizer; --tokenizer-model naming a
+    folder or a .json file -> HuggingFaceTokenizer, another file -> SentencePieceTokenizer; --vocab-size alone ->
+    NullTokenizer."""
+    if vocab_file is not None or merge_file is not None:
+        return "GPT2BPETokenizer"
+    if tokenizer_model is not None:
+        hf = os.path.isdir(tokenizer_model) or tokenizer_model.endswith(".json")
+        return "HuggingFaceTokenizer" if hf else "SentencePieceTokenizer"
+    return "NullTokenizer" if vocab_size is not None else None
+
+
+def tokenizer_flags_refusal(tokenizer_type: str, files: dict, complete: bool = True) -> Optional[str]:
+    """Why the file flags `files` ({"tokenizer_model": path or None, ...}) do not fit `--tokenizer-type`: a
+    file the type does not read, or (`complete`: these are all there will be) one it needs left out; None when
+    they fit."""
+    for field, path in files.items():
+        if path is not None and field not in TOKENIZER_FILE_FIELDS[tokenizer_type]:
+            flag = "--" + field.replace("_", "-")
+            return (f"{flag} {path} is not read by --tokenizer-type {tokenizer_type}, which takes "
+                    f"{TOKENIZER_NEEDS[tokenizer_type]}; drop {flag} or give the type that reads it")
+    if complete and any(files.get(field) is None for field in TOKENIZER_FILE_FIELDS[tokenizer_type]):
+        return f"--tokenizer-type {tokenizer_type} needs {TOKENIZER_NEEDS[tokenizer_type]}"
+    return None
 
 
 def tokenizer_files(tokenizer_type: Optional[str], tokenizer_model: Optional[str] = None,

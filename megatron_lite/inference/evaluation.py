@@ -43,11 +43,14 @@ class EvalResult:
 
 
 def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method: str, data_path, split,
-                 eval_iters: Optional[int], load: str, ep: int = 1, global_batch_size: Optional[int] = None) -> Config:
+                 eval_iters: Optional[int], load: str, ep: int = 1, tokenizer: Optional[dict] = None,
+                 global_batch_size: Optional[int] = None) -> Config:
     """The run's config under the evaluation's layout, checked by the same validation training uses. EP is the
     evaluation's own (default 1: every expert on every rank), whatever the run's: the layer files hold every
-    expert, and each rank loads its block (model/moe.py)."""
+    expert, and each rank loads its block (model/moe.py). `tokenizer`: data fields naming another tokenizer
+    (checkpoint/tokenizer.py's, which checked that it fits)."""
     config = source.replace(
+        **{f"data__{field}": value for field, value in (tokenizer or {}).items()},
         parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
         parallel__expert_model_parallel_size=ep,
         parallel__data_parallel_size=None, parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
@@ -67,7 +70,8 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
                         data_path: Optional[Sequence[Tuple[float, str]]] = None,
                         split: Optional[Tuple[float, float, float]] = None, split_name: str = "valid", eval_iters: Optional[int] = None,
                         tp: Optional[int] = None, pp: Optional[int] = None, backend: Optional[str] = None,
-                        ep: int = 1, global_batch_size: Optional[int] = None) -> EvalResult:
+                        ep: int = 1, tokenizer: Optional[dict] = None,
+                        global_batch_size: Optional[int] = None) -> EvalResult:
     """Collective: every rank of the launched job calls it; all return the same result."""
     init_distributed(backend)
     world = dist.get_world_size()
@@ -82,8 +86,8 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
     elif reader.metadata.get("layers_per_stage"):  # a `profile` split is known only from the checkpoint
         method = ",".join(map(str, reader.metadata["layers_per_stage"]))
     try:
-        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir, ep,
-                              global_batch_size)
+                 eval_iters: Optional[int], load: str, ep: int = 1, tokenizer: Optional[dict] = None,
+                 global_batch_size: Optional[int] = None) -> Config:
         if not config.data.data_path:  # before any group: every rank stops here alike
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp, expert_model_parallel_size=ep)

@@ -21,7 +21,8 @@ One transformer layer (model/transformer.py), each weight [out, in]:
     projection   [h, a d]          split over TP by columns
     MLP in       [f, h]            GeLU; SwiGLU: [2f, h] (gate and up), split over TP by rows
     MLP out      [h, f]            split over TP by columns
-    biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear
+    biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear,
+                 but for the QKV's (a + 2g) d with --add-qkv-bias
     two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
     QK-norm      --qk-layernorm: two norms of d (q and k; LayerNorm 2d each), whole on every rank
 
@@ -121,7 +122,7 @@ def layer_tensors(model: ModelConfig, tp: int = 1, layer_number: Optional[int] =
     (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py). layer_number (from 1):
     an MoE layer (model/moe_options.py) has `moe_mlp_tensors`, E/EP experts at `ep`; None: a dense layer."""
     h, qkv = model.hidden_size, qkv_width(model)
-    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.add_bias_linear else [])
+    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.qkv_bias else [])
     whole = norm_tensors(model) * 2 + qk_norm_tensors(model) + ([h] if model.add_bias_linear else [])
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_mlp_tensors(model, tp, ep) if moe else mlp_tensors(model, tp)

@@ -1,6 +1,6 @@
 """Pre-norm GPT transformer layer on tensor-parallel building blocks: GPT-2's block (LayerNorm, GeLU
 MLP, biases, multi-head attention) or the Llama family's (RMSNorm, SwiGLU, grouped-query attention, no
-biases, RoPE with Llama 3.1 scaling), as the model flags say.
+biases, or Qwen2's on the QKV linear alone, RoPE with Llama 3.1 scaling), as the model flags say.
 
 Activations are [b, s, h] (batch first). Heads and the MLP's inner width are
 split across TP ranks by the Column/Row parallel layers; this file calls no
@@ -136,8 +136,8 @@ class ParallelAttention(nn.Module):
         groups = config.num_query_groups or heads
         self.head_dim = config.head_dim
         # The master weight is [Q; K; V] with `groups` key/value heads; each rank takes whole query heads
-        # and the key/value groups they use (parallel/qkv.py).
-        self.query_key_value = QKVParallelLinear(h, heads, groups, self.head_dim, config.add_bias_linear,
+        # and the key/value groups they use (parallel/qkv.py). Its bias may stand alone (--add-qkv-bias: Qwen2).
+        self.query_key_value = QKVParallelLinear(h, heads, groups, self.head_dim, config.qkv_bias,
                                                  normal_init(config.init_method_std), sequence_parallel)
         # QK-norm: one [hd] norm for every query head, one for every key head (Megatron-LM's names).
         self.q_layernorm = build_head_norm(config) if config.qk_layernorm else None

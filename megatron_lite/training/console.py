@@ -70,7 +70,7 @@ def _block(m) -> str:
     parts = [f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
              f"heads of {m.kv_channels}" if m.kv_channels is not None else "", "QK-norm" if m.qk_layernorm else "",
              "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
-             "no biases" if not m.add_bias_linear else "",
+             "" if m.add_bias_linear else "QKV biases only" if m.add_qkv_bias else "no biases",
              f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else ""]
     named = [p for p in parts if p]
     return f" ({', '.join(named)})" if named else ""

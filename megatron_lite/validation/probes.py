@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Optional
+from typing import List
 
 from megatron_lite.config import Config, ConfigError, pad_vocab_size, vocab_padding_note
 from megatron_lite.data.tokenizer import (
-    GPT2_HINT, SENTENCEPIECE_TYPES, TOKENIZER_FILE_FIELDS, TOKENIZER_TYPES, build_tokenizer, file_refusal,
+    GPT2_HINT, SENTENCEPIECE_TYPES, TOKENIZER_NEEDS, TOKENIZER_TYPES, build_tokenizer, file_refusal,
+    inferred_tokenizer_type, tokenizer_flags_refusal,
 )
 from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.validation.rules import split_rules
@@ -20,11 +21,7 @@ DATA_HINT = ("give the prefix of a .bin/.idx pair written by tools/preprocess_da
              "(e.g. data/corpus_text_document)")
 TOKENIZER_FILE_HINT = ("train one with tools/train_tokenizer.py or point at an existing .model file, Hugging Face "
                        "tokenizer folder or tokenizer.json")
-# What each tokenizer type needs, and what its files are called in messages.
-NEEDS = {"SentencePieceTokenizer": "--tokenizer-model PATH.model",
-         "HuggingFaceTokenizer": "--tokenizer-model FOLDER (a Hugging Face tokenizer folder, or its tokenizer.json)",
-         "GPT2BPETokenizer": "--vocab-file VOCAB.json and --merge-file MERGES.txt",
-         "NullTokenizer": "--vocab-size N"}
+# What each tokenizer type's files are called in messages.
 TOKENIZER_FILES_NAME = {"SentencePieceTokenizer": "a SentencePiece model", "HuggingFaceTokenizer": "a tokenizer.json",
                         "GPT2BPETokenizer": "a vocab.json + merges.txt"}
 
@@ -102,18 +99,6 @@ def _files_flags(d) -> str:
     return " ".join(f"{flag} {path}" for flag, path in given) or "the tokenizer"
 
 
-def inferred_tokenizer_type(tokenizer_model, vocab_file, merge_file, vocab_size) -> Optional[str]:
-    """--tokenizer-type when not given: --vocab-file/--merge-file -> GPT2BPETokenizer; --tokenizer-model naming a
-    folder or a .json file -> HuggingFaceTokenizer, another file -> SentencePieceTokenizer; --vocab-size alone ->
-    NullTokenizer."""
-    if vocab_file is not None or merge_file is not None:
-        return "GPT2BPETokenizer"
-    if tokenizer_model is not None:
-        hf = os.path.isdir(tokenizer_model) or tokenizer_model.endswith(".json")
-        return "HuggingFaceTokenizer" if hf else "SentencePieceTokenizer"
-    return "NullTokenizer" if vocab_size is not None else None
-
-
 def tokenizer_rules(config: Config, notes: List[str]) -> Config:
     """Which tokenizer, and the vocabulary it decides: a tokenizer read from files (SentencePiece, GPT-2 BPE,
     Hugging Face) has its own size, and a --vocab-size that disagrees with it is refused. Every file flag is
@@ -137,14 +122,10 @@ def tokenizer_rules(config: Config, notes: List[str]) -> Config:
                               "HuggingFaceTokenizer --tokenizer-model FOLDER), or --tokenizer-type NullTokenizer "
                               "--vocab-size N")
         return config
-    for field in ("tokenizer_model", "vocab_file", "merge_file"):
-        if getattr(d, field) is not None and field not in TOKENIZER_FILE_FIELDS[kind]:
-            flag = "--" + field.replace("_", "-")
-            raise ConfigError(f"{flag} {getattr(d, field)} is not read by --tokenizer-type {kind}, which takes "
-                              f"{NEEDS[kind]}; drop {flag} or give the type that reads it")
-    if any(getattr(d, field) is None for field in TOKENIZER_FILE_FIELDS[kind]) or (kind == "NullTokenizer"
-                                                                                     and vocab is None):
-        raise ConfigError(f"--tokenizer-type {kind} needs {NEEDS[kind]}")
+    refusal = tokenizer_flags_refusal(kind, {field: getattr(d, field) for field in ("tokenizer_model", "vocab_file",
+                                                                                  "merge_file")})
+    if refusal or (kind == "NullTokenizer" and vocab is None):
+        raise ConfigError(refusal or f"--tokenizer-type {kind} needs {TOKENIZER_NEEDS[kind]}")
     config = config.replace(data__tokenizer_type=kind)
     if kind != "NullTokenizer":
         try:

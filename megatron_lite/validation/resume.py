@@ -15,6 +15,7 @@ import os
 from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
 
 # (section, field) of the model's shape and meaning; a resume must keep every one.
 MODEL_FIELDS = (
@@ -24,6 +25,7 @@ MODEL_FIELDS = (
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
     ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
+    ("model", "add_qkv_bias"),
     # The experts and how they are chosen are the model's (Megatron-LM's load_args_from_checkpoint takes them too);
     # the router's losses, capacity and dispatch are the run's. Before these were here, --use-checkpoint-args
     # left an MoE checkpoint's run without --num-experts, and a resume could change the experts unchecked.
@@ -50,7 +52,8 @@ FLAG_NAMES = {"vocab_size": "--vocab-size (the tokenizer's vocabulary)",
               "data_parallel_size": "the data-parallel size (world size / (TP x CP x PP))",
               "num_query_groups": "--num-query-groups (key/value heads; --group-query-attention)",
               "kv_channels": "--kv-channels (the head width)",
-              "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)"}
+              "add_bias_linear": "biases in linear layers (--disable-bias-linear turns them off)",
+              "add_qkv_bias": "a bias in the QKV linear (--add-qkv-bias, or biases in every linear layer)"}
 
 
 def flag_name(field: str) -> str:
@@ -76,6 +79,8 @@ def _value(config: Config, section: str, name: str):
         return config.model.num_attention_heads
     if name == "kv_channels":  # the width, given or implied (a checkpoint saved before the flag implies it)
         return config.model.head_dim
+    if name == "add_qkv_bias":  # whether the QKV linear has one: redundant beside every linear's bias
+        return config.model.qkv_bias
     return value
 
 
@@ -116,15 +121,18 @@ def _saved(load: str):
 
 def with_checkpoint_args(config: Config, given: Iterable[str]) -> Config:
     """--use-checkpoint-args: the model fields of --load's checkpoint, except those given as flags (`given`:
-    `model__field` names), which the resume check then compares with the checkpoint."""
+    `section__field` names), which the resume check then compares with the checkpoint; its tokenizer too
+    unless a tokenizer flag is given."""
     load = config.training.load
     saved = _saved(load) if load else None
     if saved is None:
         raise ConfigError(f"--use-checkpoint-args takes the model flags from --load's checkpoint, but "
                           f"{'no --load was given' if not load else f'--load {load} holds no checkpoint'}; give "
                           f"--load CKPT (a convert_checkpoint.py import-hf output, or a --save folder)")
-    model = saved[2].model
+    model, data = saved[2].model, saved[2].data
     taken = {f"model__{name}": getattr(model, name) for name in CHECKPOINT_ARGS if f"model__{name}" not in given}
+    if not any(f"data__{name}" in given for name in TOKENIZER_FIELDS):  # as Megatron-LM's: the one recorded
+        taken.update({f"data__{name}": getattr(data, name) for name in TOKENIZER_FIELDS})
     return config.replace(**taken)
 
 

@@ -27,11 +27,11 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3": "
 convert_checkpoint = load_tool("convert_checkpoint")
 
 
-def import_hf(source, output, tp=1, pp=1, check=True):
+def import_hf(source, output, tp=1, pp=1, check=True, flags=()):
     """convert_checkpoint.py import-hf, its main() in this process (a CompletedProcess of its exit status and
     stderr): the same code path as the command line, without an interpreter's start-up per import."""
     argv = ["import-hf", "--input", str(source), "--output", str(output), "--target-tensor-model-parallel-size",
-            str(tp), "--target-pipeline-model-parallel-size", str(pp), "--seq-length", "32"]
+            str(tp), "--target-pipeline-model-parallel-size", str(pp), "--seq-length", "32", *map(str, flags)]
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = convert_checkpoint.main(argv)
@@ -403,3 +403,79 @@ def test_a_mistral_with_a_sliding_window_imports_as_a_window_and_exports_back_as
     original, exported = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "out"))
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], t) for k, t in original.items())
+
+
+def _generated(ckpt, prompt, *flags):
+    """generate.py's greedy text (prompt and 8 new tokens, whatever the end-of-document id) for the checkpoint."""
+    result = run_tool("tools/generate.py", "--load", ckpt, "--prompt", prompt, "--max-new-tokens", "8",
+                      "--no-stop-at-eod", *flags)
+    return result.stdout.strip().splitlines()[-1]  # DeepSpeed may log a line before it
+
+
+def test_generate_reads_an_import_without_tokenizer_files_with_tokenizer_flags_as_with_the_one_recorded_at_import(
+        hf, imported, corpus, tmp_path):
+    import sentencepiece
+
+    spm = corpus[1]
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", spm]
+    import_hf(hf["llama"][0], tmp_path / "recorded", flags=flags)
+    prompt = "def main(self):"
+    by_flags = _generated(imported[("llama", 1, 1)], prompt, *flags)
+    recorded = _generated(str(tmp_path / "recorded"), prompt)
+    # Without a tokenizer the import reads and writes ids (NullTokenizer): the same ids, decoded here.
+    sp = sentencepiece.SentencePieceProcessor(model_file=spm)
+    ids = [int(i) for i in _generated(imported[("llama", 1, 1)], " ".join(map(str, sp.encode(prompt)))).split()]
+    assert len(ids) == len(sp.encode(prompt)) + 8
+    assert by_flags == recorded == sp.decode(ids), (by_flags, recorded, ids)
+
+
+def test_import_hf_records_the_tokenizer_its_flags_name_for_generate_evaluate_and_pretrain_gpt(hf, corpus, tmp_path,
+                                                                                                monkeypatch):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.data.sidecar import tokenizer_sha256
+
+    folder, model = hf["llama"]
+    spm = corpus[1]
+    monkeypatch.chdir(os.path.dirname(spm))  # a relative path, recorded absolute: the tools run from anywhere
+    result = import_hf(folder, tmp_path / "ckpt", flags=["--tokenizer-model", os.path.basename(spm)])
+    assert f"tokenizer: --tokenizer-type SentencePieceTokenizer --tokenizer-model {spm}, recorded" in result.stdout
+    metadata = json.loads((tmp_path / "ckpt" / "iter_0000000" / METADATA).read_text())
+    data = metadata["config"]["data"]
+    assert (data["tokenizer_type"], data["tokenizer_model"], data["vocab_file"]) == ("SentencePieceTokenizer", spm,
+                                                                                      None)
+    assert metadata["tokenizer_sha256"] == tokenizer_sha256("SentencePieceTokenizer", spm)
+    config, _ = parse_args(["--load", str(tmp_path / "ckpt"), "--use-checkpoint-args", "--seq-length", "16",
+                            "--micro-batch-size", "1"], world_size=1)
+    assert (config.data.tokenizer_type, config.data.tokenizer_model) == ("SentencePieceTokenizer", spm)
+    # evaluate.py with no tokenizer flag reads the data with it (its sidecar is checked against it)
+    loss = evaluate(str(tmp_path / "ckpt"), corpus, 1)
+    assert loss == pytest.approx(hf_loss(model, evaluation_samples(str(tmp_path / "ckpt"), corpus)), rel=1e-5)
+
+
+def test_a_tokenizer_with_more_ids_than_the_models_vocabulary_is_refused_naming_the_flag(corpus, tmp_path):
+    spm = corpus[1]  # 400 pieces
+    save_llama(tmp_path / "hf", vocab_size=300)
+    line = _convert("import-hf", "--input", tmp_path / "hf", "--output", tmp_path / "refused", "--tokenizer-model", spm)
+    said = f"--tokenizer-model {spm} (SentencePieceTokenizer) has 400 pieces, but the model"
+    assert said in line and f"of {tmp_path / 'hf' / 'config.json'} has a vocabulary of 300" in line, line
+    assert not (tmp_path / "refused").exists()
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    for tool, flags in (("tools/generate.py", ["--prompt", "def"]), ("tools/evaluate.py", ["--data-path", corpus[0]])):
+        line = error_line(run_tool(tool, "--load", tmp_path / "ckpt", *flags, "--tokenizer-model", spm, check=False))
+        assert said in line and f"in {tmp_path / 'ckpt'} has a vocabulary of 300" in line, line
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--tokenizer-model", "{missing}"], "--tokenizer-model {missing}: no such file"),
+    (["--tokenizer-type", "SentencePieceTokenizer", "--vocab-file", "{spm}"],
+     "--vocab-file {spm} is not read by --tokenizer-type SentencePieceTokenizer, which takes --tokenizer-model"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{spm}"],
+     "--tokenizer-type GPT2BPETokenizer needs --vocab-file VOCAB.json and --merge-file MERGES.txt"),
+])
+def test_import_hf_refuses_tokenizer_flags_that_name_no_usable_tokenizer_and_writes_nothing(hf, corpus, tmp_path,
+                                                                                            flags, said):
+    paths = {"missing": str(tmp_path / "missing.model"), "spm": corpus[1]}
+    line = _convert("import-hf", "--input", hf["llama"][0], "--output", tmp_path / "out",
+                    *[f.format(**paths) for f in flags])
+    assert said.format(**paths) in line, line
+    assert not (tmp_path / "out").exists()

@@ -10,12 +10,14 @@ from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA  # SwiGLU, RMSNorm, 2 groups for 4 heads, no biases, RoPE
 from tests.model.test_llama_parallel import QK_HEADS  # QK-norm, heads of 24 (not 64 / 4)
 
+QWEN2 = LLAMA + ("--add-qkv-bias",)  # biases on the QKV linear alone
+
 VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "rope": ("--position-embedding-type", "rope"),
             "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96"), "llama": LLAMA,
             # one key/value group, with biases, LayerNorm and GeLU: each feature of the block on its own
             "mqa_with_biases": ("--group-query-attention", "--num-query-groups", "1"),
             "swiglu_tied": ("--swiglu",), "rmsnorm": ("--normalization", "RMSNorm"),
-            "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS}
+            "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "qwen2": QWEN2}
 
 
 def _built_stage(tp, pp, extra):
@@ -64,6 +66,19 @@ def test_llama_parameters_and_flops_are_counted_by_hand():
     assert arithmetic.layer_forward_flops(config.model, causal=False) == 2 * matmuls + 4 * 32 * 64
 
 
+def test_qkv_bias_alone_adds_the_qkv_rows_to_each_layer_split_over_tp():
+    """The Llama block above with --add-qkv-bias: one bias of (4 + 2 x 2) 16 rows per layer, split as the QKV
+    weight's rows; the projection and the MLP keep none."""
+    llama, qwen2 = tiny_config(1, 1, 1, LLAMA), tiny_config(1, 1, 1, QWEN2)
+    for tp in (1, 2, 4):
+        assert arithmetic.layer_tensors(qwen2.model, tp) == arithmetic.layer_tensors(llama.model, tp)[:2] + [
+            8 * 16 // tp] + arithmetic.layer_tensors(llama.model, tp)[2:]
+    assert arithmetic.total_parameters(qwen2) == arithmetic.total_parameters(llama) + 4 * 8 * 16
+    # With biases everywhere the flag adds nothing.
+    gpt2 = tiny_config(extra=("--add-qkv-bias",))
+    assert arithmetic.total_parameters(gpt2) == arithmetic.total_parameters(tiny_config())
+
+
 def test_qwen3_attention_parameters_and_flops_are_counted_by_hand():
     """As the Llama block above but heads of 24 with QK-norm: QKV (4 + 2 x 2) 24 x 64, projection 64 x 4 x 24,
     the two QK-norms' weights (24 each, whole on every TP rank); attention's matmuls over 4 heads of 24."""
@@ -109,7 +124,8 @@ def _dense_parameters_at_tp(tp, variant):
     return [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
 
 
-@pytest.mark.parametrize("variant", ["llama", pytest.param("mqa_with_biases", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("variant", ["llama", pytest.param("mqa_with_biases", marks=pytest.mark.slow),
+                                     pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_shared_by_ranks(variant):
     """TP 4 with 2 (or 1) key/value groups: each rank holds a 1/4 piece of the K and V rows (parallel/qkv.py)."""
     config = tiny_config(4, 1, 1, VARIANTS[variant])

@@ -1,11 +1,14 @@
 """transformers' own LlamaForCausalLM is the external reference for our Llama-family GPT: built from
 hf_config() and given our weights through to_hf() (or giving us its weights through from_hf()), it
-computes our logits on the unpadded vocabulary."""
+computes our logits on the unpadded vocabulary. transformers' Qwen2ForCausalLM (Llama's block with
+biases on q_proj, k_proj and v_proj alone) is the reference for --add-qkv-bias."""
 import pytest
 import torch
 
+from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_llama import from_hf, hf_config, mapping, to_hf
+from megatron_lite.checkpoint.hf_llama import FLAGS, from_hf, hf_config, mapping, table, to_hf
+from megatron_lite.checkpoint.hf_mapping import Mapped
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.transformer import RotaryEmbedding
 from megatron_lite.parallel.random import model_parallel_seed
@@ -171,6 +174,62 @@ def test_a_gpt2_shaped_model_or_a_mismatched_hf_model_is_refused_with_the_flag()
         from_hf(to_hf(GPTModel(config).state_dict(), config.model), tied.model)
     with pytest.raises(CheckpointError, match="LlamaForCausalLM has no QK-norm.*Qwen3ForCausalLM holds it"):
         mapping(tiny_config(extra=llama_flags() + ["--qk-layernorm"]).model)
+
+
+def qwen2_model(plain, attention):
+    """Qwen2ForCausalLM with the config of our model less its QKV bias (`plain`): Llama's keys Qwen2 shares."""
+    shared = {k: v for k, v in hf_config(plain).items()
+              if k not in ("pretraining_tp", "mlp_bias", "attention_bias", "head_dim")}
+    config = transformers.Qwen2Config.from_dict(dict(shared, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                                                     use_sliding_window=False))
+    return transformers.Qwen2ForCausalLM._from_config(config, attn_implementation=attention,
+                                                      dtype=torch.float32).eval()
+
+
+def qwen2_state(dense, m):
+    """Our dense state dict -> Qwen2ForCausalLM's: Llama's table, and each layer's fused QKV bias cut into
+    q_proj, k_proj and v_proj biases as its weight's rows are."""
+    a, g, hd = m.num_attention_heads, m.num_query_groups, m.head_dim
+    biases = [Mapped(f"layers.{i + 1}.attention.query_key_value.bias", ((a + 2 * g) * hd,),
+                     tuple(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"), (a * hd, g * hd, g * hd))
+              for i in range(m.num_layers)]
+    return hf_mapping.to_hf(dense, table(m) + biases, FLAGS)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hf_qwen2_with_our_qkv_bias_alone_gives_our_logits(attention):
+    config = tiny_config(extra=llama_flags(rope_scaling=False) + ["--add-qkv-bias"])
+    ours = our_model(config)
+    with torch.no_grad():  # the biases start at zero: make them count
+        g = torch.Generator().manual_seed(4)
+        for layer in ours.layers[1:1 + config.model.num_layers]:
+            bias = layer.attention.query_key_value.bias
+            bias.copy_(0.5 * torch.randn(bias.shape, generator=g))
+    assert not any(name.endswith(".bias") and "query_key_value" not in name for name, _ in ours.named_parameters())
+    hf = qwen2_model(tiny_config(extra=llama_flags(rope_scaling=False)).model, attention)
+    state = qwen2_state(ours.state_dict(), config.model)
+    hf.load_state_dict(state, strict=True)  # every q/k/v bias of Qwen2's, none of o_proj or the MLP
+
+    expected, theirs = logits_of_both(ours, hf, random_tokens())
+    assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
+    hf.load_state_dict({k: torch.zeros_like(t) if k.endswith(".bias") else t for k, t in state.items()})
+    _, without_bias = logits_of_both(ours, hf, random_tokens())
+    assert relative_error(without_bias, expected[..., :VOCAB]) > 1e-3  # the match above depends on the bias
+
+
+def test_a_model_with_the_qkv_bias_alone_is_refused_as_llama_and_qwen3_naming_the_flag():
+    from megatron_lite.checkpoint import hf_export, hf_qwen3
+
+    qwen2 = tiny_config(extra=llama_flags() + ["--add-qkv-bias"])
+    for refused in (lambda: mapping(qwen2.model), lambda: hf_config(qwen2.model),
+                    lambda: hf_export.architecture_of(qwen2)):
+        with pytest.raises(CheckpointError, match="LlamaForCausalLM has no bias on q_proj, k_proj and v_proj alone "
+                                                  r".*built with --add-qkv-bias"):
+            refused()
+    with pytest.raises(CheckpointError, match="Qwen3ForCausalLM has no bias .*--add-qkv-bias"):
+        hf_qwen3.hf_config(tiny_config(extra=llama_flags() + ["--add-qkv-bias", "--qk-layernorm"]).model)
+    # With biases everywhere the flag changes nothing: GPT-2's block still exports as GPT2LMHeadModel.
+    assert hf_export.architecture_of(tiny_config(extra=["--add-qkv-bias"])).__name__.endswith("hf_gpt2")
 
 
 def packed_documents(eod, lengths, seed=1):

@@ -1,7 +1,7 @@
 """The Llama-family block (GQA, SwiGLU, RMSNorm, no biases, untied head, RoPE with Llama 3.1 scaling)
-under every parallel layout computes the dense single-process losses; so does it with Qwen3's attention
-(QK-norm, heads wider than hidden / heads), whose norm weights, shared by the heads a TP rank splits,
-train to the dense model's."""
+under every parallel layout computes the dense single-process losses; so does it with Qwen2's attention
+(biases on the QKV linear alone) and with Qwen3's (QK-norm, heads wider than hidden / heads), whose norm
+weights, shared by the heads a TP rank splits, train to the dense model's."""
 import pytest
 import torch
 
@@ -12,6 +12,10 @@ LLAMA = ("--swiglu", "--normalization", "RMSNorm", "--group-query-attention", "-
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
          "--use-rope-scaling", "--rotary-base", "500000", "--ffn-hidden-size", "96")
 
+
+QKV_BIAS = ("--add-qkv-bias", "--lr", "1e-2")
+"""Qwen2's attention: biases on the QKV linear alone (LLAMA has --disable-bias-linear). They start at zero, so
+at the learning rate of 1e-3 they move the third loss by only 2x the tolerance; at 1e-2 by 40x."""
 
 QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
 """Every query and key head normalised before RoPE (--normalization's kind), heads of 24, not 64 / 4 = 16."""
@@ -72,6 +76,17 @@ def test_the_new_block_changes_the_losses(reference):
     # Guards against a flag that parses but is not used: the GPT-2 block's losses differ.
     gpt2 = dense_reference(())
     assert max(abs(a - b) for a, b in zip(gpt2, reference)) > 1e-3
+
+
+@pytest.mark.parametrize("tp, pp, dp, extra", [
+    (2, 1, 1, ()),
+    pytest.param(2, 1, 1, ("--sequence-parallel",), marks=pytest.mark.slow),
+])
+def test_qkv_bias_alone_matches_the_dense_losses(tp, pp, dp, extra):
+    reference = dense_reference(LLAMA + QKV_BIAS)
+    without_bias = dense_reference(LLAMA + QKV_BIAS[1:])
+    assert max(abs(a - b) / b for a, b in zip(without_bias, reference)) > 1e-4, "the bias should change the losses"
+    assert_matches(run_layout(tp, pp, dp, extra=LLAMA + QKV_BIAS + extra), reference)
 
 
 def dense_reference_with_weights(extra):
