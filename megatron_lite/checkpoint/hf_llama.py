@@ -154,10 +154,10 @@ def rope_scaling(m: ModelConfig) -> Optional[dict]:
             "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS}
 
 
-def hf_config(m: ModelConfig) -> dict:
+def hf_config(m: ModelConfig, qkv_bias: bool = False) -> dict:
     """config.json of the LlamaForCausalLM that holds our model (the keys Llama 3.1's own config.json uses,
     which transformers 4.x and 5.x both read). bos/eos token ids are left None: the tokenizer's, not the model's."""
-    check_llama(m)
+    check_llama(m, qkv_bias=qkv_bias)
     return {
         **_architecture(m),
         "vocab_size": vocab_size(m), "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,

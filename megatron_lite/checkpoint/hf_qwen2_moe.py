@@ -70,7 +70,7 @@ def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
 
 def hf_config(m: ModelConfig) -> dict:
     check_qwen2_moe(m)
-    config = {k: v for k, v in hf_llama.hf_config(m).items() if k not in ("pretraining_tp", "mlp_bias",
+    config = {k: v for k, v in hf_llama.hf_config(m, qkv_bias=True).items() if k not in ("pretraining_tp", "mlp_bias",
                                                                           "attention_bias")}
     return dict(config, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
                 qkv_bias=bool(m.add_qkv_bias), use_sliding_window=False, sliding_window=None,

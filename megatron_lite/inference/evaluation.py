@@ -86,8 +86,8 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
     elif reader.metadata.get("layers_per_stage"):  # a `profile` split is known only from the checkpoint
         method = ",".join(map(str, reader.metadata["layers_per_stage"]))
     try:
-                 eval_iters: Optional[int], load: str, ep: int = 1, tokenizer: Optional[dict] = None,
-                 global_batch_size: Optional[int] = None) -> Config:
+        config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir, ep, tokenizer,
+                              global_batch_size)
         if not config.data.data_path:  # before any group: every rank stops here alike
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp, expert_model_parallel_size=ep)

@@ -182,7 +182,7 @@ REFUSALS = {
                      "model.layers.0.mlp.experts.0.gate_proj.weight is [16, 32], the config needs [8, 32]"),
     "router jitter": ("mixtral", lambda f, d: _edit_config(f, d, router_jitter_noise=0.1),
                       "router_jitter_noise = 0.1 is not supported"),
-    "no sparse layer": ("qwen3_moe", lambda f, d: _edit_config(f, d, decoder_sparse_step=3),
+    "no sparse layer": ("qwen3_moe", lambda f, d: _edit_config(f, d, decoder_sparse_step=5),
                         "leave no layer with experts"),
     "top-k past the experts": ("mixtral", lambda f, d: _edit_config(f, d, num_experts_per_tok=5),
                                "num_experts_per_tok = 5 is more than the 4 experts"),
