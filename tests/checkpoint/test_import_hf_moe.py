@@ -310,3 +310,28 @@ def test_training_from_an_moe_import_gives_the_same_losses_at_dp2_ep2_and_tp2_pp
         got = theirs(ids).logits
     assert relative_error(got, our_logits(tmp_path / "ep2", ids)) <= 1e-5
     assert not torch.equal(our_logits(tmp_path / "ep2", ids), our_logits(imported[(name, 1, 1, 1)], ids))
+
+
+@pytest.mark.slow
+def test_greedy_generation_from_a_mixtral_imported_without_tokenizer_files_equals_transformers_greedy_tokens(
+        hf, imported, corpus):
+    """The folder has no tokenizer files (save_pretrained of a model alone): generate.py is told the tokenizer
+    by flags. transformers' continuation is its own forward's argmax, token by token."""
+    import sentencepiece
+
+    _, model = hf["mixtral"]
+    sp = sentencepiece.SentencePieceProcessor(model_file=corpus[1])
+    prompt, new = "def main(self):", 32
+    ids = sp.encode(prompt)
+    with torch.no_grad():
+        theirs = torch.tensor([ids])
+        for _ in range(new):
+            theirs = torch.cat([theirs, model(theirs).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    flags = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", corpus[1]]
+    result = run_tool("tools/generate.py", "--load", str(imported[("mixtral", 1, 1, 1)]), "--prompt", prompt,
+                      "--max-new-tokens", str(new), "--no-stop-at-eod", *flags)
+    assert result.stdout.strip().splitlines()[-1] == sp.decode(theirs[0].tolist())
+    # The ids themselves, without a tokenizer (the import's NullTokenizer reads and writes ids).
+    result = run_tool("tools/generate.py", "--load", str(imported[("mixtral", 1, 1, 1)]), "--prompt",
+                      " ".join(map(str, ids)), "--max-new-tokens", str(new), "--no-stop-at-eod")
+    assert [int(i) for i in result.stdout.strip().splitlines()[-1].split()] == theirs[0].tolist()
