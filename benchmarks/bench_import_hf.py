@@ -10,6 +10,8 @@ import of a tiny model in the same process loads it).
 
     python benchmarks/bench_import_hf.py                  # 10 layers, hidden 768, GQA 12/4, vocabulary 32000, untied
     python benchmarks/bench_import_hf.py --num-layers 2   # a quick check
+    python benchmarks/bench_import_hf.py --num-experts 8 --num-layers 4   # a Mixtral: its experts are the largest
+                                                                          # tensors (one [E, 2F, h] stack per layer)
 """
 from __future__ import annotations
 
@@ -85,12 +87,15 @@ def make_model(folder: str, args, hidden_size=None, vocab_size=None, num_layers=
     import transformers
 
     hidden = hidden_size or args.hidden_size
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size or args.vocab_size, hidden_size=hidden, intermediate_size=args.ffn_hidden_size,
-        num_hidden_layers=num_layers or args.num_layers, num_attention_heads=hidden // 64, num_key_value_heads=4,
-        max_position_embeddings=2048, tie_word_embeddings=False)
+    fields = dict(vocab_size=vocab_size or args.vocab_size, hidden_size=hidden, intermediate_size=args.ffn_hidden_size,
+                  num_hidden_layers=num_layers or args.num_layers, num_attention_heads=hidden // 64,
+                  num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    if args.num_experts:  # save_pretrained writes one tensor per expert; in memory (and in our files) a stack
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **fields, num_local_experts=args.num_experts, num_experts_per_tok=2))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
     model.save_pretrained(folder)
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return {"parameters": sum(p.numel() for p in model.parameters()), "bytes": sum(sizes), "largest_tensor": max(sizes)}
@@ -102,6 +107,8 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--ffn-hidden-size", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--num-experts", type=int, default=0, help="a MixtralForCausalLM with this many experts per layer "
+                                                               "(default 0: a LlamaForCausalLM)")
     p.add_argument("--rounds", type=int, default=2, help="measurements of each kind, interleaved")
     p.add_argument("--child", choices=("import", "load_file", "read_largest"), help=argparse.SUPPRESS)
     p.add_argument("--input", help=argparse.SUPPRESS)
