@@ -54,6 +54,9 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_grads", "self"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.allreduce_gradients", "attribute"),  # wrapped: (*args, **kwargs)
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.scaled_global_norm", "self, norm_type"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.model_parallel_group", "attribute"),
+    ("deepspeed.runtime.utils.combine_grad_norm_groups", "norm_groups, norm_type"),
     # Sequence parallelism, recompute and the last stage's outputs (issue 23; functions at the end).
     ("deepspeed.runtime.pipe.module.PipelineModule.forward", "self, forward_input"),
     ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_backward_pass", "self, buffer_id"),
@@ -622,3 +625,39 @@ def experts_only_in_gradient_reduction(engine) -> None:
         return with_experts
 
     _wrap_instruction(engine, "ReduceGrads", wrap)
+
+
+def expert_norm_groups_on_every_stage(engine) -> None:
+    """After initialize, on every pipeline stage of an MoE model (a collective): a ZeRO 1/2 optimizer whose stage
+    has fewer parameter groups than another joins the model-parallel all-reduces of the groups it lacks, with
+    zeros, and adds what they return to its gradient norm.
+
+    Why: DeepSpeedZeroOptimizer.scaled_global_norm takes one norm per group, each all-reduced over the
+    model-parallel group, which spans the pipeline stages; a stage with MoE layers has its expert groups besides
+    (DeepSpeed's split appends them after the others), so a stage without experts skipped those all-reduces and
+    the stages hung in different collectives (measured: TP 1 x PP 2, layers [0,0,1,1], --zero-stage 1). Joined
+    with zeros, each lacking group's all-reduce returns the expert group's squared norm, which every stage then
+    counts, as the dense model's norm does."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.model_parallel_group is None:
+        return
+    group = optimizer.model_parallel_group
+    counts = torch.tensor([len(optimizer.bit16_groups)], dtype=torch.int64)
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+    lacking = int(counts.item()) - len(optimizer.bit16_groups)
+    if lacking <= 0:
+        return
+    own = optimizer.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        norms = [own(norm_type)]
+        for _ in range(lacking):
+            squared = torch.zeros((), dtype=torch.float32, device=optimizer.device)
+            torch.distributed.all_reduce(squared, op=torch.distributed.ReduceOp.SUM, group=group)
+            norms.append(squared.sqrt())
+        return combine_grad_norm_groups(norms, norm_type=norm_type)
+
+    optimizer.scaled_global_norm = scaled_global_norm

@@ -80,6 +80,8 @@ class Engine:
             )
         if self.experts:
             deepspeed_compat.experts_only_in_gradient_reduction(self.engine)
+            if self.pipelined:  # a stage without MoE layers has fewer optimizer groups (deepspeed_compat says why)
+                deepspeed_compat.expert_norm_groups_on_every_stage(self.engine)
         # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
         self.io = EngineIO()
         self.io.install(self.engine)

@@ -96,15 +96,14 @@ def check_moe(config: Config, notes: List[str]) -> None:
 
 
 def moe_pipeline_rules(config: Config, notes: List[str]) -> Config:
-    """Every pipeline stage holds an MoE layer wherever DeepSpeed's optimizer computes the gradient norm: ZeRO 1
-    and the bf16/fp16 optimizers take one norm per parameter group, each all-reduced over the model-parallel
-    group that spans the stages, and a stage with experts has more groups (its expert groups) than one without.
-    Measured before this rule (tests/test_moe_validation.py): TP 1 x PP 2 with layers [0,0,1,1] at --zero-stage 1,
-    and in bf16 at ZeRO 0, hung with stage 1 in that extra all-reduce and stage 0 already in the next step's
-    broadcast. fp32 at ZeRO 0 takes our own norm (training/grad_norm), which has no per-group collective."""
+    """Every pipeline stage holds an MoE layer under DeepSpeed's bf16 optimizer at ZeRO 0: it reduces the norm of
+    the expert gradients (get_norm_with_moe_layers) only on a stage whose optimizer has expert groups, over groups
+    that span the stages. Measured (tests/test_moe_validation.py): TP 1 x PP 2 with layers [0,0,1,1] in bf16 at
+    ZeRO 0 hung. ZeRO 1 hung the same way (one model-parallel all-reduce per optimizer group) until
+    deepspeed_compat.expert_norm_groups_on_every_stage; fp32 at ZeRO 0 takes our own norm."""
     m, p = config.model, config.parallel
     pp = p.pipeline_model_parallel_size
-    per_group_norm = p.zero_stage >= 1 or config.precision.bf16 or config.precision.fp16
+    per_group_norm = p.zero_stage == 0 and (config.precision.bf16 or config.precision.fp16)
     if (m.num_experts is None or pp == 1 or not per_group_norm or m.padded_vocab_size is None
             or p.pipeline_partition_method == "profile"):  # a profile split is known only once running
         return config
@@ -116,13 +115,13 @@ def moe_pipeline_rules(config: Config, notes: List[str]) -> Config:
                if not any(1 <= spec <= m.num_layers and is_moe_layer(m, spec)
                           for spec in range(bounds[stage], bounds[stage + 1]))]
     if without:
-        optimizer = f"--zero-stage {p.zero_stage}" if p.zero_stage else ("--bf16" if config.precision.bf16 else "--fp16")
+        optimizer = "--bf16" if config.precision.bf16 else "--fp16"
         raise ConfigError(f"pipeline stage{'s' * (len(without) > 1)} {', '.join(map(str, without))} of "
                           f"--pipeline-model-parallel-size {pp} hold{'s' * (len(without) == 1)} no MoE layer "
                           f"(--moe-layer-freq {m.moe_layer_freq}, --pipeline-partition-method "
-                          f"{p.pipeline_partition_method}); with {optimizer} DeepSpeed's optimizer reduces the gradient "
-                          f"norm once per parameter group over all stages, and a stage without experts has fewer "
-                          f"groups, so the stages would wait in different collectives. Use --zero-stage 0 in fp32, or "
-                          f"a --pipeline-partition-method (layer counts) that gives every stage an MoE layer",
+                          f"{p.pipeline_partition_method}); with {optimizer} at --zero-stage 0 DeepSpeed's optimizer reduces "
+                          f"the experts' gradient norm only where it has expert groups, over all stages, so the stages "
+                          f"would wait in different collectives. Use --zero-stage 1, or a --pipeline-partition-method "
+                          f"(layer counts) that gives every stage an MoE layer",
                           code="moe_stage_without_experts")
     return config
