@@ -65,7 +65,7 @@ NUMBERS = {
     "convert_checkpoint.py export-hf": (["export-hf", *LOAD, "--output", "{out}"], {"--iteration": ["-1"]}),
     "convert_checkpoint.py import-hf": (["import-hf", "--input", "{missing}", "--output", "{out}"], {
         "--target-tensor-model-parallel-size": ["0"], "--target-pipeline-model-parallel-size": ["0"],
-        "--seq-length": ["0", "-128"]}),
+        "--seq-length": ["0", "-128"], "--target-expert-model-parallel-size": ["0"]}),
     "tune_parallelism.py plan": (["plan", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80", *MODEL], {
         "--nodes": ["0", "-1"], "--gpus-per-node": ["0"], "--gpu-memory-gb": ["0", "-80", "70000"],
         "--memory-margin": ["-0.1", "1"], "--max-micro-batch": ["0"], "--probe-layers": ["0"],
@@ -88,7 +88,7 @@ NUMBERS = {
         "--top-k": ["-1"], "--top-p": ["0", "1.1"], "--seed": ["-1"]}),
     "evaluate.py": (LOAD, {
         "--iteration": ["-1"], "--eval-iters": ["0"], "--tensor-model-parallel-size": ["0"],
-        "--pipeline-model-parallel-size": ["0"], "--expert-model-parallel-size": ["0"]}),
+        "--pipeline-model-parallel-size": ["0"], "--expert-model-parallel-size": ["0"], "--global-batch-size": ["0"]}),
 }
 
 

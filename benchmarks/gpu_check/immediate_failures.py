@@ -17,10 +17,19 @@ def shortened(text: str) -> str:
     return "\n".join(lines[:HEAD] + [f"... {len(lines) - HEAD - TAIL} lines ..."] + lines[-TAIL:])
 
 
+_worker = False
+
+
+def pytest_configure(config):
+    # Under pytest-xdist the workers and the controller both see each report: the controller writes it. Asked of
+    # this run's config, not of PYTEST_XDIST_WORKER, which a pytest started from inside a worker inherits.
+    global _worker
+    _worker = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get(VARIABLE)
-    # Under pytest-xdist the workers and the controller both see each report: the controller writes it.
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed or _worker:
         return
     with open(path, "a") as f:
         f.write(f"==== {report.nodeid} ({report.when})\n{shortened(report.longreprtext)}\n\n")
