@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_lite.checkpoint import hf_llama, hf_mapping, hf_moe
+from megatron_lite.checkpoint import hf_llama, hf_moe
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_fields import real
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
@@ -49,14 +49,11 @@ def mapping(m: ModelConfig, fused: bool = False) -> List[Mapped]:
 
 
 def to_hf(dense: StateDict, m: ModelConfig) -> StateDict:
-    """Our dense (TP = PP = 1) state dict -> MixtralForCausalLM's, as save_pretrained writes it."""
-    return hf_mapping.to_hf(dense, mapping(m), FLAGS)
+    return hf_moe.to_hf(dense, m, mapping, FLAGS)
 
 
 def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
-    """MixtralForCausalLM's state dict (either spelling of the experts) -> our dense one."""
-    hf = hf_llama.weights_of(hf, m)
-    return hf_mapping.from_hf(hf, mapping(m, hf_moe.fused_names(hf)), FLAGS)
+    return hf_moe.from_hf(hf, m, mapping, FLAGS)
 
 
 def hf_config(m: ModelConfig) -> dict:

@@ -24,11 +24,12 @@ it is our --moe-router-pre-softmax. None has an expert bias, group-limited routi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
+from megatron_lite.checkpoint import hf_llama, hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_fields import real, whole
-from megatron_lite.checkpoint.hf_mapping import Mapped
+from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, moe_layer_pattern
 
@@ -77,6 +78,18 @@ def layer_entries(m: ModelConfig, i: int, names: ExpertNames, fused: bool) -> Li
         if m.moe_shared_expert_gate:
             out.append(Mapped(ours + "shared_expert_gate", (1, h), (layer + "mlp.shared_expert_gate.weight",), (1,)))
     return out
+
+
+def to_hf(dense: StateDict, m: ModelConfig, mapping: Callable, flags: str) -> StateDict:
+    """Our dense (TP = PP = 1) state dict -> the architecture's (`mapping(m)`), as save_pretrained writes it."""
+    return hf_mapping.to_hf(dense, mapping(m), flags)
+
+
+def from_hf(hf: StateDict, m: ModelConfig, mapping: Callable, flags: str) -> StateDict:
+    """The architecture's state dict, in either spelling of the experts -> our dense one (a tied head as
+    hf_llama.weights_of takes it)."""
+    hf = hf_llama.weights_of(hf, m)
+    return hf_mapping.from_hf(hf, mapping(m, fused_names(hf)), flags)
 
 
 def with_experts(table: List[Mapped], m: ModelConfig, names: ExpertNames, fused: bool) -> List[Mapped]:

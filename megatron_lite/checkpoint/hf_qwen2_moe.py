@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import List
 
-from megatron_lite.checkpoint import hf_llama, hf_mapping, hf_moe, hf_qwen3
+from megatron_lite.checkpoint import hf_llama, hf_moe
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_fields import whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
@@ -60,12 +60,11 @@ def mapping(m: ModelConfig, fused: bool = False) -> List[Mapped]:
 
 
 def to_hf(dense: StateDict, m: ModelConfig) -> StateDict:
-    return hf_mapping.to_hf(dense, mapping(m), FLAGS)
+    return hf_moe.to_hf(dense, m, mapping, FLAGS)
 
 
 def from_hf(hf: StateDict, m: ModelConfig) -> StateDict:
-    hf = hf_llama.weights_of(hf, m)
-    return hf_mapping.from_hf(hf, mapping(m, hf_moe.fused_names(hf)), FLAGS)
+    return hf_moe.from_hf(hf, m, mapping, FLAGS)
 
 
 def hf_config(m: ModelConfig) -> dict:

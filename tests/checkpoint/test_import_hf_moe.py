@@ -12,6 +12,7 @@ import torch
 
 from tests.checkpoint.conftest import error_line, run_tool
 from tests.checkpoint.hf_models import VOCAB, save_mixtral, save_qwen2_moe, save_qwen3_moe
+from tests.checkpoint.test_import_hf import _edit_config
 from tests.data.corpus_mix import load_tool
 
 MODELS = {"mixtral": save_mixtral, "qwen2_moe": save_qwen2_moe, "qwen3_moe": save_qwen3_moe}
@@ -149,14 +150,6 @@ def test_transformers_fused_spelling_of_the_experts_imports_as_save_pretrained_f
     for file in layer_files:
         a, b = torch.load(ours / file, weights_only=True), torch.load(reference / file, weights_only=True)
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), file
-
-
-def _edit_config(src, dst, **changes):
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config.update(changes)
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
 
 
 def _edit_tensors(src, dst, drop=(), add=None):
