@@ -358,22 +358,55 @@ def predicted_step(ctx: Context, model_argv: List[str], micro: int, profile: str
     raise StepFailed(f"the plan has no micro batch {micro} candidate without recompute")
 
 
-def gpt_1_3b(ctx: Context):
+def random_data(ctx: Context) -> Tuple[int, str]:
+    """(vocabulary, dataset prefix) of random ids made by tools/synthetic_data.py, tokenized by our tools: the
+    data of the training steps (c, moe)."""
     vocab = 512 if ctx.dry_run else 50304
     made = ctx.run([ctx.python, "tools/synthetic_data.py", "--output-dir", os.path.join(ctx.work_dir, f"random-{vocab}"),
                     "--vocab-size", str(vocab), "--num-tokens", str(200_000 if ctx.dry_run else 2_000_000)], check=True)
-    data = last_line(made.output)  # the tool prints the dataset prefix
+    return vocab, last_line(made.output)  # the tool prints the dataset prefix
+
+
+def training_flags(ctx: Context, vocab: int, data: str, iters: int, log_interval: int, warmup: int) -> List[str]:
+    """pretrain_gpt.py's flags the training steps share besides the model's and the micro batch: the random data,
+    global batch 16, bf16, ZeRO 1, no evaluation."""
+    return ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--data-path", data,
+            "--split", "100,0,0", "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"),
+            "--global-batch-size", "16", "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
+            "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
+            "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
+
+
+def run_numbers(parsed: Dict[str, list]) -> Dict[str, float]:
+    """A run's reported numbers: its last log interval's (past the first steps' warm-up) and its first stage's
+    measured and estimated peak memory (memory_*)."""
+    memory = parsed["memory"][0] if parsed["memory"] else {}
+    return {**parsed["iterations"][-1], **{f"memory_{k}": v for k, v in memory.items()}}
+
+
+def run_cells(n: Dict[str, float]) -> str:
+    """A run's table cells: tokens/s, TFLOP/s, MFU %, peak and estimated GiB."""
+    nan = float("nan")
+    return (f"{n.get('tokens_per_s', 0):.0f} | {n.get('tflops', 0):.1f} | {n.get('mfu_percent', nan):.1f} | "
+            f"{n.get('memory_measured_gib', nan):.2f} | {n.get('memory_estimated_gib', nan):.2f} |")
+
+
+def runs_summary(numbers: Dict[str, Dict[str, float]]) -> str:
+    return "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
+                     + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
+                     + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
+                     f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
+
+
+def gpt_1_3b(ctx: Context):
+    vocab, data = random_data(ctx)
     if ctx.dry_run:
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
         micro, iters, log_interval, warmup = 2, 4, 2, 1
     else:
         model = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
         micro, iters, log_interval, warmup = 2, 30, 10, 5
-    common = model + ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab), "--data-path", data,
-                      "--split", "100,0,0", "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"),
-                      "--global-batch-size", "16", "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
-                      "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
-                      "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
+    common = model + training_flags(ctx, vocab, data, iters, log_interval, warmup)
     # A dry run trains without and with full recompute (the mode the report's numbers need both of).
     modes = [m for m in RECOMPUTE_MODES if m[0] != "selective"] if ctx.dry_run else RECOMPUTE_MODES
     rows, numbers, failures = [], {}, []
@@ -393,19 +426,11 @@ def gpt_1_3b(ctx: Context):
             failures.append(f"{name}: {e}")
             rows.append(f"| {name} | failed: {str(e)[:150]} | | | | | |")
             continue
-        last = parsed["iterations"][-1]  # the last interval: past the first steps' warm-up
-        memory = parsed["memory"][0] if parsed["memory"] else {}
-        numbers[name] = {"micro_batch_size": used_micro, **last, **{f"memory_{k}": v for k, v in memory.items()}}
-        rows.append(f"| {name} | {used_micro} | {last.get('tokens_per_s', 0):.0f} | {last.get('tflops', 0):.1f} | "
-                    f"{last.get('mfu_percent', float('nan')):.1f} | {memory.get('measured_gib', float('nan')):.2f} | "
-                    f"{memory.get('estimated_gib', float('nan')):.2f} |")
+        numbers[name] = {"micro_batch_size": used_micro, **run_numbers(parsed)}
+        rows.append(f"| {name} | {used_micro} | {run_cells(numbers[name])}")
     details = ("| recompute | micro batch | tokens/s | TFLOP/s | MFU % | peak GiB (torch.cuda.max_memory_allocated, "
                "on CPU peak RSS) | estimated GiB |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    summary = "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
-                        + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
-                        + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
-                        f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
-    summary = "; ".join(filter(None, [summary] + failures))
+    summary = "; ".join(filter(None, [runs_summary(numbers)] + failures))
     measured = numbers.get("none", {})
     if measured.get("ms_per_iteration"):
         # The planner's prediction of the no-recompute run, calibrated (when the calibrate step ran) and not.
@@ -429,10 +454,7 @@ def moe_training(ctx: Context):
     """A ~1B-parameter Mixture-of-Experts GPT (12 layers of 8 experts, top-2), bf16, ZeRO 1, on one GPU:
     tokens/s, TFLOP/s and MFU (FLOPs of the k experts a token passes through), peak memory against our
     estimate; with the per-expert GEMM loop and with --moe-grouped-gemm (torch._grouped_mm)."""
-    vocab = 512 if ctx.dry_run else 50304
-    made = ctx.run([ctx.python, "tools/synthetic_data.py", "--output-dir", os.path.join(ctx.work_dir, f"random-{vocab}"),
-                    "--vocab-size", str(vocab), "--num-tokens", str(200_000 if ctx.dry_run else 2_000_000)], check=True)
-    data = last_line(made.output)
+    vocab, data = random_data(ctx)
     if ctx.dry_run:
         model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
                  "--num-experts", "4", "--moe-ffn-hidden-size", "128"]
@@ -442,12 +464,8 @@ def moe_training(ctx: Context):
                  "--num-experts", "8", "--moe-ffn-hidden-size", "4096"]
         micro, iters, log_interval, warmup = 4, 30, 10, 5
         variants = [("loop", []), ("grouped", ["--moe-grouped-gemm"])]
-    common = model + ["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--tokenizer-type", "NullTokenizer",
-                      "--vocab-size", str(vocab), "--data-path", data, "--split", "100,0,0",
-                      "--data-cache-path", os.path.join(ctx.work_dir, "index-cache"), "--global-batch-size", "16",
-                      "--micro-batch-size", str(micro), "--bf16", "--zero-stage", "1", "--train-iters", str(iters),
-                      "--log-interval", str(log_interval), "--eval-iters", "0", "--eval-interval", "1000000",
-                      "--lr", "1e-4", "--lr-warmup-iters", str(warmup), "--num-workers", "2"]
+    common = model + ["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--micro-batch-size", str(micro),
+                      *training_flags(ctx, vocab, data, iters, log_interval, warmup)]
     rows, numbers, failures = [], {}, []
     for i, (name, flags) in enumerate(variants):
         try:
@@ -456,18 +474,11 @@ def moe_training(ctx: Context):
             failures.append(f"{name}: {e}")
             rows.append(f"| {name} | failed: {str(e)[:150]} | | | | |")
             continue
-        last = parsed["iterations"][-1]
-        memory = parsed["memory"][0] if parsed["memory"] else {}
-        numbers[name] = {**last, **{f"memory_{k}": v for k, v in memory.items()}}
-        rows.append(f"| {name} | {last.get('tokens_per_s', 0):.0f} | {last.get('tflops', 0):.1f} | "
-                    f"{last.get('mfu_percent', float('nan')):.1f} | {memory.get('measured_gib', float('nan')):.2f} | "
-                    f"{memory.get('estimated_gib', float('nan')):.2f} |")
+        numbers[name] = run_numbers(parsed)
+        rows.append(f"| {name} | {run_cells(numbers[name])}")
     details = ("| expert GEMMs | tokens/s | TFLOP/s | MFU % | peak GiB | estimated GiB |\n|---|---|---|---|---|---|\n"
                + "\n".join(rows) + "\n")
-    summary = "; ".join(f"{name}: {n.get('tokens_per_s', 0):.0f} tokens/s, {n.get('tflops', 0):.1f} TFLOP/s, MFU "
-                        + (f"{n['mfu_percent']:.1f}%" if "mfu_percent" in n else "n/a")
-                        + f", peak {n.get('memory_measured_gib', 0):.2f} GiB (estimate "
-                        f"{n.get('memory_estimated_gib', 0):.2f})" for name, n in numbers.items())
+    summary = runs_summary(numbers)
     if numbers.get("loop", {}).get("tokens_per_s") and numbers.get("grouped", {}).get("tokens_per_s"):
         numbers["grouped_over_loop"] = numbers["grouped"]["tokens_per_s"] / numbers["loop"]["tokens_per_s"]
         summary += f"; grouped GEMM / loop tokens/s {numbers['grouped_over_loop']:.3f}"
