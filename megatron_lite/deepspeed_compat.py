@@ -638,6 +638,7 @@ def expert_norm_groups_on_every_stage(engine) -> None:
     the stages hung in different collectives (measured: TP 1 x PP 2, layers [0,0,1,1], --zero-stage 1). Joined
     with zeros, each lacking group's all-reduce returns the expert group's squared norm, which every stage then
     counts, as the dense model's norm does."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.utils import combine_grad_norm_groups
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -645,7 +646,10 @@ def expert_norm_groups_on_every_stage(engine) -> None:
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or optimizer.model_parallel_group is None:
         return
     group = optimizer.model_parallel_group
-    counts = torch.tensor([len(optimizer.bit16_groups)], dtype=torch.int64)
+    # On the accelerator, as DeepSpeed's own norm collectives (NCCL takes no CPU tensor; the CPU-offloaded
+    # optimizer's device is the CPU).
+    device = get_accelerator().current_device_name()
+    counts = torch.tensor([len(optimizer.bit16_groups)], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
     lacking = int(counts.item()) - len(optimizer.bit16_groups)
     if lacking <= 0:
@@ -655,9 +659,9 @@ def expert_norm_groups_on_every_stage(engine) -> None:
     def scaled_global_norm(norm_type=2):
         norms = [own(norm_type)]
         for _ in range(lacking):
-            squared = torch.zeros((), dtype=torch.float32, device=optimizer.device)
+            squared = torch.zeros((), dtype=torch.float32, device=device)
             torch.distributed.all_reduce(squared, op=torch.distributed.ReduceOp.SUM, group=group)
-            norms.append(squared.sqrt())
+            norms.append(squared.sqrt().to(norms[0].device))
         return combine_grad_norm_groups(norms, norm_type=norm_type)
 
     optimizer.scaled_global_norm = scaled_global_norm
