@@ -112,6 +112,18 @@ def table(m: ModelConfig) -> List[Mapped]:
     return table
 
 
+def with_qkv_biases(table: List[Mapped]) -> List[Mapped]:
+    """The table with each layer's fused QKV bias (--add-qkv-bias) after its weight, cut into q_proj, k_proj and
+    v_proj biases as the weight's rows are (Qwen2's attention: checkpoint/hf_qwen2_moe.py)."""
+    out = []
+    for entry in table:
+        out.append(entry)
+        if entry.ours.endswith(".attention.query_key_value.weight"):
+            out.append(Mapped(entry.ours[:-len("weight")] + "bias", entry.shape[:1],
+                              tuple(name[:-len("weight")] + "bias" for name in entry.theirs), entry.rows))
+    return out
+
+
 def hf_name(name: str) -> str:
     return name
 

@@ -45,17 +45,7 @@ def check_qwen2_moe(m: ModelConfig) -> None:
 
 def mapping(m: ModelConfig, fused: bool = False) -> List[Mapped]:
     check_qwen2_moe(m)
-    table = hf_llama.table(m)
-    if m.add_qkv_bias:
-        a, g, hd = m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.head_dim
-        biased = []
-        for entry in table:
-            biased.append(entry)
-            if entry.ours.endswith(".attention.query_key_value.weight"):
-                biased.append(Mapped(entry.ours[:-len("weight")] + "bias", ((a + 2 * g) * hd,),
-                                     tuple(name[:-len("weight")] + "bias" for name in entry.theirs),
-                                     (a * hd, g * hd, g * hd)))
-        table = biased
+    table = hf_llama.with_qkv_biases(hf_llama.table(m)) if m.add_qkv_bias else hf_llama.table(m)
     return hf_moe.with_experts(table, m, NAMES, fused)
 
 

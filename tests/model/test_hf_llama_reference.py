@@ -7,8 +7,7 @@ import torch
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_llama import FLAGS, from_hf, hf_config, mapping, table, to_hf
-from megatron_lite.checkpoint.hf_mapping import Mapped
+from megatron_lite.checkpoint.hf_llama import FLAGS, from_hf, hf_config, mapping, table, to_hf, with_qkv_biases
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.transformer import RotaryEmbedding
 from megatron_lite.parallel.random import model_parallel_seed
@@ -188,12 +187,8 @@ def qwen2_model(plain, attention):
 
 def qwen2_state(dense, m):
     """Our dense state dict -> Qwen2ForCausalLM's: Llama's table, and each layer's fused QKV bias cut into
-    q_proj, k_proj and v_proj biases as its weight's rows are."""
-    a, g, hd = m.num_attention_heads, m.num_query_groups, m.head_dim
-    biases = [Mapped(f"layers.{i + 1}.attention.query_key_value.bias", ((a + 2 * g) * hd,),
-                     tuple(f"model.layers.{i}.self_attn.{p}_proj.bias" for p in "qkv"), (a * hd, g * hd, g * hd))
-              for i in range(m.num_layers)]
-    return hf_mapping.to_hf(dense, table(m) + biases, FLAGS)
+    q_proj, k_proj and v_proj biases as its weight's rows are (what Qwen2-MoE's table does)."""
+    return hf_mapping.to_hf(dense, with_qkv_biases(table(m)), FLAGS)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
