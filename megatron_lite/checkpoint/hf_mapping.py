@@ -79,30 +79,20 @@ def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str
 
 
 def ours_of(entry: Mapped, read: Callable[[str], torch.Tensor], flags: str) -> torch.Tensor:
-    """Our dense tensor from its Hugging Face tensors, read one at a time by name; padding rows are zeros.
-    An expert stack is filled in place as its tensors are read: never its pieces and the stack at once."""
-    if entry.experts:
-        out, offset = None, 0
-        for index, name in enumerate(entry.theirs):
-            tensor = read(name)
-            check_shape(name, tensor.shape, entry.their_shape(index), flags)
-            if out is None:
-                out = torch.empty(entry.flat_shape, dtype=tensor.dtype)
-            out[offset:offset + entry.rows[index]] = tensor
-            offset += entry.rows[index]
-            del tensor
-        return out.view(entry.shape)
+    """Our dense tensor from its Hugging Face tensors, read one at a time by name; padding rows are zeros. An
+    expert stack's tensors stack along its flattened [E R, C] (the importer fills a stack expert by expert
+    instead: hf_import._expert_slice)."""
     pieces = []
     for index, name in enumerate(entry.theirs):
         tensor = read(name)
         check_shape(name, tensor.shape, entry.their_shape(index), flags)
         pieces.append(tensor.t() if entry.transposed else tensor)
-    padding = entry.shape[0] - sum(entry.rows)
+    padding = entry.flat_shape[0] - sum(entry.rows)
     if padding:
-        pieces.append(pieces[0].new_zeros((padding,) + entry.shape[1:]))
+        pieces.append(pieces[0].new_zeros((padding,) + entry.flat_shape[1:]))
     if len(pieces) == 1:
         return pieces[0].contiguous()
-    return torch.cat(pieces)
+    return torch.cat(pieces).view(entry.shape)
 
 
 def ours_rows(entry: Mapped, start: int, stop: int, shape_of: Callable[[str], Tuple[int, ...]],

@@ -148,12 +148,12 @@ def qwen_pattern(c: dict, where: str, layers: int) -> List[bool]:
     return pattern
 
 
-def router_fields(c: dict, where: str, experts: int, topk_key: str = "num_experts_per_tok") -> dict:
+def router_fields(c: dict, where: str, experts: int) -> dict:
     """Our router fields shared by the three: experts, top-k, the aux-loss coefficient (router_aux_loss_coef:
     what the model was trained with, our --moe-aux-loss-coeff)."""
-    topk = whole(c, topk_key, where)
+    topk = whole(c, "num_experts_per_tok", where)
     if topk > experts:
-        raise CheckpointError(f"{where}: {topk_key} = {topk} is more than the {experts} experts")
+        raise CheckpointError(f"{where}: num_experts_per_tok = {topk} is more than the {experts} experts")
     return dict(num_experts=experts, moe_router_topk=topk,
                 moe_aux_loss_coeff=real(c, "router_aux_loss_coef", where, 0.0, minimum=0, maximum=1e6))
 

@@ -152,6 +152,25 @@ def test_transformers_fused_spelling_of_the_experts_imports_as_save_pretrained_f
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), file
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_from_hf_takes_either_spelling_of_the_experts_to_the_imported_weights(name, hf, imported):
+    """from_hf() (a state dict in memory: transformers 5's fused one, or save_pretrained's per-expert file) gives
+    the weights the streaming importer wrote."""
+    from safetensors.torch import load_file
+
+    from megatron_lite.checkpoint.dense import load_dense_model
+    from megatron_lite.checkpoint.hf_import import ARCHITECTURES
+
+    folder, model = hf[name]
+    config, ours = load_dense_model(str(imported[(name, 1, 1, 1)]))
+    module, dense = ARCHITECTURES[model.config.architectures[0]], ours.state_dict()
+    for spelling in (dict(model.state_dict()), load_file(str(folder / "model.safetensors"))):
+        got = module.from_hf(spelling, config.model)
+        assert any(".experts.weight1" in k for k in got)
+        for key, tensor in got.items():
+            assert torch.equal(tensor, dense[key]), key
+
+
 def _edit_tensors(src, dst, drop=(), add=None):
     from safetensors.torch import load_file, save_file
 
