@@ -195,7 +195,7 @@ def nanogpt(args, data_prefix: str):
 def huggingface(args, data_prefix: str):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_lite.training.optimizer import parameter_groups
+    from megatron_lite.checkpoint.optimizer_groups import parameter_groups
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -203,7 +203,7 @@ def huggingface(args, data_prefix: str):
                         bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
     model = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
     model.train()
-    optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
+    optimizer = torch.optim.AdamW(parameter_groups(model.parameters(), WEIGHT_DECAY), lr=LR)
     # GPT2LMHeadModel shifts the labels inside
     return plain_step(lambda x, _: model(input_ids=x, labels=x).loss, model, optimizer,
                       MemmapBatches(data_prefix, seed=2))
@@ -214,13 +214,13 @@ def huggingface_llama(data_prefix: str, config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_lite.checkpoint.hf_llama import hf_config
-    from megatron_lite.training.optimizer import parameter_groups
+    from megatron_lite.checkpoint.optimizer_groups import parameter_groups
 
     torch.manual_seed(0)
     hf = LlamaConfig.from_dict(dict(hf_config(config.model), bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1))
     model = LlamaForCausalLM._from_config(hf, attn_implementation="sdpa", dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(), WEIGHT_DECAY), lr=LR)
+    optimizer = torch.optim.AdamW(parameter_groups(model.parameters(), WEIGHT_DECAY), lr=LR)
     # LlamaForCausalLM shifts the labels inside
     return plain_step(lambda x, _: model(input_ids=x, labels=x).loss, model, optimizer,
                       MemmapBatches(data_prefix, seed=2))

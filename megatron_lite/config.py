@@ -404,6 +404,34 @@ class OptimizerConfig:
     """AdamW epsilon."""
     clip_grad: float = option(1.0, "--clip-grad", minimum=0, maximum=1e6)
     """Clip the global gradient norm to this; 0 disables clipping."""
+    optimizer: str = option("adam", "--optimizer", choices=("adam", "muon"))
+    """adam: AdamW on every parameter. muon: Muon on the transformer layers' weight matrices (each of Q, K
+    and V, gate and up, and every expert its own matrix, orthogonalised whole at any TP, DP and ZeRO
+    stage: training/muon.py), AdamW with the --adam-* flags on the rest (embeddings, output head, norms,
+    biases, routers)."""
+    muon_momentum: float = option(0.95, "--muon-momentum", minimum=0, below=1)
+    """Muon's momentum: its buffer is the gradients' exponential average with this factor."""
+    muon_nesterov: bool = option(True, "--muon-nesterov", action="boolean_optional")
+    """Orthogonalise the Nesterov look-ahead (the gradient moved toward the buffer by --muon-momentum)
+    instead of the buffer itself (--no-muon-nesterov)."""
+    muon_num_ns_steps: int = option(5, "--muon-num-ns-steps", minimum=1, maximum=99)
+    """Newton-Schulz iterations per matrix and step."""
+    muon_scale_mode: str = option("spectral", "--muon-scale-mode",
+                                  choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    """How the orthogonalised update of an m x n matrix (m outputs, n inputs) is scaled: spectral
+    sqrt(max(m, n)) (with the default --muon-extra-scale-factor 0.2: Moonlight's update of AdamW's RMS,
+    torch.optim.Muon's match_rms_adamw, so --lr tuned for AdamW carries over), unit_rms_norm
+    sqrt(m / n), shape_scaling sqrt(max(1, m / n)) (Keller Jordan's, torch.optim.Muon's default)."""
+    muon_extra_scale_factor: float = option(0.2, "--muon-extra-scale-factor", above=0, maximum=1e3)
+    """A factor on every Muon update besides --muon-scale-mode's."""
+    muon_split_qkv: bool = option(True, "--muon-no-split-qkv", action="store_false")
+    """Orthogonalise the fused query/key/value weight as Q, K and V (the default), or as one matrix."""
+    muon_split_gate_up: bool = option(True, "--muon-no-split-gate-up", action="store_false")
+    """Orthogonalise SwiGLU's fused [gate; up] weight as its two halves (the default), or as one matrix."""
+    muon_tp_mode: str = option("duplicated", "--muon-tp-mode", choices=("duplicated", "blockwise"))
+    """duplicated: each TP rank gathers a split matrix whole and orthogonalises it (the dense update at any
+    TP). blockwise: each rank orthogonalises its own shard (Megatron-LM's blockwise mode: cheaper, but not
+    the dense update; a different optimizer per TP size)."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.loss_scaler", "attribute"),
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.bf16_groups", "attribute"),
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.fp32_groups_flat_partition", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.real_dp_process_group", "attribute"),
+    ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.real_dp_process_group", "attribute"),
     ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
      "self, flat_hp_partition, optim_fragment"),
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
@@ -329,6 +331,40 @@ def engine_parameters(module: PipelineModule) -> Dict[Tuple[object, str], torch.
 
 def _low_precision_groups(optimizer):
     return getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+
+
+@dataclass
+class FlatPartition:
+    """One optimizer group as ZeRO 1/2 or DeepSpeed's bf16 optimizer hands it to our torch optimizer: a flat
+    fp32 buffer holding this DP rank's fragments of the group's parameters, cut over `group`."""
+    params: List[torch.nn.Parameter]
+    """Every parameter of the group (this TP rank's shard, whole), in order: the other DP ranks hold the rest."""
+    fragments: Dict[int, Tuple[int, int, int]]
+    """id(parameter) -> (start in the parameter's flattened values, count, start in the flat buffer), for each
+    parameter with a fragment in this rank's buffer."""
+    group: object
+    """The process group the partition is cut over (DP, or expert-DP for an expert group)."""
+
+
+def optimizer_partitions(optimizer) -> Dict[int, FlatPartition]:
+    """Group index -> its FlatPartition, when DeepSpeed partitions the groups (ZeRO 1/2, the bf16 optimizer);
+    {} when our optimizer holds the parameters themselves. Why: Muon orthogonalises whole matrices
+    (training/muon.py), and these flat buffers cut matrices anywhere; each low-precision parameter's
+    `_hp_mapping` (set by DeepSpeed's link_hp_params) says which part of it lies where in this rank's buffer,
+    and `real_dp_process_group[g]` over which ranks the rest lies."""
+    lp_groups = _low_precision_groups(optimizer)
+    if lp_groups is None:
+        return {}
+    partitions = {}
+    for index, lps in enumerate(lp_groups):
+        fragments = {}
+        for lp in lps:
+            mapping = lp._hp_mapping
+            if mapping is not None:  # None: no fragment of this parameter in this DP rank's partition
+                src, dst = mapping.lp_fragment_address, mapping.hp_fragment_address
+                fragments[id(lp)] = (src.start, src.numel, dst.start)
+        partitions[index] = FlatPartition(list(lps), fragments, optimizer.real_dp_process_group[index])
+    return partitions
 
 
 def set_master_weights(engine, values: Dict[torch.nn.Parameter, Dict[str, Optional[torch.Tensor]]]) -> None:

@@ -11,10 +11,10 @@ state.
 
 The optimizer's parameters are numbered in the stage module's order: the tied
 embedding module first (DeepSpeed registers `tied_modules` before the numbered
-layers), then the stage's layers; split into the weight-decay group (every
-parameter with more than one dimension) and the no-decay group, as
-`training/optimizer.parameter_groups` does; an MoE model's expert parameters
-come last, in groups of their own (training/optimizer.build_optimizer).
+layers), then the stage's layers; split into the groups of
+checkpoint/optimizer_groups.py (Muon's matrices, weight decay, none); an MoE
+model's expert parameters come last, in groups of their own
+(training/optimizer.build_optimizer).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 import torch
 from deepspeed.pipe import TiedLayerSpec
 
+from megatron_lite.checkpoint.optimizer_groups import GROUPS, group_of
 from megatron_lite.config import Config
 from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.gpt import TransformerLayerPipe, layer_specs
@@ -51,11 +52,8 @@ class ParamInfo:
     QKV's (a hd, g hd, g hd), SwiGLU's (ffn, ffn); one part for a plain split; () when replicated."""
     experts: int = 0
     """For an MoE layer's expert parameter, the experts along dim 0 (every one: files store them all); else 0."""
-
-    @property
-    def decays(self) -> bool:
-        """Weight decay, as training/optimizer.parameter_groups decides: every tensor of more than one dimension."""
-        return len(self.shape) > 1
+    hidden_matrix: bool = False
+    """One of the transformer layers' weight matrices (Muon's under --optimizer muon; parallel/layers.py)."""
 
 
 def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
@@ -96,7 +94,7 @@ class ModelLayout:
             self.params[index] = [ParamInfo(index, *entry) for entry in params]
 
     @staticmethod
-    def _describe(spec) -> Tuple[List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...], int]],
+    def _describe(spec) -> Tuple[List[Tuple[str, Tuple[int, ...], int, int, Tuple[int, ...], int, bool]],
                                  Dict[str, Tuple[int, ...]]]:
         # Built dense (TP = 1, whatever this process's place) only to read names, shapes and split attributes;
         # on the meta device, so a large model's layer costs no memory.
@@ -112,7 +110,8 @@ class ModelLayout:
             if sections is None:
                 sections = (p.shape[dim] // stride,) * stride
             experts = p.num_experts if is_expert_parameter(p) else 0
-            described.append((name, tuple(p.shape), dim, stride, tuple(sections), experts))
+            described.append((name, tuple(p.shape), dim, stride, tuple(sections), experts,
+                              bool(getattr(p, "hidden_matrix", False))))
         return described, buffers
 
     def file_shapes(self, spec: int, tp: int) -> Dict[str, Tuple[int, ...]]:
@@ -142,8 +141,8 @@ class ModelLayout:
         return self.stage_bounds(pp, self.config.parallel.pipeline_partition_method)
 
     def stage_parameters(self, start: int, stop: int) -> List[Tuple[ParamInfo, bool]]:
-        """(parameter, is a tied copy) of a stage in optimizer order: decay group, then no-decay group, then the
-        expert parameters' groups (decay, no decay)."""
+        """(parameter, is a tied copy) of a stage in optimizer order: the groups of
+        checkpoint/optimizer_groups.py (Muon's, decay, no decay), then the expert parameters' groups."""
         ordered: List[Tuple[ParamInfo, bool]] = []
         seen_keys = []
         for index in range(start, stop):
@@ -156,8 +155,9 @@ class ModelLayout:
         for index in range(start, stop):
             if index not in self.tied_users:
                 ordered += [(p, False) for p in self.params[index]]
-        # training/optimizer.py's groups: weight decay, then none; an MoE model's expert parameters follow in
-        # groups of their own, decay first (deepspeed_compat.expert_optimizer_groups). sorted() keeps the order
-        # inside each group.
-        return sorted(ordered, key=lambda x: (x[0].experts > 0, not x[0].decays))
+        # optimizer_groups.GROUPS; an MoE model's expert parameters follow in groups of their own, in the same
+        # order (deepspeed_compat.expert_optimizer_groups). sorted() keeps the order inside each group.
+        muon = self.config.optimizer.optimizer == "muon"
+        return sorted(ordered, key=lambda x: (x[0].experts > 0, GROUPS.index(
+            group_of(len(x[0].shape), x[0].hidden_matrix, muon))))
 

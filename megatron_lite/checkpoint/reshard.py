@@ -39,7 +39,7 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo, slice_shape
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
-from megatron_lite.checkpoint.optimizer_groups import saved_group_settings
+from megatron_lite.checkpoint.optimizer_groups import parameter_groups, saved_group_settings
 from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
@@ -91,13 +91,12 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
     return config
 
 
-def _groups(config: Config, lr_scheduler: Optional[dict]) -> List[dict]:
+def _group_settings(config: Config, lr_scheduler: Optional[dict]) -> dict:
     """AdamW group settings as a run saves them (checkpoint/optimizer_groups.py), at the learning rate the schedule last
-    gave (DeepSpeed restores the optimizer's rate from these groups)."""
+    gave (DeepSpeed restores the optimizer's rate from these groups; one schedule sets every group's alike)."""
     o = config.optimizer
-    last = (lr_scheduler or {}).get("_last_lr") or [o.lr, o.lr]
-    common = dict(saved_group_settings(o), initial_lr=o.lr)  # initial_lr: the LambdaLR schedule adds it
-    return [dict(common, lr=last[0], weight_decay=o.weight_decay), dict(common, lr=last[-1], weight_decay=0.0)]
+    last = (lr_scheduler or {}).get("_last_lr") or [o.lr]
+    return dict(saved_group_settings(o), initial_lr=o.lr, lr=last[0])  # initial_lr: the LambdaLR schedule adds it
 
 
 def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
@@ -113,21 +112,20 @@ def _engine_state(run, optimizer: dict, tp: int, pp: int, dp: int) -> dict:
 
 
 def _optimizer_groups(config: Config, params: List[Tuple[ParamInfo, bool]]) -> List[Tuple[dict, List[int]]]:
-    """(keys besides the AdamW settings, optimizer indices) of each AdamW group training/optimizer.build_optimizer
+    """(keys besides the AdamW settings, optimizer indices) of each group training/optimizer.build_optimizer
     makes of a stage's `params` (layout.stage_parameters: the optimizer's order) at this config's TP and EP 1
-    (the layer files hold every expert): decay, then none; with MoE layers each group named and the experts
-    moved into groups of their own by DeepSpeed's split (which also cuts a large group into parts), so that
-    torch's load_state_dict finds the groups the resumed run's optimizer has."""
+    (the layer files hold every expert): optimizer_groups.parameter_groups's; with MoE layers each group named
+    and the experts moved into groups of their own by DeepSpeed's split, so that torch's load_state_dict finds
+    the groups the resumed run's optimizer has."""
     tp = config.parallel.tensor_model_parallel_size
     fakes = []
     for info, _ in params:
         fake = torch.empty(slice_shape(info, tp), device="meta")  # what the split counts: the size on a rank
         fake.expert_parallel = info.experts > 0
+        fake.hidden_matrix = info.hidden_matrix
         fakes.append(fake)
     index = {id(fake): i for i, fake in enumerate(fakes)}
-    groups = [{"params": [f for f, (info, _) in zip(fakes, params) if info.decays], "weight_decay": True},
-              {"params": [f for f, (info, _) in zip(fakes, params) if not info.decays], "weight_decay": False}]
-    groups = [g for g in groups if g["params"]]
+    groups = parameter_groups(fakes, config.optimizer.weight_decay, muon=config.optimizer.optimizer == "muon")
     if config.model.num_experts is not None:
         deepspeed_compat.mark_expert_parameters(fakes)
         groups = deepspeed_compat.expert_optimizer_groups([dict(g, name=f"group{i}") for i, g in enumerate(groups)])
@@ -140,10 +138,9 @@ def engine_state(config: Config, layout: ModelLayout, bounds: List[int], run, st
     p = config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     dp = p.data_parallel_size * p.context_parallel_size  # DeepSpeed's data-parallel size
-    decay, no_decay = _groups(config, run.lr_scheduler)
-    param_groups = []
-    for keys, indices in _optimizer_groups(config, layout.stage_parameters(bounds[stage], bounds[stage + 1])):
-        param_groups.append(dict(decay if keys.pop("weight_decay") else no_decay, **keys, params=indices))
+    settings = _group_settings(config, run.lr_scheduler)
+    params = layout.stage_parameters(bounds[stage], bounds[stage + 1])
+    param_groups = [dict(settings, **keys, params=indices) for keys, indices in _optimizer_groups(config, params)]
     return _engine_state(run, {"state": moments, "param_groups": param_groups}, tp, pp, dp)
 
 
@@ -194,9 +191,11 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
                 moments = {}
                 for index, (info, _) in enumerate(params):
                     state = states[(info.spec, info.name)]
-                    if state.exp_avg is not None:
+                    if state.exp_avg is not None:  # Muon's matrices have no exp_avg_sq (training/muon.py)
                         moments[index] = {"step": torch.tensor(float(state.step or step or 0)),
-                                          "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+                                          "exp_avg": state.exp_avg}
+                        if state.exp_avg_sq is not None:
+                            moments[index]["exp_avg_sq"] = state.exp_avg_sq
                 torch_save(engine_state(config, layout, bounds, run, stage, moments),
                            os.path.join(tmp, mp_rank_file(stage, r, tp)))
             for spec in files:

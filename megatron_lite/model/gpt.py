@@ -44,6 +44,7 @@ from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     parallel_lm_logits,
+    set_matrix_attributes,
     set_sequence_parallel_parameters,
 )
 from megatron_lite.parallel.mappings import scatter_to_sequence_parallel_region
@@ -151,6 +152,7 @@ class LMHeadPipe(nn.Module):
             self.output = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, bias=False,
                                                init_method=normal_init(config.init_method_std),
                                                sequence_parallel=sequence_parallel)
+        set_matrix_attributes(self.output.weight, hidden=False)  # a vocabulary matrix: AdamW under --optimizer muon
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output(hidden)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear, set_matrix_attributes
 
 
 def normal_init(std: float):
@@ -35,6 +35,8 @@ class ParallelMLP(nn.Module):
                                                   bias=config.add_bias_linear, stride=2 if self.swiglu else 1,
                                                   init_method=normal_init(config.init_method_std),
                                                   sequence_parallel=sequence_parallel)
+        if self.swiglu:
+            set_matrix_attributes(self.dense_h_to_4h.weight, fused="gate_up")
         self.dense_4h_to_h = RowParallelLinear(
             ffn, config.hidden_size, bias=config.add_bias_linear, input_is_parallel=True,
             init_method=scaled_normal_init(config.init_method_std, config.num_layers),

@@ -33,6 +33,7 @@ from megatron_lite.parallel.experts import combine, dispatch, local_experts, mar
 from megatron_lite.parallel.layers import (
     _master_slice,
     equal_sections,
+    set_matrix_attributes,
     set_sequence_parallel_attribute,
     set_tensor_model_parallel_attributes,
 )
@@ -86,6 +87,9 @@ class GroupedExperts(nn.Module):
         self.weight2 = _stacked_parameter(w2)
         set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if self.swiglu else 1)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
+        # Every expert's [out, in] slice is a matrix of its own (training/muon.py).
+        set_matrix_attributes(self.weight1, fused="gate_up" if self.swiglu else None)
+        set_matrix_attributes(self.weight2)
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:
             self.bias1 = nn.Parameter(torch.zeros(len(w1), out1 // tp))

@@ -60,6 +60,14 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
     param.partition_sections = tuple(sections) if sections is not None else None
 
 
+def set_matrix_attributes(param: torch.Tensor, hidden: bool = True, fused: Optional[str] = None) -> None:
+    """Tag a weight as one of the transformer layers' matrices (hidden: what Muon orthogonalises,
+    training/muon.py; the output head is not one) and name the fused parts of its partition sections
+    ('qkv': Q, K and V; 'gate_up': SwiGLU's halves), each a matrix of its own unless told otherwise."""
+    param.hidden_matrix = hidden
+    param.fused = fused
+
+
 def set_sequence_parallel_attribute(param: torch.Tensor) -> None:
     """Tag a replicated parameter used on sequence shards: its gradient must be summed over TP."""
     param.sequence_parallel = True
@@ -187,6 +195,7 @@ class ColumnParallelLinear(nn.Module):
         weight = _master_slice((output_size, input_size), 0, self.sections, init_method or default_init_method)
         self.weight = _parameter((self.output_size_per_partition, input_size), params_dtype, weight,
                                  True, 0, stride, recorded)
+        set_matrix_attributes(self.weight)
         self.bias = None
         if bias:
             self.bias = _parameter((self.output_size_per_partition,), params_dtype, torch.zeros(()),
@@ -222,6 +231,7 @@ class RowParallelLinear(nn.Module):
 
         weight = _master_slice((output_size, input_size), 1, (input_size,), init_method or default_init_method)
         self.weight = _parameter((output_size, self.input_size_per_partition), params_dtype, weight, True, 1)
+        set_matrix_attributes(self.weight)
         # Replicated: added once after the reduce, so every rank holds the whole bias.
         self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None
         if self.bias is not None and self.sequence_parallel:

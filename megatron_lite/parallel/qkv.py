@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megatron_lite.parallel.layers import ColumnParallelLinear, InitMethod
+from megatron_lite.parallel.layers import ColumnParallelLinear, InitMethod, set_matrix_attributes
 from megatron_lite.parallel.mappings import gather_rows_from_tensor_model_parallel_region
 from megatron_lite.parallel.tp import tp_rank, tp_world_size
 
@@ -42,6 +42,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = num_heads * head_dim, num_query_groups * head_dim
         super().__init__(hidden_size, q + 2 * kv, bias=bias, init_method=init_method,
                          sequence_parallel=sequence_parallel, sections=(q, kv, kv))
+        set_matrix_attributes(self.weight, fused="qkv")
         tp = tp_world_size()
         self.shared_groups = num_query_groups < tp
         self.local_groups = local_query_groups(num_query_groups, tp)

@@ -33,6 +33,7 @@ from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_t
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.training.expert_balance import update_expert_biases
 from megatron_lite.training.model_setup import build_pipeline
+from megatron_lite.training.muon import Muon
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
 
 
@@ -78,6 +79,9 @@ class Engine:
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
                 config=deepspeed_config(config),
             )
+        inner = deepspeed_compat.inner_optimizer(self.optimizer)
+        if isinstance(inner, Muon):  # whole matrices out of DeepSpeed's flat partitions (training/muon.py)
+            inner.use_partitions(deepspeed_compat.optimizer_partitions(self.optimizer))
         if self.experts:
             deepspeed_compat.experts_only_in_gradient_reduction(self.engine)
             if self.pipelined:  # a stage without MoE layers has fewer optimizer groups (deepspeed_compat says why)

@@ -18,27 +18,14 @@ benchmark GPT against 8.0 ms for torch's default per-operator loop (benchmarks/b
 from __future__ import annotations
 
 import math
-from typing import Iterable, List
 
 import torch
 
 from megatron_lite import deepspeed_compat
-from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs
+from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs, parameter_groups
 from megatron_lite.config import OptimizerConfig
 from megatron_lite.parallel.grad_norm import global_grad_norm
-
-
-def parameter_groups(named_parameters: Iterable, weight_decay: float) -> List[dict]:
-    """Biases and norm gains (every 1-D parameter) get no weight decay, as in Megatron-LM. An MoE layer's
-    stacked expert biases [E, n] are 2-D and decay (Megatron-LM's per-expert biases do not: a known difference,
-    docs/model.md)."""
-    decay, no_decay = [], []
-    for _, p in named_parameters:
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+from megatron_lite.training.muon import Muon
 
 
 class ClippedAdamW(torch.optim.AdamW):
@@ -65,14 +52,21 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig,
                     clip_in_optimizer: bool = False, experts: bool = False) -> torch.optim.Optimizer:
-    """experts: the model's expert parameters are marked for DeepSpeed (deepspeed_compat.mark_expert_parameters)
+    """AdamW, or with --optimizer muon our Muon (training/muon.py: AdamW on every group but Muon's).
+    experts: the model's expert parameters are marked for DeepSpeed (deepspeed_compat.mark_expert_parameters)
     and go into groups of their own."""
-    groups = parameter_groups(model.named_parameters(), opt.weight_decay)
+    muon = opt.optimizer == "muon"
+    groups = parameter_groups([p for p in model.parameters() if p.requires_grad], opt.weight_decay, muon=muon)
     if experts:  # DeepSpeed's split names its expert groups after ours
         groups = deepspeed_compat.expert_optimizer_groups(
             [dict(g, name=f"group{i}") for i, g in enumerate(groups)])
     fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
     kwargs = adamw_kwargs(opt, fused)
+    if muon:
+        return Muon(groups, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_num_ns_steps,
+                    scale_mode=opt.muon_scale_mode, extra_scale=opt.muon_extra_scale_factor,
+                    split_qkv=opt.muon_split_qkv, split_gate_up=opt.muon_split_gate_up, tp_mode=opt.muon_tp_mode,
+                    clip_grad=opt.clip_grad if clip_in_optimizer else 0.0, **kwargs)
     if clip_in_optimizer:
         return ClippedAdamW(groups, clip_grad=opt.clip_grad, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

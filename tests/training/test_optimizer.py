@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from megatron_lite.config import OptimizerConfig
-from megatron_lite.training.optimizer import ClippedAdamW, build_lr_scheduler, build_optimizer, lr_at, parameter_groups
+from megatron_lite.checkpoint.optimizer_groups import parameter_groups
+from megatron_lite.training.optimizer import ClippedAdamW, build_lr_scheduler, build_optimizer, lr_at
 
 
 def test_biases_and_norms_get_no_weight_decay():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
-    groups = parameter_groups(model.named_parameters(), 0.1)
+    groups = parameter_groups(model.parameters(), 0.1)
     decayed = {id(p) for p in groups[0]["params"]}
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
     assert decayed == {id(model[0].weight), id(model[2].weight)}
@@ -88,7 +89,7 @@ def test_adamw_runs_torchs_fused_kernel_with_the_default_kernels_update():
     model, reference = _two_equal_models()
     opt = OptimizerConfig(lr=1e-2, weight_decay=0.1)
     ours = build_optimizer(model, opt)
-    theirs = torch.optim.AdamW(parameter_groups(reference.named_parameters(), 0.1), lr=1e-2, foreach=False)
+    theirs = torch.optim.AdamW(parameter_groups(reference.parameters(), 0.1), lr=1e-2, foreach=False)
     assert all(group["fused"] for group in ours.param_groups)
     x = torch.randn(16, 8)
     for _ in range(5):

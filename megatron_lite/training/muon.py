@@ -1,0 +1,242 @@
+"""Muon on the transformer layers' matrices, AdamW on the rest: the dense model's update at any layout.
+
+Per matrix W (m outputs x n inputs) with gradient G, as torch.optim.Muon steps it:
+
+    B <- B + (1 - mu) (G - B)              the gradients' exponential average (torch's buffer)
+    U <- G + mu (B - G)  (Nesterov)  or B
+    O <- NS_k(U)                           k quintic Newton-Schulz iterations, bf16 matmuls (torch's)
+    W <- W (1 - lr wd) - lr s(m, n) O      s: --muon-scale-mode x --muon-extra-scale-factor
+
+"A matrix" is what the dense model multiplies with: the fused QKV weight is Q, K and V (its partition
+sections), SwiGLU's fused weight is gate and up, an expert stack [E, out, in] is E matrices. Muon is not
+elementwise, so the parallel layouts must hand NS the whole of each:
+
+- The buffer B is elementwise, so it lives where AdamW's moments live (the parameter's TP shard, and under
+  ZeRO 1/2 or DeepSpeed's bf16 optimizer this DP rank's fragment of the group's flat fp32 partition). It is
+  stored as `exp_avg`, which it is (AdamW's first moment with beta1 = mu), so checkpoints, the layout-free
+  form, reshard and merge carry it as they carry Adam's; Muon's matrices have no `exp_avg_sq`.
+- DP: U is computed on this rank's fragments, then assembled over the partition's process group by one
+  all-reduce per batch of consecutive parameters (each rank writes its fragments into zeros; fragments are
+  disjoint, so the sum is every value once, exactly). Only the matrices with a fragment here (on any TP
+  peer) are orthogonalised, and only those fragments updated: the NS work is shared by the DP ranks.
+- TP (--muon-tp-mode duplicated): a split matrix's U is all-gathered over TP, its parts cut from the dense
+  order (each TP rank holds [part_0 / tp; part_1 / tp; ...] along the partition dimension) and
+  orthogonalised on every TP rank; each keeps its shard of O. blockwise orthogonalises each shard's parts on
+  their own (Megatron-LM's mode: not the dense update).
+- PP, EP: a stage's and an expert rank's matrices are whole there; nothing to assemble.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite import deepspeed_compat
+from megatron_lite.parallel.experts import is_expert_parameter
+from megatron_lite.parallel.grad_norm import global_grad_norm
+from megatron_lite.parallel.layers import equal_sections
+from megatron_lite.parallel.tp import tp_group, tp_rank, tp_world_size
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
+NS_EPS = 1e-7
+ASSEMBLY_ELEMENTS = 1 << 24
+"""Values assembled over DP per all-reduce (64 MiB of fp32): parameters are batched up to this; a larger one
+goes alone. The memory estimate books this buffer (model/memory.py)."""
+
+
+def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
+    """The orthogonalised [m, n] matrix, bf16: torch.optim.Muon's iteration, operation for operation, so one step
+    equals torch's on the same matrix."""
+    a, b, c = NS_COEFFICIENTS
+    x = update.to(torch.bfloat16, copy=True)
+    tall = update.size(0) > update.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=NS_EPS))  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def update_scale(rows: int, cols: int, mode: str, extra: float) -> float:
+    """s(m, n) of an m x n matrix: spectral sqrt(max(m, n)), unit_rms_norm sqrt(m / n), shape_scaling
+    sqrt(max(1, m / n)); times `extra`. spectral x 0.2 is torch's match_rms_adamw, shape_scaling its original."""
+    if mode == "spectral":
+        scale = math.sqrt(max(rows, cols))
+    elif mode == "unit_rms_norm":
+        scale = math.sqrt(rows / cols)
+    elif mode == "shape_scaling":
+        scale = math.sqrt(max(1, rows / cols))
+    else:
+        raise ValueError(f"--muon-scale-mode {mode!r}: spectral, unit_rms_norm or shape_scaling")
+    return scale * extra
+
+
+def _sections(param: torch.Tensor, length: int) -> Tuple[int, ...]:
+    """The lengths of the parts of `param`'s partition dimension split over TP separately (full sizes), for a
+    dimension of `length` values."""
+    sections = getattr(param, "partition_sections", None)
+    return tuple(sections) if sections else equal_sections(length, getattr(param, "partition_stride", 1))
+
+
+def _offsets(lengths: Sequence[int]) -> List[Tuple[int, int]]:
+    out, start = [], 0
+    for n in lengths:
+        out.append((start, n))
+        start += n
+    return out
+
+
+def gather_dense(shard: torch.Tensor, param: torch.Tensor, tp: int) -> torch.Tensor:
+    """This TP rank's shard -> the dense tensor, each partition section whole (over TP's process group)."""
+    dim = param.partition_dim
+    pieces = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(pieces, shard.contiguous(), group=tp_group())
+    local = [n // tp for n in _sections(param, shard.shape[dim] * tp)]
+    return torch.cat([torch.cat([p.narrow(dim, start, n) for p in pieces], dim)
+                      for start, n in _offsets(local)], dim)
+
+
+def shard_of(dense: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The dense tensor -> TP rank `rank`'s shard: each section's rank-th piece, in order."""
+    dim = param.partition_dim
+    return torch.cat([dense.narrow(dim, start + rank * (n // tp), n // tp)
+                      for start, n in _offsets(_sections(param, dense.shape[dim]))], dim)
+
+
+class Muon(torch.optim.AdamW):
+    """AdamW on the groups without 'muon', Muon on the group(s) marked 'muon': True
+    (checkpoint/optimizer_groups.parameter_groups). clip_grad > 0: the step first scales the gradients to a
+    global norm of at most clip_grad (ZeRO 0, where DeepSpeed hands us the model's own gradients:
+    training/optimizer.py says why). After deepspeed.initialize, `use_partitions` gets DeepSpeed's flat
+    partitions (deepspeed_compat.optimizer_partitions); before it, groups hold the parameters themselves."""
+
+    def __init__(self, params, *, momentum: float, nesterov: bool, ns_steps: int, scale_mode: str,
+                 extra_scale: float, split_qkv: bool, split_gate_up: bool, tp_mode: str, clip_grad: float = 0.0,
+                 **adamw):
+        super().__init__(params, **adamw)
+        update_scale(1, 1, scale_mode, extra_scale)  # an unknown mode fails here, not at the first step
+        self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.scale_mode, self.extra_scale = scale_mode, extra_scale
+        self.split = {"qkv": split_qkv, "gate_up": split_gate_up}
+        self.tp_mode, self.clip_grad = tp_mode, clip_grad
+        self.last_grad_norm = None
+        self.partitions: Dict[int, deepspeed_compat.FlatPartition] = {}
+
+    def use_partitions(self, partitions: Dict[int, deepspeed_compat.FlatPartition]) -> None:
+        self.partitions = partitions
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.clip_grad > 0:
+            params = [p for group in self.param_groups for p in group["params"]]
+            norm = global_grad_norm(params)
+            self.last_grad_norm = norm.item()
+            if self.clip_grad / (norm + 1e-6) < 1.0:  # torch.nn.utils.clip_grad_norm_'s coefficient
+                torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)
+        every = self.param_groups
+        # AdamW.step walks self.param_groups: show it the AdamW groups only, for this call.
+        self.param_groups = [g for g in every if not g.get("muon")]
+        try:
+            loss = super().step(closure)
+        finally:
+            self.param_groups = every
+        for index, group in enumerate(every):
+            if group.get("muon"):
+                self._muon_group(index, group)
+        return loss
+
+    def _muon_group(self, index: int, group: dict) -> None:
+        lr, decay = group["lr"], group["weight_decay"]
+        partition = self.partitions.get(index)
+        for tensor in group["params"]:
+            if tensor.grad is None:
+                continue
+            update = self._look_ahead(tensor)
+            if partition is None:  # the parameter itself, whole on this DP rank
+                tensor.mul_(1 - lr * decay).add_(self._orthogonalised(update.view_as(tensor), tensor), alpha=-lr)
+            else:
+                self._partition_step(tensor, update, partition, lr, decay)
+
+    def _look_ahead(self, tensor: torch.Tensor) -> torch.Tensor:
+        """U of `tensor`'s values (elementwise: a parameter or a flat partition alike); advances the buffer."""
+        state = self.state[tensor]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=tensor.device)
+            state["exp_avg"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
+        state["step"] += 1
+        grad, buffer = tensor.grad, state["exp_avg"]
+        buffer.lerp_(grad, 1 - self.momentum)
+        return grad.lerp(buffer, self.momentum) if self.nesterov else buffer
+
+    def _partition_step(self, flat: torch.Tensor, update: torch.Tensor, partition, lr: float, decay: float) -> None:
+        spread = dist.get_world_size(group=partition.group) > 1
+        for batch in _batches(partition.params):
+            offsets = _offsets([p.numel() for p in batch])
+            whole = torch.zeros(sum(p.numel() for p in batch), dtype=update.dtype, device=update.device)
+            here = []
+            for p, (offset, _) in zip(batch, offsets):
+                fragment = partition.fragments.get(id(p))
+                if fragment is not None:
+                    start, count, at = fragment
+                    whole.narrow(0, offset + start, count).copy_(update.narrow(0, at, count))
+                here.append(fragment is not None)
+            if spread:
+                dist.all_reduce(whole, group=partition.group)
+            needed = torch.tensor(here, dtype=torch.int32, device=update.device)
+            if self.tp_mode == "duplicated" and tp_world_size() > 1:  # TP peers gather together or not at all
+                dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=tp_group())
+            for p, (offset, numel), need in zip(batch, offsets, needed.tolist()):
+                if not need:
+                    continue
+                orthogonal = self._orthogonalised(whole.narrow(0, offset, numel).view(p.shape), p)
+                fragment = partition.fragments.get(id(p))
+                if fragment is not None:
+                    start, count, at = fragment
+                    flat.narrow(0, at, count).mul_(1 - lr * decay).add_(
+                        orthogonal.reshape(-1).narrow(0, start, count), alpha=-lr)
+
+    def _orthogonalised(self, shard: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """s O of every matrix in this TP rank's `shard` of `param` (fp32, the shard's shape)."""
+        sectioned = bool(getattr(param, "tensor_model_parallel", False)) and param.partition_dim >= 0
+        tp = tp_world_size() if sectioned and self.tp_mode == "duplicated" else 1
+        dense = gather_dense(shard, param, tp) if tp > 1 else shard
+        out = torch.empty(dense.shape, dtype=torch.float32, device=dense.device)
+        experts = is_expert_parameter(param)
+        for e in range(dense.shape[0]) if experts else (None,):
+            matrix, result = (dense, out) if e is None else (dense[e], out[e])
+            for part, into in zip(self._parts(matrix, param, experts, sectioned),
+                                  self._parts(result, param, experts, sectioned)):
+                rows, cols = part.shape
+                into.copy_(newton_schulz(part, self.ns_steps)).mul_(
+                    update_scale(rows, cols, self.scale_mode, self.extra_scale))
+        return shard_of(out, param, tp, tp_rank()) if tp > 1 else out
+
+    def _parts(self, matrix: torch.Tensor, param: torch.Tensor, experts: bool, sectioned: bool) -> List[torch.Tensor]:
+        """The matrices Muon orthogonalises one by one in an [out, in] `matrix` of `param`: its partition
+        sections where the fused kind is split (Q, K, V; gate, up), else the whole."""
+        fused = getattr(param, "fused", None)
+        if not (sectioned and fused and self.split.get(fused, False)):
+            return [matrix]
+        dim = param.partition_dim - 1 if experts else param.partition_dim
+        tp = tp_world_size() if self.tp_mode == "blockwise" else 1  # blockwise: the shard's own sections
+        lengths = [n // tp for n in _sections(param, matrix.shape[dim] * tp)]
+        return [matrix.narrow(dim, start, n) for start, n in _offsets(lengths)]
+
+
+def _batches(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """Consecutive parameters with at most ASSEMBLY_ELEMENTS values in all (a larger one alone)."""
+    batches, current, size = [], [], 0
+    for p in params:
+        if current and size + p.numel() > ASSEMBLY_ELEMENTS:
+            batches.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        batches.append(current)
+    return batches
