@@ -428,6 +428,11 @@ class OptimizerConfig:
     """Orthogonalise the fused query/key/value weight as Q, K and V (the default), or as one matrix."""
     muon_split_gate_up: bool = option(True, "--muon-no-split-gate-up", action="store_false")
     """Orthogonalise SwiGLU's fused [gate; up] weight as its two halves (the default), or as one matrix."""
+    muon_fp32_matmul_prec: str = option("highest", "--muon-fp32-matmul-prec", choices=("highest", "high", "medium"))
+    """Newton-Schulz matmuls: highest in fp32, so every layout gives the dense update to fp32 rounding; high in
+    fp32 at torch's "high" matmul precision (TF32 on CUDA); medium in bf16, torch.optim.Muon's (faster on GPUs,
+    but the bf16 cast turns the layouts' fp32 rounding differences into bf16-sized ones: 7e-5 relative in the
+    third loss of tests/training/test_muon_parallel.py's TP 2 layout, against below 1e-5 at highest)."""
     muon_tp_mode: str = option("duplicated", "--muon-tp-mode", choices=("duplicated", "blockwise"))
     """duplicated: each TP rank gathers a split matrix whole and orthogonalises it (the dense update at any
     TP). blockwise: each rank orthogonalises its own shard (Megatron-LM's blockwise mode: cheaper, but not

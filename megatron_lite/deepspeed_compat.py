@@ -51,6 +51,7 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.fp32_groups_flat_partition", "attribute"),
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.real_dp_process_group", "attribute"),
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.real_dp_process_group", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer._optimizer_step", "self, group_no"),
     ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
      "self, flat_hp_partition, optim_fragment"),
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
@@ -351,7 +352,9 @@ def optimizer_partitions(optimizer) -> Dict[int, FlatPartition]:
     {} when our optimizer holds the parameters themselves. Why: Muon orthogonalises whole matrices
     (training/muon.py), and these flat buffers cut matrices anywhere; each low-precision parameter's
     `_hp_mapping` (set by DeepSpeed's link_hp_params) says which part of it lies where in this rank's buffer,
-    and `real_dp_process_group[g]` over which ranks the rest lies."""
+    and `real_dp_process_group[g]` over which ranks the rest lies. Mind that ZeRO 1/2 step our optimizer one
+    group at a time, showing it that group alone as `param_groups` (`_optimizer_step(group_no)`): inside a
+    step, a group's index is not its place here; its flat buffer is."""
     lp_groups = _low_precision_groups(optimizer)
     if lp_groups is None:
         return {}

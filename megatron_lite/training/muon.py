@@ -4,7 +4,7 @@ Per matrix W (m outputs x n inputs) with gradient G, as torch.optim.Muon steps i
 
     B <- B + (1 - mu) (G - B)              the gradients' exponential average (torch's buffer)
     U <- G + mu (B - G)  (Nesterov)  or B
-    O <- NS_k(U)                           k quintic Newton-Schulz iterations, bf16 matmuls (torch's)
+    O <- NS_k(U)                           k quintic Newton-Schulz iterations (torch's), in fp32 or bf16
     W <- W (1 - lr wd) - lr s(m, n) O      s: --muon-scale-mode x --muon-extra-scale-factor
 
 "A matrix" is what the dense model multiplies with: the fused QKV weight is Q, K and V (its partition
@@ -46,11 +46,19 @@ ASSEMBLY_ELEMENTS = 1 << 24
 goes alone. The memory estimate books this buffer (model/memory.py)."""
 
 
-def newton_schulz(update: torch.Tensor, steps: int) -> torch.Tensor:
-    """The orthogonalised [m, n] matrix, bf16: torch.optim.Muon's iteration, operation for operation, so one step
-    equals torch's on the same matrix."""
+def newton_schulz(update: torch.Tensor, steps: int, precision: str = "highest") -> torch.Tensor:
+    """The orthogonalised [m, n] matrix: torch.optim.Muon's iteration, operation for operation. precision
+    (--muon-fp32-matmul-prec): highest in fp32; high in fp32 with torch's "high" float32 matmul precision
+    (TF32 on CUDA); medium in bf16, as torch.optim.Muon, so that one step equals torch's."""
+    if precision == "high":
+        saved = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            return newton_schulz(update, steps, "highest")
+        finally:
+            torch.set_float32_matmul_precision(saved)
     a, b, c = NS_COEFFICIENTS
-    x = update.to(torch.bfloat16, copy=True)
+    x = update.to(torch.bfloat16 if precision == "medium" else torch.float32, copy=True)
     tall = update.size(0) > update.size(1)
     if tall:
         x = x.T
@@ -116,19 +124,24 @@ class Muon(torch.optim.AdamW):
     partitions (deepspeed_compat.optimizer_partitions); before it, groups hold the parameters themselves."""
 
     def __init__(self, params, *, momentum: float, nesterov: bool, ns_steps: int, scale_mode: str,
-                 extra_scale: float, split_qkv: bool, split_gate_up: bool, tp_mode: str, clip_grad: float = 0.0,
-                 **adamw):
+                 extra_scale: float, split_qkv: bool, split_gate_up: bool, tp_mode: str, precision: str = "highest",
+                 clip_grad: float = 0.0, **adamw):
         super().__init__(params, **adamw)
         update_scale(1, 1, scale_mode, extra_scale)  # an unknown mode fails here, not at the first step
         self.momentum, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
         self.scale_mode, self.extra_scale = scale_mode, extra_scale
         self.split = {"qkv": split_qkv, "gate_up": split_gate_up}
-        self.tp_mode, self.clip_grad = tp_mode, clip_grad
+        self.tp_mode, self.precision, self.clip_grad = tp_mode, precision, clip_grad
         self.last_grad_norm = None
-        self.partitions: Dict[int, deepspeed_compat.FlatPartition] = {}
+        self.partitions: Dict[int, Tuple[torch.Tensor, deepspeed_compat.FlatPartition]] = {}
 
     def use_partitions(self, partitions: Dict[int, deepspeed_compat.FlatPartition]) -> None:
-        self.partitions = partitions
+        """partitions: group index -> view. Kept by the group's flat tensor: ZeRO 1/2 step this optimizer one
+        group at a time, each shown as the only group (deepspeed_compat.optimizer_partitions says so)."""
+        self.partitions = {}
+        for index, partition in partitions.items():
+            flat = self.param_groups[index]["params"][0]
+            self.partitions[id(flat)] = (flat, partition)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -145,19 +158,19 @@ class Muon(torch.optim.AdamW):
             loss = super().step(closure)
         finally:
             self.param_groups = every
-        for index, group in enumerate(every):
+        for group in every:
             if group.get("muon"):
-                self._muon_group(index, group)
+                self._muon_group(group)
         return loss
 
-    def _muon_group(self, index: int, group: dict) -> None:
+    def _muon_group(self, group: dict) -> None:
         lr, decay = group["lr"], group["weight_decay"]
-        partition = self.partitions.get(index)
         for tensor in group["params"]:
             if tensor.grad is None:
                 continue
             update = self._look_ahead(tensor)
-            if partition is None:  # the parameter itself, whole on this DP rank
+            flat, partition = self.partitions.get(id(tensor), (None, None))
+            if flat is not tensor:  # the parameter itself, whole on this DP rank
                 tensor.mul_(1 - lr * decay).add_(self._orthogonalised(update.view_as(tensor), tensor), alpha=-lr)
             else:
                 self._partition_step(tensor, update, partition, lr, decay)
@@ -212,7 +225,7 @@ class Muon(torch.optim.AdamW):
             for part, into in zip(self._parts(matrix, param, experts, sectioned),
                                   self._parts(result, param, experts, sectioned)):
                 rows, cols = part.shape
-                into.copy_(newton_schulz(part, self.ns_steps)).mul_(
+                into.copy_(newton_schulz(part, self.ns_steps, self.precision)).mul_(
                     update_scale(rows, cols, self.scale_mode, self.extra_scale))
         return shard_of(out, param, tp, tp_rank()) if tp > 1 else out
 

@@ -66,6 +66,7 @@ def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig,
         return Muon(groups, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_num_ns_steps,
                     scale_mode=opt.muon_scale_mode, extra_scale=opt.muon_extra_scale_factor,
                     split_qkv=opt.muon_split_qkv, split_gate_up=opt.muon_split_gate_up, tp_mode=opt.muon_tp_mode,
+                    precision=opt.muon_fp32_matmul_prec,
                     clip_grad=opt.clip_grad if clip_in_optimizer else 0.0, **kwargs)
     if clip_in_optimizer:
         return ClippedAdamW(groups, clip_grad=opt.clip_grad, **kwargs)

@@ -12,9 +12,9 @@ MUON_MODEL = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-
               "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "([0]*1+[1]*3)", "--swiglu",
               "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
               "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
-              "--optimizer", "muon", "--weight-decay", "0.1", "--lr", "0.02")
+              "--optimizer", "muon", "--weight-decay", "0.1", "--lr", "0.02", "--muon-fp32-matmul-prec", "medium")
 """Llama's block with 2 key/value groups (Q, K and V of different sizes), SwiGLU, and MoE layers with SwiGLU
-experts and a shared expert: every kind of matrix Muon splits."""
+experts and a shared expert: every kind of matrix Muon splits. Newton-Schulz in bf16, as torch's."""
 
 # Our scale mode and extra factor -> torch.optim.Muon's adjust_lr_fn giving the same update.
 TORCH_ADJUST = {("spectral", "0.2"): "match_rms_adamw", ("shape_scaling", "1"): "original"}
