@@ -405,15 +405,17 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
         if lp_groups is None:  # a torch optimizer over the parameters themselves
             inner = optimizer
             for param, value in values.items():
-                if value["exp_avg"] is not None:
-                    inner.state[param] = {"step": step_on(param.device),
-                                          "exp_avg": value["exp_avg"].to(param.device, torch.float32, copy=True),
-                                          "exp_avg_sq": value["exp_avg_sq"].to(param.device, torch.float32, copy=True)}
+                if value["exp_avg"] is not None:  # Muon's matrices have no exp_avg_sq (training/muon.py)
+                    inner.state[param] = {"step": step_on(param.device), **{
+                        key: value[key].to(param.device, torch.float32, copy=True)
+                        for key in ("exp_avg", "exp_avg_sq") if value.get(key) is not None}}
             return
         inner = optimizer.optimizer
         for group, lps in zip(inner.param_groups, lp_groups):
             flat = group["params"][0]
-            moments = {"exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+            # Muon's group keeps one buffer, named as AdamW's first moment (training/muon.py).
+            kept = ("exp_avg",) if group.get("muon") else ("exp_avg", "exp_avg_sq")
+            moments = {key: torch.zeros_like(flat) for key in kept}
             for lp in lps:
                 mapping = lp._hp_mapping
                 if mapping is None:  # no fragment of this parameter in this DP rank's partition

@@ -304,7 +304,8 @@ class LayoutFreeReader:
                                           f"{tuple(entry['exp_avg'].shape)}, but {info.name} of layer {info.spec:02d}, "
                                           f"its place in stage {stage}'s optimizer order, is "
                                           f"{tuple(tensors[key]['fp32'].shape)}: the file belongs to another model")
-                tensors[key].update(exp_avg=entry["exp_avg"], exp_avg_sq=entry["exp_avg_sq"])
+                # Muon's matrices have no exp_avg_sq (training/muon.py)
+                tensors[key].update(exp_avg=entry["exp_avg"], exp_avg_sq=entry.get("exp_avg_sq"))
                 steps[key] = float(entry["step"])
         return {key: Source.of(t, steps.get(key)) for key, t in tensors.items()}
 

@@ -117,7 +117,8 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
     ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                      p.context_parallel_size, p.expert_model_parallel_size)
     note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
-            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, Adam moments "
+            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, "
+            f"{'Muon momentum and Adam' if config.optimizer.optimizer == 'muon' else 'Adam'} moments "
             f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
     return Resumed(run.iteration, run.consumed_samples, note)
 

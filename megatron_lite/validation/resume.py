@@ -169,6 +169,11 @@ def checkpoint_rules(config: Config, notes: List[str]) -> Config:
                               f"use --zero-stage 0 or 1")
         return config
 
+    if saved.optimizer.optimizer != config.optimizer.optimizer:  # Muon's matrices keep one buffer, AdamW's two
+        raise ConfigError(f"--load {where} was trained with --optimizer {saved.optimizer.optimizer}, this run has "
+                          f"--optimizer {config.optimizer.optimizer}: its optimizer states do not carry over; resume "
+                          f"with --optimizer {saved.optimizer.optimizer}, or add --finetune to take its weights and "
+                          f"start the optimizer fresh")
     problems = resume_differences(saved, config, fields=LAYOUT_FIELDS)
     stored_zero, stored_precision = storage_of(metadata)
     if stored_precision != config.precision.dtype_name:

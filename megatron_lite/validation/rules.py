@@ -332,6 +332,25 @@ def optimizer_rules(config: Config, notes: List[str]) -> Config:
     return config.replace(optimizer__lr_decay_iters=decay_iters)
 
 
+def muon_rules(config: Config, notes: List[str]) -> Config:
+    """--optimizer muon where training/muon.py can see whole matrices: its own parameters (ZeRO 0) or DeepSpeed's
+    flat partitions of them (ZeRO 1/2, the bf16 optimizer). ZeRO 3 partitions the parameters themselves, and
+    optimizer offload steps a CPU copy DeepSpeed manages apart."""
+    o, p = config.optimizer, config.parallel
+    if o.optimizer != "muon":
+        return config
+    if p.zero_stage == 3:
+        raise ConfigError("--optimizer muon runs at --zero-stage 0, 1 or 2 (ZeRO 3 partitions the parameters, and "
+                          "Muon needs each matrix whole); use --zero-stage 1, or --optimizer adam")
+    if p.cpu_offload:
+        raise ConfigError("--optimizer muon does not run with --cpu-offload (the offloaded step is DeepSpeed's, not "
+                          "ours); drop --cpu-offload, or use --optimizer adam")
+    if o.muon_tp_mode == "blockwise" and p.tensor_model_parallel_size > 1:
+        notes.append(f"--muon-tp-mode blockwise: each of the {p.tensor_model_parallel_size} TP ranks orthogonalises "
+                     f"its own shard, not the dense matrix: the update depends on the TP size")
+    return config
+
+
 def precision_rules(config: Config, notes: List[str]) -> Config:
     p = config.precision
     if p.bf16 and p.fp16:

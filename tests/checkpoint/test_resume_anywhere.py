@@ -122,6 +122,28 @@ def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layo
         assert _relative(resumed[step], full[step]) <= tolerance, (step, resumed[step], full[step], tolerance)
 
 
+MUON = ("--optimizer", "muon", "--lr", "1e-2", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+        "--untie-embeddings-and-output-weights")
+
+
+def test_a_muon_tp2_pp2_zero1_checkpoint_resumes_at_tp1_dp2_with_the_uninterrupted_losses_and_adam_is_refused(
+        tmp_path):
+    """Muon's momentum is an elementwise buffer kept where Adam's moments are: it moves like them. A run with the
+    other optimizer is refused before any process group; --finetune takes the weights and starts it fresh."""
+    from megatron_lite.config import ConfigError
+
+    full, resumed, note = _uninterrupted_then_resumed(tmp_path, (2, 2, 1), (1, 1, 2), ["--zero-stage", "1", *MUON])
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert _relative(resumed[step], full[step]) <= 1e-5, (step, resumed[step], full[step])
+    assert "Muon momentum and Adam moments and step" in note, note
+    ckpt = str(tmp_path / "ckpt")
+    adam = ["--zero-stage", "1", *MUON[2:], "--train-iters", str(STEPS), "--load", ckpt]
+    with pytest.raises(ConfigError, match="trained with --optimizer muon, this run has --optimizer adam"):
+        tiny_config(1, 1, 2, adam)
+    assert tiny_config(1, 1, 2, adam + ["--finetune"]).optimizer.optimizer == "adam"
+
+
 def _save_after_loading(tp, pp, dp, extra, load, save):
     """Load (under this layout), save at once: the optimizer state as this layout's engine holds it."""
     from megatron_lite.parallel import state
