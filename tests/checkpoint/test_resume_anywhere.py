@@ -144,6 +144,19 @@ def test_a_muon_tp2_pp2_zero1_checkpoint_resumes_at_tp1_dp2_with_the_uninterrupt
     assert tiny_config(1, 1, 2, adam + ["--finetune"]).optimizer.optimizer == "adam"
 
 
+def test_a_muon_zero0_checkpoint_resharded_offline_to_tp1_pp2_continues_the_uninterrupted_losses(tmp_path):
+    """convert_checkpoint.py reshard writes Muon's group and momentum into the target's plain optimizer state, which
+    DeepSpeed's own loader then reads at the new layout."""
+    from megatron_lite.checkpoint.reshard import reshard
+
+    full, _ = run_distributed(_train, 2, 2, 1, 1, MUON, str(tmp_path / "ckpt"))[0]
+    reshard(str(tmp_path / "ckpt"), str(tmp_path / "tp1pp2"), 1, 2, log=lambda line: None)
+    resumed, note = run_distributed(_train, 2, 1, 2, 1, MUON, None, str(tmp_path / "tp1pp2"))[0]
+    assert sorted(resumed) == [3, 4] and note is None  # DeepSpeed's loader: the files are this layout's
+    for step in resumed:
+        assert _relative(resumed[step], full[step]) <= 1e-5, (step, resumed[step], full[step])
+
+
 def _save_after_loading(tp, pp, dp, extra, load, save):
     """Load (under this layout), save at once: the optimizer state as this layout's engine holds it."""
     from megatron_lite.parallel import state

@@ -86,3 +86,22 @@ def test_the_fused_qkv_as_one_matrix_is_not_the_dense_update():
         build_optimizer(model, config.optimizer).step()
         updates.append(weight.detach() - before)
     assert (updates[0] - updates[1]).abs().max() > 1e-2 * updates[0].abs().max()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--zero-stage", "3"), "--optimizer muon runs at --zero-stage 0, 1 or 2"),
+    (("--zero-stage", "1", "--cpu-offload"), "--optimizer muon does not run with --cpu-offload"),
+])
+def test_muon_where_it_cannot_see_whole_matrices_is_refused_naming_the_flags(extra, message):
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(dp=2, extra=("--optimizer", "muon") + extra)
+
+
+def test_an_unknown_scale_mode_exits_2_naming_the_choices(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        tiny_config(extra=("--optimizer", "muon", "--muon-scale-mode", "rms"))
+    assert stopped.value.code == 2
+    assert "--muon-scale-mode: invalid choice: 'rms' (choose from 'spectral', 'unit_rms_norm', 'shape_scaling')" \
+        in capsys.readouterr().err
