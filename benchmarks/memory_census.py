@@ -63,12 +63,13 @@ def _measure(tp, pp, dp, extra, ds_json):
     return engine_peak(tp, pp, dp, extra, ds_json, phases=True)
 
 
-def census_cell(precision, zero, dp, tp, pp, block, ds_json):
+def census_cell(precision, zero, dp, tp, pp, block, ds_json, extra=()):
+    """One cell's measured and estimated bytes per rank; extra: more pretrain_gpt.py flags (--optimizer muon)."""
     from megatron_lite.deepspeed_config import deepspeed_config, deepspeed_optimizer
     from megatron_lite.model import memory
     from tests.harness import run_distributed, shutdown_pools
 
-    extra = _flags(precision, zero, block)
+    extra = _flags(precision, zero, block) + list(extra)
     shutdown_pools()  # a fresh pool: no engine of an earlier cell still holds memory
     results = run_distributed(_measure, tp * pp * dp, tp, pp, dp, extra, ds_json)
     shutdown_pools()

@@ -36,11 +36,15 @@ EP the expert-parallel degree:
     gate         [1, h] whole (--moe-shared-expert-gate)
 A token passes through the router, k experts and the shared expert: `active_parameters` counts those,
 and the FLOPs (behind TFLOP/s and MFU) count k experts per token, never E.
+
+--optimizer muon steps the layers' weight matrices (`layer_matrices`: QKV, projection, the MLPs' two, every
+routed expert's two); the router, the gate, norms, biases, embeddings and the head stay AdamW.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config, ConfigError, ModelConfig
@@ -127,6 +131,54 @@ def layer_tensors(model: ModelConfig, tp: int = 1, layer_number: Optional[int] =
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_mlp_tensors(model, tp, ep) if moe else mlp_tensors(model, tp)
     return [n // tp for n in split] + whole + mlp
+
+
+@dataclass(frozen=True)
+class HiddenMatrix:
+    """A weight Muon steps (parallel/layers.py tags it `hidden_matrix`): `copies` stacked [rows, cols] matrices
+    (a rank's E/EP experts, else 1), each whole over TP, which splits `partition_dim` (0: the rows of a
+    column-parallel weight, 1: the columns of a row-parallel one) section by section; `sections`: the lengths
+    along it of its fused parts (`fused` 'qkv': Q, K, V; 'gate_up': SwiGLU's halves), else the whole."""
+    rows: int
+    cols: int
+    partition_dim: int
+    sections: Tuple[int, ...]
+    copies: int = 1
+    fused: Optional[str] = None
+    expert: bool = False
+
+    def elements(self, tp: int = 1) -> int:
+        """Values one TP rank holds."""
+        return self.copies * self.rows * self.cols // tp
+
+
+def mlp_matrices(model: ModelConfig, ffn: Optional[int] = None, copies: int = 1, expert: bool = False
+                 ) -> List[HiddenMatrix]:
+    """The MLP's [f, h] ([2f, h] SwiGLU: gate and up) and [h, f] weights (`copies` stacked for experts)."""
+    h, f = model.hidden_size, ffn or model.ffn_hidden_size
+    first = (HiddenMatrix(2 * f, h, 0, (f, f), copies, "gate_up", expert) if model.swiglu
+             else HiddenMatrix(f, h, 0, (f,), copies, None, expert))
+    return [first, HiddenMatrix(h, f, 1, (f,), copies, None, expert)]
+
+
+def layer_matrices(model: ModelConfig, layer_number: Optional[int] = None, ep: int = 1) -> List[HiddenMatrix]:
+    """One transformer layer's weights that --optimizer muon steps, in the layer's parameter order: QKV
+    ((a + 2g) d x h, sections Q, K, V), the projection (h x a d), then the dense MLP's two, or an MoE layer's
+    E/EP experts' two (stacked) and the shared expert's two (`layer_tensors` holds them all)."""
+    h, q, kv = model.hidden_size, attention_width(model), (model.num_query_groups or model.num_attention_heads)
+    kv *= model.head_dim
+    attention = [HiddenMatrix(q + 2 * kv, h, 0, (q, kv, kv), fused="qkv"), HiddenMatrix(h, q, 1, (q,))]
+    if layer_number is None or not is_moe_layer(model, layer_number):
+        return attention + mlp_matrices(model)
+    shared = model.moe_shared_expert_intermediate_size
+    return (attention + mlp_matrices(model, expert_ffn_hidden_size(model), model.num_experts // ep, expert=True)
+            + (mlp_matrices(model, shared) if shared is not None else []))
+
+
+def stage_matrices(config: Config, bounds: Sequence[int]) -> List[List[HiddenMatrix]]:
+    """The weights --optimizer muon steps on each stage (`layer_matrices` of its layers, in order)."""
+    m, ep = config.model, config.parallel.expert_model_parallel_size
+    return [[x for n in numbers for x in layer_matrices(m, n, ep)] for numbers in stage_layer_numbers(config, bounds)]
 
 
 def layer_parameters(model: ModelConfig, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:

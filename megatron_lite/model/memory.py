@@ -57,6 +57,15 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
   the forward (its gradient); at bf16 the backward's peak equals the forward's (the gradient fits in what
   the head's backward freed), booked all the same.
 
+--optimizer muon (training/muon.py; the cost module model/muon_cost.py): the M of the P parameters that are
+the layers' weight matrices (arithmetic.layer_matrices) keep one fp32 moment (`exp_avg`, the momentum buffer),
+not two, partitioned where AdamW's are: every row of the table books 4M (4M/N where it partitions) less
+optimizer state (fp32 ZeRO 0: 8(P - M) + 4M; bf16 optimizer: (12(P - M) + 8M)/N). The step's temporaries
+(`muon_step_bytes`: the look-ahead, the assembled and gathered matrix, Newton-Schulz's) come on top of the
+step's AdamW booking below, with DeepSpeedZeroOptimizer in the step of the group they belong to (it steps
+one group at a time). ZeRO 3 and optimizer offload (which validation refuses with Muon) get the moment
+saving and no temporaries.
+
 Mixture of Experts: a rank's routed experts (E/EP per MoE layer: arithmetic.stage_expert_parameters) are
 reduced over, and ZeRO 1 / the bf16 optimizer partition their states over, the N / EP ranks that hold the
 same experts (expert-DP: `expert_data_partitions`), as DeepSpeed 0.19 does for the expert parameter groups
@@ -113,17 +122,19 @@ two full copies at PP > 1 (first and last stage) and one module at PP = 1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config
 from megatron_lite.deepspeed_config import sends_partitioned
-from megatron_lite.model import activations
+from megatron_lite.model import activations, muon_cost
 from megatron_lite.model.arithmetic import (
+    HiddenMatrix,
     embedding_tensors,
     spec_tensors,
     stage_bounds,
     stage_expert_parameters,
     stage_layer_numbers,
+    stage_matrices,
     stage_parameters,
 )
 
@@ -200,16 +211,19 @@ def expert_data_partitions(config: Config) -> int:
 
 
 def stage_model_state_bytes(config: Config, parameters: int, expert_parameters: int = 0, cpu_offload: bool = False,
-                            offload_param: bool = False, persistent_parameters: int = 0) -> Dict[str, int]:
+                            offload_param: bool = False, persistent_parameters: int = 0,
+                            muon_parameters: Tuple[int, int] = (0, 0)) -> Dict[str, int]:
     """`model_state_bytes` of a stage's `parameters` on one rank, of which `expert_parameters` are routed
-    experts' (partitioned over expert-DP, `expert_data_partitions`; the rest over N)."""
+    experts' (partitioned over expert-DP, `expert_data_partitions`; the rest over N); muon_parameters: the
+    dense and the experts' weight matrices Muon steps (`muon_parameters`)."""
     par, precision = config.parallel, config.precision.dtype_name
     dense = model_state_bytes(parameters - expert_parameters, par.zero_stage, zero_partitions(config), precision,
-                              cpu_offload, offload_param, persistent_parameters, _fp32_accumulation(config))
+                              cpu_offload, offload_param, persistent_parameters, _fp32_accumulation(config),
+                              muon_parameters[0])
     if not expert_parameters:
         return dense
     experts = model_state_bytes(expert_parameters, par.zero_stage, expert_data_partitions(config), precision,
-                                cpu_offload, offload_param, 0, _fp32_accumulation(config))
+                                cpu_offload, offload_param, 0, _fp32_accumulation(config), muon_parameters[1])
     return {key: dense[key] + experts[key] for key in dense}
 
 
@@ -227,11 +241,13 @@ def _zero_settings(ds_config: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precision: str,
                       cpu_offload: bool = False, offload_param: bool = False,
-                      persistent_parameters: int = 0, fp32_accumulation: bool = True) -> Dict[str, int]:
+                      persistent_parameters: int = 0, fp32_accumulation: bool = True,
+                      muon_parameters: int = 0) -> Dict[str, int]:
     """weights / gradients / optimizer_states on the device and cpu_bytes, per rank (see the table above);
     partitions: N = DP x CP (`zero_partitions`); fp32_accumulation: --accumulate-allreduce-grads-in-fp32
     (bf16 at ZeRO 1 then runs BF16_Optimizer, else DeepSpeedZeroOptimizer; at ZeRO 3 fp32 gradient
-    partitions); persistent_parameters: K, ZeRO 3's parameters kept whole (`zero3_persistent_parameters`)."""
+    partitions); persistent_parameters: K, ZeRO 3's parameters kept whole (`zero3_persistent_parameters`);
+    muon_parameters: M of `parameters`, whose optimizer keeps one moment (--optimizer muon), not two."""
     p, n = parameters, partitions
     w = 4 if precision == "fp32" else 2
     shard = lambda bytes_per_param: int(bytes_per_param * p / n)  # noqa: E731
@@ -251,6 +267,9 @@ def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precisi
         weights, grads, optim = 4 * p, shard(4), shard(8)
     else:  # 16-bit under DeepSpeedZeroOptimizer: its gradient partitions live during the step only (census)
         weights, grads, optim = 2 * p, 0, shard(12)
+    whole_states = zero_stage == 0 and precision != "bf16"  # torch's or FP16_Optimizer's, not partitioned
+    one_moment = 4 * muon_parameters if whole_states else int(4 * muon_parameters / n)  # Muon's missing exp_avg_sq
+    optim -= one_moment
     # What a save writes, so what an --async-save snapshot copies: the weights (this rank's ZeRO 3 shard)
     # and the optimizer's fp32 masters and moments; gradients are not saved.
     # DeepSpeed 0.19 writes a bf16 ZeRO 0 optimizer's state twice: in the engine's model-states file and in
@@ -258,7 +277,7 @@ def model_state_bytes(parameters: int, zero_stage: int, partitions: int, precisi
     saved = (shard(w) if zero_stage == 3 else weights) + optim * (2 if zero_stage == 0 and precision == "bf16" else 1)
     cpu = 0
     if cpu_offload and zero_stage >= 1:
-        cpu = shard(4) + (shard(12) if precision != "fp32" else shard(8))
+        cpu = shard(4) + (shard(12) if precision != "fp32" else shard(8)) - one_moment
         if offload_param and zero_stage == 3:
             cpu += shard(w)
         grads, optim = 0, 0
@@ -341,34 +360,70 @@ def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partit
     return (4 if precision == "fp32" else 2) * parameters
 
 
-def step_transient_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0) -> int:
+def muon_matrices(config: Config, matrices: Sequence[HiddenMatrix]) -> Sequence[HiddenMatrix]:
+    """The matrices of a stage Muon steps: `matrices` under --optimizer muon, none under adam."""
+    return matrices if config.optimizer.optimizer == "muon" else ()
+
+
+def muon_parameters(config: Config, matrices: Sequence[HiddenMatrix]) -> Tuple[int, int]:
+    """(dense, experts') parameters of a stage's `matrices` on one rank that Muon steps (none under adam)."""
+    tp = config.parallel.tensor_model_parallel_size
+    chosen = muon_matrices(config, matrices)
+    return (sum(x.elements(tp) for x in chosen if not x.expert), sum(x.elements(tp) for x in chosen if x.expert))
+
+
+def muon_step_bytes(config: Config, matrices: Sequence[HiddenMatrix]) -> Tuple[int, int]:
+    """(dense group, experts' group): the peak temporaries of Muon's step of each (model/muon_cost.py)."""
+    chosen = muon_matrices(config, matrices)
+    return (muon_cost.group_step_bytes(config, [x for x in chosen if not x.expert], zero_partitions(config)),
+            muon_cost.group_step_bytes(config, [x for x in chosen if x.expert], expert_data_partitions(config)))
+
+
+def step_transient_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0,
+                         matrices: Sequence[HiddenMatrix] = ()) -> int:
     """The optimizer step's temporaries (see above), beyond step_gradients; expert_parameters: the part of
-    `parameters` partitioned over expert-DP."""
+    `parameters` partitioned over expert-DP; matrices: the stage's weight matrices (arithmetic.stage_matrices),
+    whose Muon step's temporaries come on top under --optimizer muon."""
+    p, precision = config.parallel, config.precision.dtype_name
+    muon = muon_step_bytes(config, matrices)
+    if p.cpu_offload:
+        return 0  # the step runs on the CPU copy
+    if device == "cpu" and _uses_zero_optimizer(p.zero_stage, precision, False, _fp32_accumulation(config)):
+        return _zero_optimizer_step_bytes(config, parameters, expert_parameters, matrices, muon)
+    return _adamw_step_bytes(config, parameters, device, expert_parameters) + max(muon)
+
+
+def _zero_optimizer_step_bytes(config: Config, parameters: int, expert_parameters: int,
+                               matrices: Sequence[HiddenMatrix], muon: Tuple[int, int]) -> int:
+    """DeepSpeedZeroOptimizer's step on the CPU (measured with benchmarks/memory_census.py): one fp32
+    partition-sized tensor per value of the partition at ZeRO 1 (its fp32 gradients), two at ZeRO 2. It steps
+    one parameter group at a time (stage_1_and_2.py step), freeing each group's before the next (measured with
+    experts: the dense groups', then the experts'): the largest of the groups' partitions, each Muon group's
+    with its temporaries (the AdamW groups booked together)."""
+    per_value = 4 if config.parallel.zero_stage == 1 else 8
+    dense_muon, expert_muon = muon_parameters(config, matrices)
+    n, n_experts = zero_partitions(config), expert_data_partitions(config)
+    groups = ((parameters - expert_parameters - dense_muon, n, 0), (dense_muon, n, muon[0]),
+              (expert_parameters - expert_muon, n_experts, 0), (expert_muon, n_experts, muon[1]))
+    return max(per_value * values // ranks + temporaries for values, ranks, temporaries in groups)
+
+
+def _adamw_step_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0) -> int:
+    """The AdamW step's temporaries (see above), but DeepSpeedZeroOptimizer's on the CPU."""
     p, precision = config.parallel, config.precision.dtype_name
 
     def partition(bytes_per_param: int) -> int:  # one rank's partitions: the dense part over N, the experts' over N/EP
         return (bytes_per_param * (parameters - expert_parameters) // zero_partitions(config)
                 + bytes_per_param * expert_parameters // expert_data_partitions(config))
 
-    if p.cpu_offload:
-        return 0  # the step runs on the CPU copy
     if device == "cpu":
         # Measured (benchmarks/memory_census.py): torch's fused AdamW (training/optimizer.py) makes no
         # temporaries; BF16_Optimizer with bf16 accumulators casts its gradient partition to fp32 for the
-        # step (4P/N); DeepSpeedZeroOptimizer at ZeRO 1 holds one more fp32 partition-sized tensor.
-        # At ZeRO 2 its step holds two fp32 partition-sized tensors (8P/N).
+        # step (4P/N); DeepSpeedZeroOptimizer: `_zero_optimizer_step_bytes`.
         # At ZeRO 3 the flattened gradient partition, cast to fp32 (16-bit: the flat copy and its cast).
         bf16_accumulators = precision == "bf16" and p.zero_stage == 0
-        zero_1 = p.zero_stage == 1 and _uses_zero_optimizer(1, precision, False, _fp32_accumulation(config))
         zero_3 = 4 if precision == "fp32" or _fp32_accumulation(config) else 6
-        if zero_1 and expert_parameters:
-            # DeepSpeedZeroOptimizer steps one parameter group at a time (stage_1_and_2.py step), freeing each
-            # group's fp32 gradient partition before the next: the dense groups', then the experts' (measured).
-            return 4 * max((parameters - expert_parameters) // zero_partitions(config),
-                           expert_parameters // expert_data_partitions(config))
-        per_partition = (4 if bf16_accumulators or zero_1 else 8 if p.zero_stage == 2
-                         else zero_3 if p.zero_stage == 3 else 0)
-        return partition(per_partition)
+        return partition(4 if bf16_accumulators else zero_3 if p.zero_stage == 3 else 0)
     # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
     flat = (_uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload, _fp32_accumulation(config))
             or p.zero_stage >= 2 or precision == "bf16")
@@ -427,6 +482,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     bounds = stage_bounds(config, estimate=True)
     params = stage_parameters(config, bounds)
     experts = stage_expert_parameters(config, bounds)
+    matrices = stage_matrices(config, bounds)
     tensors = spec_tensors(config)
     tied = not config.model.untie_embeddings_and_output_weights
     settings = _zero_settings(ds_config)
@@ -443,7 +499,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
         threshold = settings["persistence_threshold"]
         persistent = zero3_persistent_parameters([n for module in modules for n in module], threshold)
         states = stage_model_state_bytes(config, params[i], experts[i], par.cpu_offload, settings["offload_param"],
-                                         persistent)
+                                         persistent, muon_parameters(config, matrices[i]))
         per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device, layer_numbers[i].start)
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
@@ -463,7 +519,7 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
                           activations.kv_gather_transient_bytes(config) if layers else 0),
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload,
                                                           _fp32_accumulation(config), experts[i]),
-            step_transient=step_transient_bytes(config, params[i], device, experts[i]),
+            step_transient=step_transient_bytes(config, params[i], device, experts[i], matrices[i]),
             cpu_bytes=states["cpu_bytes"],
             snapshot=states["saved"] if config.training.async_save else 0, snapshot_in_peak=device == "cpu",
             step_gradients=step_gradient_bytes(params[i], par.zero_stage, precision, zero_partitions(config),

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
+from megatron_lite.model.muon_cost import assembly_batches
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.grad_norm import global_grad_norm
 from megatron_lite.parallel.layers import equal_sections
@@ -41,9 +42,6 @@ from megatron_lite.parallel.tp import tp_group, tp_rank, tp_world_size
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 NS_EPS = 1e-7
-ASSEMBLY_ELEMENTS = 1 << 24
-"""Values assembled over DP per all-reduce (64 MiB of fp32): parameters are batched up to this; a larger one
-goes alone. The memory estimate books this buffer (model/memory.py)."""
 
 
 def newton_schulz(update: torch.Tensor, steps: int, precision: str = "highest") -> torch.Tensor:
@@ -242,14 +240,5 @@ class Muon(torch.optim.AdamW):
 
 
 def _batches(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """Consecutive parameters with at most ASSEMBLY_ELEMENTS values in all (a larger one alone)."""
-    batches, current, size = [], [], 0
-    for p in params:
-        if current and size + p.numel() > ASSEMBLY_ELEMENTS:
-            batches.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        batches.append(current)
-    return batches
+    """Consecutive parameters assembled by one all-reduce (model/muon_cost.py `assembly_batches`)."""
+    return [[params[i] for i in batch] for batch in assembly_batches([p.numel() for p in params])]

@@ -40,6 +40,9 @@ EP partitions the routed experts' weights and optimizer states (model/memory.py 
 rank, their states over DP x CP / EP), so it is a memory saver of its own, paid for in all-to-alls
 (tuning/throughput.py `Experts`).
 
+--optimizer muon among the model flags plans with Muon: model/memory.py books its one moment per matrix and
+its step's temporaries, tuning/throughput.py its Newton-Schulz work and communication (`muon_costs`).
+
 Order (default `shaden`): layouts with gas >= 8 x PP (bubble <= ~11%) first,
 then TP x EP closest to the GPUs per node (for a dense model EP is 1: TP closest to them; for an MoE
 model the EP and TP groups both belong in the NVLink domain, Megatron-LM's MoE guide), then the saver
@@ -78,8 +81,10 @@ from megatron_lite.model.arithmetic import (
     stage_expert_parameters,
     stage_flops,
     stage_layer_numbers,
+    stage_matrices,
     transformer_layers_per_stage,
 )
+from megatron_lite.model.muon_cost import MuonWork, stage_work
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, layer_freq_for
 from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.reading import UnreadableFile, read_json
@@ -368,7 +373,8 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     redone = [len(_recomputed_layer_numbers(m, n)) for n in numbers]
     bytes_per_value = 2 if config.precision.dtype_name != "fp32" else 4
     experts = expert_costs(config, bounds, bytes_per_value)
-    times = _predict_from_model_times(c, config, profile, layers, params, redone, bytes_per_value)
+    muon = muon_costs(config, bounds)
+    times = _predict_from_model_times(c, config, profile, layers, params, redone, bytes_per_value, muon)
     if times is not None:
         c.predicted_from = "model times"
     else:
@@ -381,7 +387,7 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
                                      sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
                                      cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
                                      recomputed_layers=redone, profile=profile, bytes_per_value=bytes_per_value,
-                                     experts=experts)
+                                     experts=experts, muon=muon, muon_precision=config.optimizer.muon_fp32_matmul_prec)
     c.predicted_ep_comm_seconds = times.get("ep_comm_seconds", 0.0) * (c.gradient_accumulation_steps
                                                                          + c.pipeline_model_parallel_size - 1)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
@@ -389,8 +395,17 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
 
+def muon_costs(config: Config, bounds: Sequence[int]) -> Optional[List[MuonWork]]:
+    """Each stage's Muon step on one rank (model/muon_cost.py) under --optimizer muon; None under adam."""
+    if config.optimizer.optimizer != "muon":
+        return None
+    return [stage_work(config, matrices, memory.zero_partitions(config), memory.expert_data_partitions(config))
+            for matrices in stage_matrices(config, bounds)]
+
+
 def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Profile], layers: Sequence[int],
-                              params: Sequence[int], redone: Sequence[int], bytes_per_value: int):
+                              params: Sequence[int], redone: Sequence[int], bytes_per_value: int,
+                              muon: Optional[List[MuonWork]] = None):
     """The step priced by the profile's measured times of this very model (tuning/measure_model.py), where it has
     them: same shape, the plan's world size, this TP and micro batch; ZeRO 0, no CP, no offload, as they were
     measured (ZeRO 1-3 and offload from the fits on top: throughput.predict_from_model_times). None otherwise,
@@ -415,7 +430,7 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
         gas=c.gradient_accumulation_steps, hidden=m.hidden_size, seq=m.seq_length,
         sequence_parallel=c.sequence_parallel, selective=m.recompute_granularity == "selective", recomputed_layers=redone,
         tied_embedding_parameters=0 if m.untie_embeddings_and_output_weights else m.padded_vocab_size * m.hidden_size // tp,
-        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload)
+        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload, muon=muon)
 
 
 def _recomputed_layer_numbers(m, numbers: range) -> List[int]:

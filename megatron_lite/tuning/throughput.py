@@ -37,6 +37,14 @@ pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
                experts each get the copies of e ranks (balanced routing), so EP grows the expert GEMMs as
                it shrinks the experts a rank holds
 
+--optimizer muon adds its step (model/muon_cost.py `MuonWork`, the slowest stage's) after the pipeline:
+  muon       = Newton-Schulz FLOPs / (matmul rate x gemm_eff(m)) + 2 (N-1)/N x assembled bytes / bandwidth
+               + (t-1)/t x gathered bytes / bandwidth(TP)
+               the rate by --muon-fp32-matmul-prec: highest the fp32 peak (`fp32_tflops`), high TF32 at half
+               the 16-bit peak, medium the 16-bit peak; m the largest part's smaller side; the assembled U is
+               fp32 (4 bytes a value) over the partition's ranks (experts' over N / EP), the gathered matrices
+               fp32 over TP (duplicated mode)
+
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
 model/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
 are for ranking layouts against each other; only the sweep measures.
@@ -57,6 +65,8 @@ model's activation dtype (bytes_per_value: 4 for fp32 training):
   dp_comm    = one all-reduce of the stage's parameters over n c ranks, a message per 500 MB bucket;
                ZeRO 3 1.5x; routed experts' over n c / e ranks
   offload    = 16 bytes x partition parameters / measured copy bandwidth
+  muon       = Newton-Schulz FLOPs at the GEMM rate measured at m rows, the all-reduces of the assembled U
+               (a message per ASSEMBLY_ELEMENTS) and the TP all-gathers (a message per matrix) from their fits
 The profile measures one machine: groups that cross nodes are priced as the local ones.
 """
 from __future__ import annotations
@@ -65,6 +75,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_lite.model.muon_cost import MuonWork
 from megatron_lite.tuning.calibration import Profile
 
 DP_BUCKET_BYTES = 5e8
@@ -82,6 +93,19 @@ class Hardware:
     """Per-GPU network bandwidth across nodes, GB/s."""
     host_gbps: float = 20.0
     """Host memory bandwidth one rank gets for offloaded optimizer work, GB/s."""
+    fp32_tflops: float = 19.5
+    """fp32 matmul peak per GPU without TF32 (A100: 19.5, H100: 67): Muon's Newton-Schulz at
+    --muon-fp32-matmul-prec highest."""
+
+
+def muon_seconds(work: Optional[Sequence[MuonWork]], flops_rate, all_reduce, all_gather) -> float:
+    """The slowest stage's Muon step (module docstring): `flops_rate(rows)` FLOP/s, `all_reduce(bytes, ranks,
+    messages)` and `all_gather(bytes, messages)` seconds (over TP)."""
+    if not work:
+        return 0.0
+    return max((w.flops / flops_rate(w.rows) if w.flops else 0.0)
+               + sum(all_reduce(nbytes, ranks, w.messages(nbytes)) for nbytes, ranks in w.all_reduces)
+               + (all_gather(w.all_gather_bytes, w.all_gathers) if w.all_gathers else 0.0) for w in work)
 
 
 @dataclass(frozen=True)
@@ -123,19 +147,21 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                          recompute_flops: Sequence[float], cpu_offload: bool,
                          sequence_parallel: bool = False, cp: int = 1, cp_all_to_all_bytes: int = 0,
                          recomputed_layers: Sequence[int] = (), profile: Optional[Profile] = None,
-                         bytes_per_value: int = 2, experts: Optional[Experts] = None) -> Dict[str, float]:
+                         bytes_per_value: int = 2, experts: Optional[Experts] = None,
+                         muon: Optional[Sequence[MuonWork]] = None, muon_precision: str = "highest") -> Dict[str, float]:
     """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
     cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again;
     profile: measured hardware instead of hw's constants (bytes_per_value is used with it only);
     experts: the routed experts of an MoE model (None: a dense model). ep_comm_seconds in the result: the
-    slowest stage's expert all-to-alls per micro-batch."""
+    slowest stage's expert all-to-alls per micro-batch. muon: each stage's Muon step under --optimizer muon
+    (muon_precision: its --muon-fp32-matmul-prec), priced as muon_seconds."""
     if profile is not None:
         return _predict_with_profile(stage_flops_per_token, stage_layers, stage_parameters, profile, hidden=hidden,
                                      seq=seq, tp=tp, pp=pp, dp=dp, micro=micro, gas=gas, zero_stage=zero_stage,
                                      recompute_flops=recompute_flops, cpu_offload=cpu_offload,
                                      sequence_parallel=sequence_parallel, cp=cp,
                                      cp_all_to_all_bytes=cp_all_to_all_bytes, recomputed_layers=recomputed_layers,
-                                     bytes_per_value=bytes_per_value, experts=experts)
+                                     bytes_per_value=bytes_per_value, experts=experts, muon=muon)
     tokens = micro * seq // cp
     rate = lambda rows: hw.peak_tflops * 1e12 * gemm_efficiency(rows)  # noqa: E731
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
@@ -171,7 +197,12 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                   ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
     offload = 16.0 * largest / reduced / (hw.host_gbps * 1e9) if cpu_offload else 0.0
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload)
+    matmul = {"highest": hw.fp32_tflops, "high": hw.peak_tflops / 2}.get(muon_precision, hw.peak_tflops) * 1e12
+    stage_bw = gbps(stage_ranks <= hw.gpus_per_node)
+    optimizer = muon_seconds(muon, lambda rows: matmul * gemm_efficiency(rows),
+                             lambda nbytes, ranks, messages: 2 * (ranks - 1) / ranks * nbytes / stage_bw,
+                             lambda nbytes, messages: (tp - 1) / tp * nbytes / tp_bw)
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, optimizer)
 
 
 def _stage_experts(experts: Optional[Experts], stages: int) -> List[Tuple[int, int]]:
@@ -197,13 +228,13 @@ def _compute_seconds(flops: float, again: float, moe_layers: int, moe_redone: in
 
 
 def _step(per_stage: List[float], ep_comms: List[float], gas: int, pp: int, p2p: float, dp_comm: float,
-          offload: float) -> Dict[str, float]:
+          offload: float, muon: float = 0.0) -> Dict[str, float]:
     slowest = max(range(len(per_stage)), key=lambda i: per_stage[i])
     pipeline = (gas + pp - 1) * per_stage[slowest]
-    step = pipeline + p2p + dp_comm + offload
+    step = pipeline + p2p + dp_comm + offload + muon
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
             "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": per_stage[slowest],
-            "ep_comm_seconds": ep_comms[slowest]}
+            "ep_comm_seconds": ep_comms[slowest], "muon_seconds": muon}
 
 
 def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
@@ -211,7 +242,8 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
                           pp: int, dp: int, micro: int, gas: int, zero_stage: int, recompute_flops: Sequence[float],
                           cpu_offload: bool, sequence_parallel: bool, cp: int, cp_all_to_all_bytes: int,
                           recomputed_layers: Sequence[int], bytes_per_value: int,
-                          experts: Optional[Experts] = None) -> Dict[str, float]:
+                          experts: Optional[Experts] = None, muon: Optional[Sequence[MuonWork]] = None
+                          ) -> Dict[str, float]:
     """The same terms as predict_step_seconds, priced by a measured profile (module docstring)."""
     tokens = micro * seq // cp
     comm = profile.collective_seconds
@@ -248,14 +280,23 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
                   ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
     offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload)
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, profile_muon_seconds(profile, muon, tp))
+
+
+def profile_muon_seconds(profile: Profile, muon: Optional[Sequence[MuonWork]], tp: int) -> float:
+    """muon_seconds priced by a measured profile (module docstring)."""
+    comm = profile.collective_seconds
+    return muon_seconds(muon, profile.gemm_flops_per_s,
+                        lambda nbytes, ranks, messages: comm("all_reduce", ranks, nbytes, messages=messages),
+                        lambda nbytes, messages: comm("all_gather", tp, nbytes, messages=messages))
 
 
 def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world: int, stage_layers: Sequence[int],
                              stage_parameters: Sequence[int], calibration_parameters, tp: int, pp: int, dp: int,
                              micro: int, gas: int, hidden: int, seq: int, sequence_parallel: bool,
                              selective: bool, recomputed_layers: Sequence[int], tied_embedding_parameters: int,
-                             bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False) -> Dict[str, float]:
+                             bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False,
+                             muon: Optional[Sequence[MuonWork]] = None) -> Dict[str, float]:
     """A step priced by the model's own measured times (tuning/measure_model.py) at this TP and micro batch:
 
       stage_i  = L_i x layer + (L_i - R_i) x extra + R_i x full_extra + ends [last stage] + engine_per_micro,
@@ -274,7 +315,8 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
     divided by DP (each rank updates its partition) and the reduction is RS(dp, P_i) + AG(dp, P_i) from the
     fits (reduce-scatter the gradients, all-gather the updated parameters); ZeRO 3 adds two all-gathers of the
     parameters per micro-batch (forward and backward) to the stage; offload adds 16 bytes x P_i / DP over the
-    measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines."""
+    measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines. The times were measured
+    with AdamW: --optimizer muon's step (`muon`) adds profile_muon_seconds to fixed."""
     comm = profile.collective_seconds
     sp = sequence_parallel and tp > 1
     prefix = "sp_" if sp else ""
@@ -301,7 +343,7 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
                 (point["reduce_s"] + layers * point["reduce_per_layer_s"]) * wanted / measured_as)
         offload = 16.0 * params / dp / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
         fixed.append(optimizer + reduction + offload)
-    step_fixed = max(fixed) + point["engine_s"]
+    step_fixed = max(fixed) + point["engine_s"] + profile_muon_seconds(profile, muon, tp)
     sent = micro * seq * hidden * bytes_per_value / (tp if sp else 1)
     p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
     tied = comm("all_reduce", 2, tied_embedding_parameters * bytes_per_value) if pp > 1 else 0.0

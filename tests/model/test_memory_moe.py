@@ -128,13 +128,15 @@ them the experts'."""
 
 
 @pytest.mark.parametrize("ep, extra", [(2, ("--zero-stage", "1")), (1, ("--zero-stage", "1")),
-                                       (2, ("--zero-stage", "1", "--bf16")), (2, ("--bf16",))],
-                         ids=["ep2_zero1", "ep1_zero1", "ep2_zero1_bf16", "ep2_zero0_bf16"])
+                                       (2, ("--zero-stage", "1", "--bf16")), (2, ("--bf16",)),
+                                       (2, ("--zero-stage", "1", "--bf16", "--optimizer", "muon"))],
+                         ids=["ep2_zero1", "ep1_zero1", "ep2_zero1_bf16", "ep2_zero0_bf16", "ep2_zero1_bf16_muon"])
 def test_model_states_of_an_engine_with_experts_over_ep_match_the_estimate(ep, extra, tmp_path):
     """DP 2: the dense parameters' optimizer states are split over 2 ranks, the experts' over DP / EP (ZeRO 1's
     and the bf16 optimizer's expert groups); each rank holds E / EP experts. Between steps the engine holds
     the model states (and the communication buffers, a few kB here); at fp32 ZeRO 1, stepping the expert group
-    last, it also holds that group's fp32 gradient partition, the step's transient."""
+    last, it also holds that group's fp32 gradient partition, the step's transient. Under --optimizer muon the
+    matrices, the experts' included, keep one fp32 moment, not two."""
     from tests.model.engine_census import engine_census
 
     ds_json = tmp_path / "ds.json"

@@ -251,3 +251,28 @@ def test_a_layout_that_fits_by_context_parallelism_ranks_above_one_recomputing_l
     assert split.saver == "context parallel 2" and split.saver_tier == 0
     assert recompute_needed(recomputed)
     assert split.rank < recomputed.rank
+
+
+def test_a_muon_plan_books_one_moment_per_matrix_and_prices_the_newton_schulz_work(tmp_path):
+    """SMALL planned with --optimizer muon: each layer's four matrices (QKV, projection, the MLP's two: 12 h^2)
+    keep 4 bytes of optimizer state per value on a rank less than AdamW's two moments, and a TP 1 step at fp32
+    ZeRO 0 (no partitions to assemble, nothing to gather) adds Newton-Schulz on Q, K, V, the projection
+    (h x h each) and the MLP's two (h x 4h): k = 5 iterations of 4 m^2 n + 2 m^3 FLOPs at the fp32 rate."""
+    adam = {c.name: c for c in _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80).candidates}
+    muon = {c.name: c for c in _plan(SMALL + ["--optimizer", "muon"], tmp_path, nodes=1, gpus_per_node=2,
+                                     gpu_memory_gb=80).candidates}
+    assert muon.keys() == adam.keys()
+    h, layers = 96, 2
+    single = [name for name, c in muon.items() if c.pipeline_model_parallel_size == 1]
+    assert single
+    for name in single:
+        c, a = muon[name], adam[name]
+        tp, dp, zero = c.tensor_model_parallel_size, c.data_parallel_size, c.zero_stage
+        saved = 4 * layers * 12 * h * h // tp // (dp if zero else 1)
+        assert a.stage_memory[0]["optimizer_states"] - c.stage_memory[0]["optimizer_states"] == saved, name
+    ns = lambda m, n: 5 * (4 * m * m * n + 2 * m ** 3)  # noqa: E731
+    flops = layers * (4 * ns(h, h) + 2 * ns(h, 4 * h))
+    hw = recipe.Hardware(gpus_per_node=2)
+    rate = hw.fp32_tflops * 1e12 * h / (h + 256.0)  # throughput.gemm_efficiency at m = h rows
+    name = next(n for n in single if muon[n].tensor_model_parallel_size == 1 and muon[n].zero_stage == 0)
+    assert muon[name].predicted_step_seconds - adam[name].predicted_step_seconds == pytest.approx(flops / rate)
