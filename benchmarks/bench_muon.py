@@ -50,7 +50,8 @@ def run(optimizer: str, lr: float, iters: int, data: str, tokenizer: str, folder
                           "--eval-interval", str(iters), "--data-path", data, "--tokenizer-model", tokenizer,
                           "--tensorboard-dir", folder]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()),
                os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:

@@ -201,3 +201,40 @@ def _loss_scaler_round_trip():
 def test_the_fp16_loss_scaler_state_is_read_and_set_by_its_attributes():
     before, after, iterations = run_distributed(_loss_scaler_round_trip, 1)[0]
     assert (before, after, iterations) == (1024.0, 256.0, 9)
+
+
+def _partitions_cover_each_parameter(extra):
+    """optimizer_partitions: each rank's fragments, put together over the partition's group, are every value
+    of every parameter of every group exactly once, and each points at the flat buffer's own values."""
+    from megatron_lite import deepspeed_compat
+
+    _, engine = _engine_after_a_step(extra)
+    inner = deepspeed_compat.inner_optimizer(engine.optimizer)
+    partitions = deepspeed_compat.optimizer_partitions(engine.optimizer)
+    bad = []
+    for index, partition in partitions.items():
+        flat = inner.param_groups[index]["params"][0]
+        for p in partition.params:
+            seen = torch.zeros(p.numel())
+            values = torch.zeros(p.numel())
+            fragment = partition.fragments.get(id(p))
+            if fragment is not None:
+                start, count, at = fragment
+                seen[start:start + count] += 1
+                values[start:start + count] = flat.detach()[at:at + count].float().cpu()
+            torch.distributed.all_reduce(seen, group=partition.group)
+            torch.distributed.all_reduce(values, group=partition.group)
+            if not torch.equal(seen, torch.ones_like(seen)):
+                bad.append((index, tuple(p.shape), "coverage"))
+            # the fp32 master's values are the parameter's (bf16: to its rounding)
+            tolerance = 0 if p.dtype == torch.float32 else 1e-2
+            if not torch.allclose(values, p.detach().float().flatten().cpu(), rtol=tolerance, atol=0):
+                bad.append((index, tuple(p.shape), "values"))
+    return bad, len(partitions)
+
+
+def test_optimizer_partitions_put_together_over_their_group_are_every_parameter_once():
+    """ZeRO 1's DeepSpeedZeroOptimizer; the bf16 optimizer's partitions are Muon's in
+    tests/training/test_muon_parallel.py's bf16 run."""
+    for bad, groups in run_distributed(_partitions_cover_each_parameter, 2, ["--zero-stage", "1"]):
+        assert groups == 2 and not bad, bad
