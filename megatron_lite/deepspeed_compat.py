@@ -52,6 +52,7 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.real_dp_process_group", "attribute"),
     ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer.real_dp_process_group", "attribute"),
     ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer._optimizer_step", "self, group_no"),
+    ("deepspeed.runtime.bf16_optimizer.BF16_Optimizer._load_legacy_checkpoint", "self, state_dict_list"),
     ("deepspeed.utils.tensor_fragment.tensor_fragment.set_optim_state_fragment",
      "self, flat_hp_partition, optim_fragment"),
     ("deepspeed.utils.logging.set_log_level_from_string", "log_level_str, custom_logger"),
@@ -332,6 +333,16 @@ def engine_parameters(module: PipelineModule) -> Dict[Tuple[object, str], torch.
 
 def _low_precision_groups(optimizer):
     return getattr(optimizer, "bit16_groups", None) or getattr(optimizer, "bf16_groups", None)
+
+
+def own_loader_reads(optimizer_name: str, zero_stage: int) -> bool:
+    """Whether DeepSpeed's load_checkpoint reads back the optimizer state it saved for this optimizer
+    (deepspeed_config.deepspeed_optimizer's name). Why not always: at ZeRO 0, DeepSpeed 0.19's engine hands
+    BF16_Optimizer.load_state_dict the one state dict of the model-states file, which indexes it as a list by
+    DP rank (`state_dict_list[dp_rank]`): KeyError 0, so a bf16 ZeRO 0 run could not resume at its own layout.
+    Such a checkpoint goes through the layout-free path, which reads the partition files DeepSpeed also wrote
+    (training/checkpointing.py)."""
+    return not (optimizer_name == "BF16_Optimizer" and zero_stage == 0)
 
 
 @dataclass

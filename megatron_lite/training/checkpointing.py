@@ -299,9 +299,10 @@ def _same_places(engine, config: Config, metadata: dict) -> bool:
 
 def _same_layout(engine, config: Config, metadata: dict) -> bool:
     """Whether DeepSpeed's own loader can read the optimizer state too: also the same DP size, ZeRO stage
-    and precision."""
+    and precision, and an optimizer DeepSpeed's loader reads back (deepspeed_compat.own_loader_reads)."""
     p = config.parallel
-    return (_same_places(engine, config, metadata)
+    return (deepspeed_compat.own_loader_reads(deepspeed_optimizer(config), p.zero_stage)
+            and _same_places(engine, config, metadata)
             and metadata["layout"].get("data_parallel_size") == p.data_parallel_size
             and expert_ranks(metadata["layout"]) == p.expert_model_parallel_size
             and storage_of(metadata) == (p.zero_stage, config.precision.dtype_name)

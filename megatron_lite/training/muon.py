@@ -168,6 +168,10 @@ class Muon(torch.optim.AdamW):
                 continue
             update = self._look_ahead(tensor)
             flat, partition = self.partitions.get(id(tensor), (None, None))
+            if flat is not tensor and self.partitions:
+                # A buffer DeepSpeed made after use_partitions (none does in 0.19): its matrices are unknown here.
+                raise RuntimeError("Muon was given DeepSpeed's flat partitions, but steps a tensor that is none of "
+                                   "them: deepspeed_compat.optimizer_partitions no longer matches this DeepSpeed")
             if flat is not tensor:  # the parameter itself, whole on this DP rank
                 tensor.mul_(1 - lr * decay).add_(self._orthogonalised(update.view_as(tensor), tensor), alpha=-lr)
             else:

@@ -122,6 +122,15 @@ def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layo
         assert _relative(resumed[step], full[step]) <= tolerance, (step, resumed[step], full[step], tolerance)
 
 
+def test_a_bf16_zero0_run_resumes_at_its_own_layout_with_the_uninterrupted_losses(tmp_path):
+    """DeepSpeed 0.19's own loader fails on its BF16_Optimizer's ZeRO 0 checkpoint (KeyError 0:
+    deepspeed_compat.own_loader_reads); the layout-free path reads it, bit for bit."""
+    full, resumed, note = _uninterrupted_then_resumed(tmp_path, (1, 2, 1), (1, 2, 1), ["--bf16"])
+    assert sorted(resumed) == [3, 4] and "random generators kept" in note
+    for step in resumed:
+        assert resumed[step] == full[step], (step, resumed[step], full[step])
+
+
 MUON = ("--optimizer", "muon", "--lr", "1e-2", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
         "--untie-embeddings-and-output-weights")
 
