@@ -55,9 +55,16 @@ def _section_class(section: str):
     return next(f.default_factory for f in dataclasses.fields(Config) if f.name == section)
 
 
+@functools.lru_cache(maxsize=None)
+def _section_hints(section: str) -> Dict[str, Any]:
+    # Once per section: evaluating a class's string annotations for each of its flags, twice, on every
+    # parse was most of a parse (a planner or a --longest-sequence search parses hundreds of times).
+    return typing.get_type_hints(_section_class(section))
+
+
 def _value_type(section: str, field: dataclasses.Field):
     """int / float / str from the annotation (Optional[...] unwrapped)."""
-    hint = typing.get_type_hints(_section_class(section))[field.name]
+    hint = _section_hints(section)[field.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 

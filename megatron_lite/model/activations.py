@@ -448,7 +448,11 @@ def stage_layer_bytes(config: Config, layers: int, device: str = "cuda", first_l
     recompute rebuilds at once in backward."""
     m = config.model
     d = dims(config, device)
-    per_layer = [layer_activation_bytes(config, device, n) for n in range(first_layer, first_layer + layers)]
+    # A layer's bytes depend only on whether it is MoE: summed once per kind (a 104-layer model's plan
+    # summed every layer's thousands of times).
+    kinds = [_is_moe(config, n) for n in range(first_layer, first_layer + layers)]
+    per_kind = {moe: _layer_bytes(config, device, m.recompute_granularity == "selective", moe) for moe in set(kinds)}
+    per_layer = [per_kind[moe] for moe in kinds]
     if m.recompute_granularity == "selective":
         return sum(per_layer), (selective_rebuild_bytes(config, device) if layers else 0)
     if m.recompute_granularity != "full":

@@ -206,7 +206,11 @@ def spec_tensors(config: Config, tp: Optional[int] = None, ep: Optional[int] = N
     e = config.parallel.expert_model_parallel_size if ep is None else ep
     embedding = embedding_tensors(m, t)
     head = [m.padded_vocab_size * m.hidden_size // t] if m.untie_embeddings_and_output_weights else embedding
-    layers = [layer_tensors(m, t, i, e) for i in range(1, m.num_layers + 1)]
+    # A layer's tensors depend only on whether it is MoE: made once per kind (a 104-layer model's plan
+    # asked for every layer's thousands of times), a copy per layer.
+    kinds = [is_moe_layer(m, i) for i in range(1, m.num_layers + 1)]
+    per_kind = {moe: layer_tensors(m, t, kinds.index(moe) + 1, e) for moe in set(kinds)}
+    layers = [list(per_kind[moe]) for moe in kinds]
     return [embedding] + layers + [norm_tensors(m), head]
 
 
