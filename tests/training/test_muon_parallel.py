@@ -49,13 +49,12 @@ def test_orthogonalising_shards_or_the_fused_qkv_whole_misses_the_dense_losses(w
     assert relative_difference(results, reference) > 1e-4
 
 
-@pytest.mark.parametrize("tp, pp, dp, cp, ep", [(2, 1, 2, 1, 2), (1, 1, 1, 2, 2)])
-def test_muon_on_experts_at_ep2_with_tp_or_cp_and_zero1_gives_the_dense_losses(tp, pp, dp, cp, ep):
+def test_muon_on_experts_at_ep2_with_tp2_cp2_and_zero1_gives_the_dense_losses():
     """ZeRO 1 partitions the experts' group over expert-DP, the rest over DP x CP; ZeRO steps one group at a
     time (deepspeed_compat.optimizer_partitions): keyed by group index, the expert group took the dense group's
-    partition view and this missed by 1.2e-4."""
+    partition view and this missed by 1.7e-4."""
     reference = dense_reference(MOE + MUON)
-    results = run_moe_layout(tp, pp, dp, cp, ep, MUON + ("--zero-stage", "1"), steps=STEPS)
+    results = run_moe_layout(2, 1, 1, 2, 2, MUON + ("--zero-stage", "1"), steps=STEPS)
     assert relative_difference(results, reference) <= 1e-5, [r["losses"] for r in results] + [reference]
 
 
