@@ -385,9 +385,9 @@ def step_transient_bytes(config: Config, parameters: int, device: str, expert_pa
     `parameters` partitioned over expert-DP; matrices: the stage's weight matrices (arithmetic.stage_matrices),
     whose Muon step's temporaries come on top under --optimizer muon."""
     p, precision = config.parallel, config.precision.dtype_name
-    muon = muon_step_bytes(config, matrices)
     if p.cpu_offload:
         return 0  # the step runs on the CPU copy
+    muon = muon_step_bytes(config, matrices)
     if device == "cpu" and _uses_zero_optimizer(p.zero_stage, precision, False, _fp32_accumulation(config)):
         return _zero_optimizer_step_bytes(config, parameters, expert_parameters, matrices, muon)
     return _adamw_step_bytes(config, parameters, device, expert_parameters) + max(muon)

@@ -52,3 +52,13 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], group=None) -> torch.Te
     if group is not None:
         dist.all_reduce(squared, group=group)
     return squared.sqrt()
+
+
+def clip_to_global_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale the gradients so that their global_grad_norm is at most max_norm (torch.nn.utils.clip_grad_norm_'s
+    coefficient); the norm before clipping."""
+    params = list(parameters)
+    norm = global_grad_norm(params)
+    if max_norm / (norm + 1e-6) < 1.0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)  # multi-tensor scaling
+    return norm.item()

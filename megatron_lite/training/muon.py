@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite import deepspeed_compat
+from megatron_lite.checkpoint import slicing
 from megatron_lite.model.muon_cost import assembly_batches
 from megatron_lite.parallel.experts import is_expert_parameter
-from megatron_lite.parallel.grad_norm import global_grad_norm
+from megatron_lite.parallel.grad_norm import clip_to_global_norm
 from megatron_lite.parallel.layers import equal_sections
 from megatron_lite.parallel.tp import tp_group, tp_rank, tp_world_size
 
@@ -89,29 +90,13 @@ def _sections(param: torch.Tensor, length: int) -> Tuple[int, ...]:
     return tuple(sections) if sections else equal_sections(length, getattr(param, "partition_stride", 1))
 
 
-def _offsets(lengths: Sequence[int]) -> List[Tuple[int, int]]:
-    out, start = [], 0
-    for n in lengths:
-        out.append((start, n))
-        start += n
-    return out
-
-
 def gather_dense(shard: torch.Tensor, param: torch.Tensor, tp: int) -> torch.Tensor:
-    """This TP rank's shard -> the dense tensor, each partition section whole (over TP's process group)."""
-    dim = param.partition_dim
+    """This TP rank's shard -> the dense tensor, each partition section whole (over TP's process group), put
+    together as a checkpoint merge puts TP slices together (checkpoint/slicing.py)."""
     pieces = [torch.empty_like(shard) for _ in range(tp)]
     dist.all_gather(pieces, shard.contiguous(), group=tp_group())
-    local = [n // tp for n in _sections(param, shard.shape[dim] * tp)]
-    return torch.cat([torch.cat([p.narrow(dim, start, n) for p in pieces], dim)
-                      for start, n in _offsets(local)], dim)
-
-
-def shard_of(dense: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
-    """The dense tensor -> TP rank `rank`'s shard: each section's rank-th piece, in order."""
     dim = param.partition_dim
-    return torch.cat([dense.narrow(dim, start + rank * (n // tp), n // tp)
-                      for start, n in _offsets(_sections(param, dense.shape[dim]))], dim)
+    return slicing.merge(pieces, dim, _sections(param, shard.shape[dim] * tp))
 
 
 class Muon(torch.optim.AdamW):
@@ -144,11 +129,8 @@ class Muon(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if self.clip_grad > 0:
-            params = [p for group in self.param_groups for p in group["params"]]
-            norm = global_grad_norm(params)
-            self.last_grad_norm = norm.item()
-            if self.clip_grad / (norm + 1e-6) < 1.0:  # torch.nn.utils.clip_grad_norm_'s coefficient
-                torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)
+            self.last_grad_norm = clip_to_global_norm(
+                [p for group in self.param_groups for p in group["params"]], self.clip_grad)
         every = self.param_groups
         # AdamW.step walks self.param_groups: show it the AdamW groups only, for this call.
         self.param_groups = [g for g in every if not g.get("muon")]
@@ -191,24 +173,24 @@ class Muon(torch.optim.AdamW):
     def _partition_step(self, flat: torch.Tensor, update: torch.Tensor, partition, lr: float, decay: float) -> None:
         spread = dist.get_world_size(group=partition.group) > 1
         for batch in _batches(partition.params):
-            offsets = _offsets([p.numel() for p in batch])
             whole = torch.zeros(sum(p.numel() for p in batch), dtype=update.dtype, device=update.device)
+            values = whole.split([p.numel() for p in batch])  # each parameter's, flattened
             here = []
-            for p, (offset, _) in zip(batch, offsets):
+            for p, value in zip(batch, values):
                 fragment = partition.fragments.get(id(p))
                 if fragment is not None:
                     start, count, at = fragment
-                    whole.narrow(0, offset + start, count).copy_(update.narrow(0, at, count))
+                    value.narrow(0, start, count).copy_(update.narrow(0, at, count))
                 here.append(fragment is not None)
             if spread:
                 dist.all_reduce(whole, group=partition.group)
             needed = torch.tensor(here, dtype=torch.int32, device=update.device)
             if self.tp_mode == "duplicated" and tp_world_size() > 1:  # TP peers gather together or not at all
                 dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=tp_group())
-            for p, (offset, numel), need in zip(batch, offsets, needed.tolist()):
+            for p, value, need in zip(batch, values, needed.tolist()):
                 if not need:
                     continue
-                orthogonal = self._orthogonalised(whole.narrow(0, offset, numel).view(p.shape), p)
+                orthogonal = self._orthogonalised(value.view(p.shape), p)
                 fragment = partition.fragments.get(id(p))
                 if fragment is not None:
                     start, count, at = fragment
@@ -229,7 +211,9 @@ class Muon(torch.optim.AdamW):
                 rows, cols = part.shape
                 into.copy_(newton_schulz(part, self.ns_steps, self.precision)).mul_(
                     update_scale(rows, cols, self.scale_mode, self.extra_scale))
-        return shard_of(out, param, tp, tp_rank()) if tp > 1 else out
+        if tp == 1:
+            return out
+        return slicing.piece(out, tp, tp_rank(), param.partition_dim, _sections(param, out.shape[param.partition_dim]))
 
     def _parts(self, matrix: torch.Tensor, param: torch.Tensor, experts: bool, sectioned: bool) -> List[torch.Tensor]:
         """The matrices Muon orthogonalises one by one in an [out, in] `matrix` of `param`: its partition
@@ -239,8 +223,7 @@ class Muon(torch.optim.AdamW):
             return [matrix]
         dim = param.partition_dim - 1 if experts else param.partition_dim
         tp = tp_world_size() if self.tp_mode == "blockwise" else 1  # blockwise: the shard's own sections
-        lengths = [n // tp for n in _sections(param, matrix.shape[dim] * tp)]
-        return [matrix.narrow(dim, start, n) for start, n in _offsets(lengths)]
+        return list(matrix.split([n // tp for n in _sections(param, matrix.shape[dim] * tp)], dim=dim))
 
 
 def _batches(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:

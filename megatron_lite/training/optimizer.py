@@ -24,7 +24,7 @@ import torch
 from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs, parameter_groups
 from megatron_lite.config import OptimizerConfig
-from megatron_lite.parallel.grad_norm import global_grad_norm
+from megatron_lite.parallel.grad_norm import clip_to_global_norm
 from megatron_lite.training.muon import Muon
 
 
@@ -38,12 +38,8 @@ class ClippedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = [p for group in self.param_groups for p in group["params"]]
-        norm = global_grad_norm(params)
-        self.last_grad_norm = norm.item()
-        # Same coefficient as torch.nn.utils.clip_grad_norm_.
-        if self.clip_grad / (norm + 1e-6) < 1.0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.clip_grad, norm)  # multi-tensor scaling
+        self.last_grad_norm = clip_to_global_norm([p for group in self.param_groups for p in group["params"]],
+                                                  self.clip_grad)
         return super().step(closure)
 
 
