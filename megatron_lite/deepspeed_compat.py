@@ -422,25 +422,23 @@ def set_optimizer_state(engine, values: Dict[torch.nn.Parameter, Dict[str, Optio
                         for key in ("exp_avg", "exp_avg_sq") if value.get(key) is not None}}
             return
         inner = optimizer.optimizer
-        for group, lps in zip(inner.param_groups, lp_groups):
+        for index, partition in optimizer_partitions(optimizer).items():
+            group = inner.param_groups[index]
             flat = group["params"][0]
             # Muon's group keeps one buffer, named as AdamW's first moment (training/muon.py).
             kept = ("exp_avg",) if group.get("muon") else ("exp_avg", "exp_avg_sq")
             moments = {key: torch.zeros_like(flat) for key in kept}
-            for lp in lps:
-                mapping = lp._hp_mapping
-                if mapping is None:  # no fragment of this parameter in this DP rank's partition
+            for lp in partition.params:
+                fragment = partition.fragments.get(id(lp))
+                if fragment is None:  # no fragment of this parameter in this DP rank's partition
                     continue
-                value = values[lp]
-                src = mapping.lp_fragment_address
-                dst = mapping.hp_fragment_address
+                start, count, at = fragment
                 for key, buffer in moments.items():
-                    if value[key] is not None:
-                        buffer.narrow(0, dst.start, dst.numel).copy_(
-                            value[key].flatten().narrow(0, src.start, src.numel))
+                    if values[lp][key] is not None:
+                        buffer.narrow(0, at, count).copy_(values[lp][key].flatten().narrow(0, start, count))
             inner.state[flat] = {"step": step_on(flat.device), **moments}
-            for lp in lps:
-                if lp._hp_mapping is not None:
+            for lp in partition.params:
+                if id(lp) in partition.fragments:
                     lp._hp_mapping.set_optim_state_fragment(flat, inner.state[flat])
 
 
