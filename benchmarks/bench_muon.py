@@ -26,6 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_lite.atomic import write_text  # noqa: E402
 from megatron_lite.training.records import FILE_NAME, read_records  # noqa: E402
 
 # scripts/quickstart.sh's model and schedule, but --lr / --min-lr (a tenth of it) per run.
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", default=os.path.join(ROOT, "quickstart", "spm.model"))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.iters < 20:  # step times come from the log intervals (10 iterations each) after the first
+        parser.error(f"--iters {args.iters}: at least 20, two log intervals of 10 (the first holds the start-up)")
     if len(args.adam_lrs) != len(args.muon_lrs):
         parser.error("--adam-lrs and --muon-lrs pair up: give as many of each")
     for path in (args.data_prefix + ".idx", args.tokenizer_model):
@@ -106,9 +109,9 @@ def main() -> None:
           f"({best['muon']['validation_loss'] - best['adam']['validation_loss']:+.4f})")
     print(f"step time Muon / AdamW, median of {len(ratios)} back-to-back pairs: {statistics.median(ratios):.3f} "
           f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"iters": args.iters, "runs": results, "best": best, "step_time_ratios": ratios}, f, indent=1)
+    if args.json:  # published whole or not at all, as every writer here (megatron_lite/atomic.py)
+        write_text(args.json, json.dumps({"iters": args.iters, "runs": results, "best": best,
+                                          "step_time_ratios": ratios}, indent=1))
 
 
 if __name__ == "__main__":
