@@ -1,10 +1,11 @@
 """Does the planner's speed prediction hold? Calibrate, plan, sweep and report on this machine, and score it.
 
 One round: `calibrate` measures this machine (GEMMs, copy, collectives) and the model's own steps at each
-world size (tuning/measure_model.py); at each world size `plan --all-savers` prices every layout and memory
-saver with that profile; the ZeRO 0 candidates with no saver, sequence parallelism, selective or full
-recompute (at most --max-runs, spread over the layouts) run as a real `sweep` (torchrun, pretrain_gpt.py, a
-null-tokenizer corpus made here). Calibration and sweep run in --passes interleaved passes: the model times
+world size and layout kind, context parallelism included (tuning/measure_model.py); at each world size `plan
+--all-savers` prices every layout and memory saver with that profile (--no-savers: `plan` as the recipe runs it,
+the fastest saver of each layout); the ZeRO 0 candidates with no saver, sequence parallelism, selective or full
+recompute (CP or not; at most --max-runs, spread over the layouts, the CP and the other layouts in proportion)
+run as a real `sweep` (torchrun, pretrain_gpt.py, a null-tokenizer corpus made here). Calibration and sweep run in --passes interleaved passes: the model times
 again, then every swept layout again (in the opposite order), each run keeping its fastest of all passes
 (calibrate --model-passes, sweep --repeats). This 2-core VM has slow spells that only ever lengthen a
 measurement, and it drifts over minutes: calibrated before sweeping (2026-11-26, two rounds), the two
@@ -16,12 +17,15 @@ Rounds are separate: each calibrates afresh and sweeps again.
 
 Printed per round and world size: the runs, Spearman rank correlation of predicted and measured tokens/s,
 the measured tokens/s of the layout predicted fastest over the measured best, predicted / measured step
-time (median and worst error), calibrated and from the constants; --json writes every row. After two or
+time (median and worst error), calibrated and from the constants, over all runs and apart for the layouts
+with and without context parallelism; --json writes every row. After two or
 more rounds (or with --spread over earlier --json files, without measuring): each layout's measured step in
 every round and their spread (slowest / fastest), the bound on how close any prediction made at another
 time can come to it on this machine.
 
     python benchmarks/bench_planner.py                      # 2 rounds, world sizes 2 and 4 (~60 min here)
+    python benchmarks/bench_planner.py --rounds 1 --no-savers --micro-batches 1 2 4 --max-micro-batch 4 \
+        --max-runs 12                                       # issue 48's recipe: every world-2 layout
     python benchmarks/bench_planner.py --rounds 1 --worlds 2 --max-runs 4 --train-iters 4 --passes 1
     python benchmarks/bench_planner.py --spread a.json b.json   # the spread over earlier runs' rounds
 """
@@ -63,18 +67,44 @@ def _spread(items, n):
     return [items[round(i * (len(items) - 1) / max(n - 1, 1))] for i in range(n)]
 
 
-def pick(candidates, max_runs: int):
-    """ZeRO 0 candidates with a swept saver: about a quarter with a saver (SP, recompute) and the rest without,
-    each group spread evenly over the plan's predicted order (fast and slow ones both run), the layout predicted
-    fastest always."""
-    swept = [c for c in candidates if c.zero_stage == 0 and not c.cpu_offload and c.saver in SAVERS]
-    plain = [c for c in swept if c.saver == "none"]
-    others = [c for c in swept if c.saver != "none"]
+def swept_saver(c) -> str:
+    """The candidate's saver without its context parallelism ('context parallel 2 + full recompute' -> 'full
+    recompute'): CP is a layout the sweep runs like the others."""
+    parts = [p for p in c.saver.split(" + ") if not p.startswith("context parallel")]
+    return " + ".join(parts) or "none"
+
+
+def _pick_among(swept, max_runs: int):
+    """About a quarter with a saver (SP, recompute) and the rest without, each group spread evenly over the
+    plan's predicted order (fast and slow ones both run)."""
+    plain = [c for c in swept if swept_saver(c) == "none"]
+    others = [c for c in swept if swept_saver(c) != "none"]
     without = min(len(plain), max_runs - min(len(others), max(2, max_runs // 4)))
-    chosen = _spread(plain, without) + _spread(others, min(len(others), max_runs - without))
-    if swept and swept[0] not in chosen:
-        chosen[0] = swept[0]
+    return _spread(plain, without) + _spread(others, min(len(others), max_runs - without))
+
+
+def pick(candidates, max_runs: int):
+    """ZeRO 0 candidates with a swept saver, the CP layouts and the others in proportion to their numbers (at
+    least 2 of each kind where there are), each as _pick_among; the layout predicted fastest always."""
+    swept = [c for c in candidates if c.zero_stage == 0 and not c.cpu_offload and swept_saver(c) in SAVERS]
+    cp = [c for c in swept if c.context_parallel_size > 1]
+    rest = [c for c in swept if c.context_parallel_size == 1]
+    runs_cp = min(len(cp), max(min(2, max_runs // 2), round(max_runs * len(cp) / max(len(swept), 1))))
+    chosen = _pick_among(rest, max_runs - runs_cp) + _pick_among(cp, runs_cp)
+    fastest = min(swept, key=lambda c: c.throughput_rank, default=None)
+    if fastest is not None and fastest not in chosen:
+        chosen[0] = fastest
     return sorted(chosen, key=candidates.index)
+
+
+KINDS = (("all", lambda r: True), ("no CP", lambda r: (r.get("context_parallel_size") or 1) == 1),
+         ("CP", lambda r: (r.get("context_parallel_size") or 1) > 1))
+"""The runs scored together and apart: the layouts with context parallelism and the others."""
+
+
+def by_kind(rows, score):
+    """score(rows of a kind) for each of KINDS."""
+    return {kind: score([r for r in rows if keep(r)]) for kind, keep in KINDS}
 
 
 def scored(rows, predictions):
@@ -103,7 +133,8 @@ def prepare(world: int, profile, out: str, args):
 
 def plan_kwargs(world: int, args) -> dict:
     return dict(nodes=1, gpus_per_node=world, gpu_memory_gb=args.memory_gb, max_micro_batch=args.max_micro_batch,
-                device="cpu", max_context_parallel=1, order="throughput", all_savers=True)
+                device="cpu", max_context_parallel=args.max_context_parallel, order="throughput",
+                all_savers=not args.no_savers)
 
 
 def sweep_pass(plan, corpus: str, results: str, passes_done: int, args) -> dict:
@@ -136,10 +167,10 @@ def score(world: int, profile, results: str, out: str, args) -> dict:
         write_text(os.path.join(results, row["name"], "result.json"), json.dumps(row, indent=1))
     written = report.write_report(results)
     by_key = {(c.layout, c.saver): c for c in constants.candidates}
-    uncalibrated = scored(written["rows"], {r["name"]: (by_key[k].predicted_step_seconds,
-                                                        by_key[k].predicted_tokens_per_s, "constants")
-                                            for r in written["rows"] if (k := (r["layout"], r["saver"])) in by_key})
-    return {"world": world, "calibrated": written["accuracy"], "constants": uncalibrated,
+    constant_prices = {r["name"]: (by_key[k].predicted_step_seconds, by_key[k].predicted_tokens_per_s, "constants")
+                       for r in written["rows"] if (k := (r["layout"], r["saver"])) in by_key}
+    return {"world": world, "calibrated": by_kind(written["rows"], lambda rows: scored(rows, {})),
+            "constants": by_kind(written["rows"], lambda rows: scored(rows, constant_prices)),
             "report": written["markdown"],
             "rows": [{k: r.get(k) for k in ("name", "status", "ms_per_iteration", "predicted_ms_per_iteration",
                                             "predicted_over_measured", "tokens_per_s", "predicted_tokens_per_s",
@@ -160,7 +191,8 @@ def calibration_pass(worlds, models, args) -> None:
 
     start = time.time()
     for world in worlds:
-        times = measure_model(args.model, world, args.micro_batches, args.model_reps)
+        times = measure_model(args.model, world, args.micro_batches, args.model_reps,
+                              max_context_parallel=args.max_context_parallel)
         models[world] = merge_model_times(models[world], times) if world in models else times
     print(f"  model times at world {', '.join(map(str, worlds))} in {time.time() - start:.0f}s", flush=True)
 
@@ -191,8 +223,8 @@ def one_round(r: int, corpus: str, out: str, args) -> dict:
 
 def line(world: int, label: str, a) -> str:
     if not a:
-        return f"world {world} {label:>10}: fewer than 2 completed runs"
-    return (f"world {world} {label:>10}: {a['runs']} runs, Spearman {a['spearman']:.3f}, predicted best "
+        return f"world {world} {label:>16}: fewer than 2 completed runs"
+    return (f"world {world} {label:>16}: {a['runs']} runs, Spearman {a['spearman']:.3f}, predicted best "
             f"{a['predicted_best_name']} at {a['predicted_best_over_measured_best']:.3f} of the measured best, step "
             f"predicted/measured median {a['median_predicted_over_measured']:.3g}, median error "
             f"{a['median_step_error']:.1%}, worst {a['worst_step_error']:.1%}")
@@ -237,6 +269,11 @@ def main() -> int:
                              "--repeats)")
     parser.add_argument("--gemm-hidden", type=int, default=128)
     parser.add_argument("--memory-gb", type=float, default=8.0, help="memory per rank the plan may use")
+    parser.add_argument("--max-context-parallel", type=int, default=None,
+                        help="largest CP planned and calibrated (default: as plan, up to the heads per TP rank; 1: "
+                             "no CP layouts)")
+    parser.add_argument("--no-savers", action="store_true",
+                        help="plan as the recipe does, the fastest saver of each layout (not --all-savers)")
     parser.add_argument("--output", default=None, help="folder for profiles, sweeps and reports (default: temporary)")
     parser.add_argument("--json", default=None, help="write every round's numbers here")
     parser.add_argument("--spread", nargs="+", default=None, metavar="JSON",
@@ -263,8 +300,9 @@ def main() -> int:
     for r in range(1, args.rounds + 1):
         rounds.append(one_round(r, corpus, out, args))
         for w in rounds[-1]["worlds"]:
-            print(line(w["world"], "calibrated", w["calibrated"]))
-            print(line(w["world"], "constants", w["constants"]))
+            for priced in ("calibrated", "constants"):
+                for kind, _ in KINDS:
+                    print(line(w["world"], f"{priced} {kind}", w[priced][kind]))
     if len(rounds) > 1:
         print("\n".join(spread_lines(measured_spread(rounds))))
     if args.json:

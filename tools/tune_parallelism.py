@@ -51,6 +51,9 @@ def plan_parser() -> argparse.ArgumentParser:
     add_number(parser, "--max-context-parallel", minimum=1, default=None, example=4,
                         help="largest --context-parallel-size tried (1, 2, 4, ...; default: up to the heads per TP "
                              "rank; 1 plans without context parallelism)")
+    add_number(parser, "--max-expert-parallel", minimum=1, default=None, example=2,
+               help="an MoE model's largest --expert-model-parallel-size tried (default: up to --num-experts; 1 "
+                    "plans without expert parallelism)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
     add_number(parser, "--peak-tflops", kind=float, above=0, maximum=1e6, default=312.0,
                help="16-bit dense peak per GPU (A100 312)")
@@ -91,7 +94,8 @@ def _plan(argv) -> int:
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
-                    max_context_parallel=own.max_context_parallel, profile=profile, all_savers=own.all_savers)
+                    max_context_parallel=own.max_context_parallel, profile=profile, all_savers=own.all_savers,
+                    max_expert_parallel=own.max_expert_parallel)
     print(recipe.format_plan(p, own.show))
     print(f"first: {recipe.first_choice_reason(p)}")
     if own.output:
@@ -133,6 +137,12 @@ def calibrate_parser() -> argparse.ArgumentParser:
     add_number(parser, "--model-passes", minimum=1, default=1,
                help="with model flags: times every run is measured, in passes of alternating order, each keeping "
                     "its fastest (2 on a shared machine: its slow spells last tens of seconds)")
+    add_number(parser, "--max-context-parallel", minimum=1, default=None, example=2,
+               help="with model flags: the largest --context-parallel-size timed (default: every size the model "
+                    "allows, as plan tries; give plan's --max-context-parallel here too)")
+    add_number(parser, "--max-expert-parallel", minimum=1, default=None, example=2,
+               help="with model flags of an MoE model: the largest --expert-model-parallel-size timed (default: "
+                    "every size the experts allow)")
     return parser
 
 
@@ -169,7 +179,9 @@ def _calibrate(argv) -> int:
             for world in sorted({2 ** k for k in range(1, group.bit_length())} | {group}) if group > 1 else [1]:
                 profile.models.append(measure_model(model_argv, world, args.micro_batches, args.model_reps,
                                                     progress=lambda line: print(line, flush=True),
-                                                    passes=args.model_passes))
+                                                    passes=args.model_passes,
+                                                    max_context_parallel=args.max_context_parallel,
+                                                    max_expert_parallel=args.max_expert_parallel))
     except RuntimeError as e:
         print(f"tune_parallelism.py calibrate: error: {e}", file=sys.stderr)
         return 1

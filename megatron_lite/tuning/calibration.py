@@ -13,7 +13,7 @@ fixed constants:
                the caller sees, ring factors included)
 
 model times (optional, `calibrate -- <model flags>`, tuning/measure_model.py): for one model shape and world
-               size, per TP degree and micro batch, the seconds of a layer and of the embedding + head +
+               size, per layout (TP degree, context-parallel size, expert-parallel size) and micro batch, the seconds of a layer and of the embedding + head +
                loss per micro-batch, the per-step seconds (fixed and per layer), and what sequence
                parallelism, selective and full recompute add per layer and micro-batch, from real engines
 
@@ -77,19 +77,21 @@ class ModelTimes:
     shape: Dict[str, Any]
     """measure_model.shape_key of the model: a plan uses these times only for a model with the same key."""
     points: List[Dict[str, Any]]
-    """Per (tp, micro): layer_s, ends_s, engine_per_micro_s per micro-batch; optimizer_s (+ optimizer_per_layer_s
+    """Per (tp, cp, ep, micro) (cp and ep 1 where a profile predates them): layer_s, ends_s, engine_per_micro_s per micro-batch; optimizer_s (+ optimizer_per_layer_s
     x layers), reduce_s (+ reduce_per_layer_s x layers: the gradient reduction over world / tp ranks), engine_s per
     step; the variants' sp_extra_s, sp_selective_extra_s, sp_full_extra_s (TP > 1), selective_extra_s, full_extra_s
     per layer and micro-batch; runs, each
     run's measured parts (tuning/measure_model.py)."""
 
-    def point(self, tp: int, micro: int) -> Optional[Dict[str, Any]]:
-        return next((p for p in self.points if p["tp"] == tp and p["micro"] == micro), None)
+    def point(self, tp: int, micro: int, cp: int = 1, ep: int = 1) -> Optional[Dict[str, Any]]:
+        return next((p for p in self.points if (p["tp"], p.get("cp", 1), p.get("ep", 1), p["micro"])
+                     == (tp, cp, ep, micro)), None)
 
 
 def describe(world: int, p: Dict[str, Any]) -> str:
     """One line of a model-times point, in ms."""
-    return (f"model x{world} tp {p['tp']} micro {p['micro']}: per micro-batch layer {p['layer_s'] * 1e3:.2f} ms, ends "
+    layout = "".join(f" {name} {p[name]}" for name in ("cp", "ep") if p.get(name, 1) > 1)
+    return (f"model x{world} tp {p['tp']}{layout} micro {p['micro']}: per micro-batch layer {p['layer_s'] * 1e3:.2f} ms, ends "
             f"{p['ends_s'] * 1e3:.2f} ms, engine {p['engine_per_micro_s'] * 1e3:.2f} ms; per step optimizer "
             f"{p['optimizer_s'] * 1e3:.2f} + {p['optimizer_per_layer_s'] * 1e3:.2f} ms/layer, reduction "
             f"{p['reduce_s'] * 1e3:.2f} + {p['reduce_per_layer_s'] * 1e3:.2f} ms/layer, engine {p['engine_s'] * 1e3:.2f} ms")
@@ -251,6 +253,8 @@ def _model_times(path: str, d: Any, i: int) -> ModelTimes:
     for j, p in enumerate(_field(path, d, "points", list, where)):
         at = f"{where}points[{j}]."
         point = {"tp": _field(path, p, "tp", int, at, True), "micro": _field(path, p, "micro", int, at, True)}
+        for name in ("cp", "ep"):  # absent from profiles written before CP and EP were calibrated: 1
+            point[name] = _field(path, p, name, int, at, True) if name in p else 1
         for key in MODEL_POINT_FIELDS + VARIANT_FIELDS:
             if key in MODEL_POINT_FIELDS or key in p:
                 # A least-squares part may come out a little below 0 on a noisy machine: finite is what is checked.

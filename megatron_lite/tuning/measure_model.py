@@ -1,12 +1,15 @@
-"""Measure the model itself for the throughput model: real engines, this model's shape, every TP degree.
+"""Measure the model itself for the throughput model: real engines, this model's shape, every layout kind.
 
 On a GPU the kernels of a layer are big enough that GEMM FLOP/s and collective fits price a step. On a
 CPU, and for any small model, most of a step is neither: per-operator overhead, the LayerNorms, softmax
 and dropout, the optimizer, the engine's own work per micro-batch and per step. So `calibrate -- <model
 flags>` also times the model's real training step (megatron_lite.training.engine.Engine: DeepSpeed's
 pipeline engine, ZeRO 0, PP 1) on `world` spawned ranks, all stepping at once as in a real run (on a
-machine with fewer cores than ranks they share them, as the real run's ranks will), at each TP degree t
-(DP = world / t) and micro batch b. Every pipeline instruction is timed
+machine with fewer cores than ranks they share them, as the real run's ranks will), at each layout kind
+the plan can choose and each micro batch b: TP degree t, context-parallel size c and, for an MoE model,
+expert-parallel size e (DP = world / (t c); EP splits DP x CP), every combination validation allows. A
+point at CP c times its all-to-alls and its attention on the rank's 1/c of the sequence as they run; one at
+EP e its expert all-to-alls and its experts' GEMMs at their rows. Every pipeline instruction is timed
 (deepspeed_compat.time_pipeline_instructions), so one run splits its step into
 
     per micro-batch: forward + backward (LoadMicroBatch, ForwardPass, BackwardPass)
@@ -19,7 +22,10 @@ engine's rest into per-step and per-micro-batch parts, and more at 3 layers and 
 variants per layer and micro-batch: sequence parallelism (t > 1), selective and full recompute, and each
 recompute with sequence parallelism (t > 1) (each against the plain 3-layer gas-4 run). Each run: 2 steps
 of warm-up, then `reps` steps; each quantity is the slowest rank's (a barrier before each step), its median over the steps. Then `smooth` fits each per-micro-batch part
-linearly in the micro batch and averages each per-step part over the micro batches of a TP degree.
+linearly in the micro batch and averages each per-step part over the micro batches of a layout.
+
+Pricing CP from the generic terms (the profile's GEMM and all-to-all fits) instead ran 2.6-2.9x fast on this
+VM (issue 48); benchmarks/cp_step_breakdown.py times a CP step's parts against those terms.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,16 +81,16 @@ def shape_key(config) -> Dict[str, Any]:
     return model
 
 
-def run_config(base, world: int, tp: int, micro: int, layers: int, gas: int, fields: Dict[str, Any]):
-    """The validated config of one calibration run (EP 1: an MoE layer's experts all on the rank, as the plan
-    uses these times only at EP 1)."""
+def run_config(base, world: int, tp: int, micro: int, layers: int, gas: int, fields: Dict[str, Any], cp: int = 1,
+               ep: int = 1):
+    """The validated config of one calibration run at TP tp, CP cp, EP ep, PP 1, DP world / (tp cp)."""
     from megatron_lite.validation import validate
 
-    dp = world // tp
+    dp = world // (tp * cp)
     config = base.replace(
         model__num_layers=layers, model__moe_layer_freq=layer_freq_for(base.model, layers),
         parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=1,
-        parallel__context_parallel_size=1, parallel__expert_model_parallel_size=1, parallel__zero_stage=0,
+        parallel__context_parallel_size=cp, parallel__expert_model_parallel_size=ep, parallel__zero_stage=0,
         parallel__cpu_offload=False,
         parallel__sequence_parallel=False, batch__micro_batch_size=micro, batch__global_batch_size=micro * gas * dp,
         batch__gradient_accumulation_steps=None, model__recompute_activations=False,
@@ -117,15 +123,20 @@ PER_MICRO_PARTS = ("layer_s", "ends_s", "engine_per_micro_s") + tuple(f"{v}_extr
 PER_STEP_PARTS = ("optimizer_s", "optimizer_per_layer_s", "reduce_s", "reduce_per_layer_s", "engine_s")
 
 
+def layout_of(point: Dict[str, Any]) -> Tuple[int, int, int]:
+    """(TP, CP, EP) of a point (a profile written before CP and EP were calibrated has TP only: 1 and 1)."""
+    return point["tp"], point.get("cp", 1), point.get("ep", 1)
+
+
 def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """The points of one TP degree made consistent with each other, which halves the scatter a 2-core machine
+    """The points of one layout (TP, CP, EP) made consistent with each other, which halves the scatter a 2-core machine
     leaves in single runs: a per-micro-batch part is a + b x micro (least squares over the micro batches: a
     micro-batch's work grows with its tokens, plus a fixed cost per call), a per-step part (optimizer,
     reduction, engine) does not depend on the micro batch (their mean). Each point keeps its own solve() as
     `measured`."""
     out = []
-    for tp in sorted({p["tp"] for p in points}):
-        group = [p for p in points if p["tp"] == tp]
+    for layout in sorted({layout_of(p) for p in points}):
+        group = [p for p in points if layout_of(p) == layout]
         micros = [p["micro"] for p in group]
         for p in group:
             q = {k: v for k, v in p.items() if k not in PER_MICRO_PARTS + PER_STEP_PARTS}
@@ -146,14 +157,21 @@ def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
-def random_batches(config, seed: int = 0):
-    """Endless random micro-batches ((tokens, positions), (labels, loss mask)) of the config's shape."""
+def random_batches(config, seed: int = 0, cp_rank: int = 0):
+    """Endless random micro-batches ((tokens, positions), (labels, loss mask)) of the config's shape; under
+    context parallelism the CP rank's part of each, as the training data loader hands it over."""
+    from megatron_lite.data.context_parallel import context_parallel_part
+
     g = torch.Generator().manual_seed(seed)
-    micro, seq = config.batch.micro_batch_size, config.model.seq_length
+    micro, seq, cp = config.batch.micro_batch_size, config.model.seq_length, config.parallel.context_parallel_size
     positions = torch.arange(seq).expand(micro, seq).contiguous()
     while True:
         sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
-        yield (sample[:, :-1].contiguous(), positions), (sample[:, 1:].contiguous(), torch.ones(micro, seq))
+        arrays = (sample[:, :-1].contiguous(), positions, sample[:, 1:].contiguous(), torch.ones(micro, seq))
+        if cp > 1:
+            arrays = tuple(a.contiguous() for a in context_parallel_part(arrays, cp_rank, cp))
+        tokens, position_ids, labels, mask = arrays
+        yield (tokens, position_ids), (labels, mask)
 
 
 def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
@@ -185,9 +203,9 @@ def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
     return {part: statistics.median(step[i] for step in steps) for i, part in enumerate(PARTS)}
 
 
-def _worker(rank: int, port: int, world: int, model_argv: List[str], tp: int, micro: int, reps: int,
-            results) -> None:
-    """One (TP, micro batch) point's runs on this rank. Fresh processes per point: every engine leaves gloo
+def _worker(rank: int, port: int, world: int, model_argv: List[str], layout: Tuple[int, int, int], micro: int,
+            reps: int, results) -> None:
+    """One (TP, CP, EP, micro batch) point's runs on this rank. Fresh processes per point: every engine leaves gloo
     groups behind whose threads keep waking up, and a process that had built a dozen engines measured later
     points up to 1.5x slow (the TP 2 layer at micro batch 2: 35.6 ms there, the real run's 18)."""
     import gc
@@ -207,19 +225,22 @@ def _worker(rank: int, port: int, world: int, model_argv: List[str], tp: int, mi
     from megatron_lite.training.engine import Engine
 
     base = model_base(model_argv)
+    tp, cp, ep = layout
     try:
-        state.initialize(tp, 1)
+        state.initialize(tp, 1, context_parallel_size=cp, expert_model_parallel_size=ep)
         runs = {}
         for name, layers, gas, fields in RUNS:
             if name.startswith("sp") and tp == 1:
                 continue
-            config = run_config(base, world, tp, micro, layers, gas, fields)
+            config = run_config(base, world, tp, micro, layers, gas, fields, cp, ep)
             engine = Engine(config, with_scheduler=False)
-            runs[name] = _timed_parts(engine, random_batches(config, rank), reps)
+            # Samples differ over DP, a sample's CP ranks read the same one (its parts).
+            data = random_batches(config, state.get_data_parallel_rank(), state.get_context_parallel_rank())
+            runs[name] = _timed_parts(engine, data, reps)
             del engine
             gc.collect()
         state.destroy()
-        results.put((rank, {"tp": tp, "micro": micro, "runs": runs, **solve(runs)}, None))
+        results.put((rank, {"tp": tp, "cp": cp, "ep": ep, "micro": micro, "runs": runs, **solve(runs)}, None))
     except Exception as e:  # reported by the parent, which would otherwise wait for the queue
         import traceback
 
@@ -228,19 +249,32 @@ def _worker(rank: int, port: int, world: int, model_argv: List[str], tp: int, mi
         dist.destroy_process_group()
 
 
-def tp_degrees(base, world: int) -> List[int]:
-    """TP degrees 1, 2, 4, ... up to world that the model's heads, groups and FFN allow (validation decides)."""
+def _powers_of_two(limit: int) -> List[int]:
+    return [2 ** k for k in range(limit.bit_length()) if limit % 2 ** k == 0]
+
+
+def layouts(base, world: int, max_context_parallel: Optional[int] = None,
+            max_expert_parallel: Optional[int] = None) -> List[Tuple[int, int, int]]:
+    """(TP, CP, EP) at PP 1 the plan may choose on `world` ranks, as its candidates: TP, CP and EP powers of 2,
+    TP x CP dividing world, EP dividing DP x CP = world / TP (1 for a dense model), CP at most
+    `max_context_parallel` and EP at most `max_expert_parallel` (None: no bound); validation decides what the
+    model's heads, groups, sequence, FFN and experts allow."""
     from megatron_lite.config import ConfigError
 
     out = []
-    for tp in (2 ** k for k in range(world.bit_length())):
-        if world % tp:
-            continue
-        try:
-            run_config(base, world, tp, 1, 1, 1, {})
-        except ConfigError:
-            continue
-        out.append(tp)
+    for tp in _powers_of_two(world):
+        for cp in _powers_of_two(world // tp):
+            if max_context_parallel is not None and cp > max_context_parallel:
+                continue
+            experts = base.model.num_experts
+            for ep in _powers_of_two(world // tp) if experts else [1]:
+                if ep > 1 and (experts % ep or (max_expert_parallel is not None and ep > max_expert_parallel)):
+                    continue
+                try:
+                    run_config(base, world, tp, 1, 1, 1, {}, cp, ep)
+                except ConfigError:
+                    continue
+                out.append((tp, cp, ep))
     return out
 
 
@@ -261,35 +295,40 @@ def merge_model_times(a: ModelTimes, b: ModelTimes) -> ModelTimes:
         raise ValueError(f"model times of world {a.world} and {b.world} or of different shapes do not merge")
     measured = []
     for p in a.points:
-        q = b.point(p["tp"], p["micro"])
+        tp, cp, ep = layout_of(p)
+        q = b.point(tp, p["micro"], cp, ep)
         if q is None:
-            raise ValueError(f"model times to merge: TP {p['tp']}, micro batch {p['micro']} missing from one")
+            raise ValueError(f"model times to merge: TP {tp}, CP {cp}, EP {ep}, micro batch {p['micro']} missing "
+                             f"from one")
         best = fastest_runs([p["runs"], q["runs"]])
-        measured.append({"tp": p["tp"], "micro": p["micro"], "runs": best,
+        measured.append({"tp": tp, "cp": cp, "ep": ep, "micro": p["micro"], "runs": best,
                          "passes": p.get("passes", 1) + q.get("passes", 1), **solve(best)})
     return ModelTimes(world=a.world, model_argv=a.model_argv, shape=a.shape, points=smooth(measured))
 
 
 def measure_model(model_argv: Sequence[str], world: int, micro_batches: Sequence[int], reps: int = 3,
-                  timeout: float = 1800.0, progress=lambda line: None, passes: int = 1) -> ModelTimes:
-    """The model's times on `world` spawned gloo ranks (CPU) at every TP degree it allows and each micro batch;
-    with passes > 1 every point is measured that many times, each pass in the opposite order of the one before
-    (a slow spell falls on different points), and each run keeps its fastest (fastest_runs)."""
+                  timeout: float = 1800.0, progress=lambda line: None, passes: int = 1,
+                  max_context_parallel: Optional[int] = None, max_expert_parallel: Optional[int] = None) -> ModelTimes:
+    """The model's times on `world` spawned gloo ranks (CPU) at every layout (TP, CP, EP) it allows (`layouts`)
+    and each micro batch; with passes > 1 every point is measured that many times, each pass in the opposite
+    order of the one before (a slow spell falls on different points), and each run keeps its fastest
+    (fastest_runs)."""
     if passes < 1:
         raise ValueError(f"passes must be at least 1, got {passes}")
     base = model_base(model_argv)
-    tps = tp_degrees(base, world)
-    order = [(tp, micro) for tp in tps for micro in micro_batches]
+    order = [(layout, micro) for layout in layouts(base, world, max_context_parallel, max_expert_parallel)
+             for micro in micro_batches]
     runs: Dict[Any, List[Dict[str, Dict[str, float]]]] = {key: [] for key in order}
     for n in range(passes):
-        for tp, micro in (order if n % 2 == 0 else order[::-1]):
-            point = spawn_ranks(_worker, world, (list(model_argv), tp, micro, reps), timeout,
-                                f"model calibration at world size {world}, TP {tp}, micro batch {micro}")[0]
-            runs[(tp, micro)].append(point["runs"])
+        for layout, micro in (order if n % 2 == 0 else order[::-1]):
+            point = spawn_ranks(_worker, world, (list(model_argv), layout, micro, reps), timeout,
+                                f"model calibration at world size {world}, TP {layout[0]}, CP {layout[1]}, "
+                                f"EP {layout[2]}, micro batch {micro}")[0]
+            runs[(layout, micro)].append(point["runs"])
     measured = []
-    for tp, micro in order:
-        best = fastest_runs(runs[(tp, micro)])
-        measured.append({"tp": tp, "micro": micro, "runs": best, "passes": passes, **solve(best)})
+    for (tp, cp, ep), micro in order:
+        best = fastest_runs(runs[((tp, cp, ep), micro)])
+        measured.append({"tp": tp, "cp": cp, "ep": ep, "micro": micro, "runs": best, "passes": passes, **solve(best)})
     points_out = smooth(measured)
     for p in points_out:
         progress(describe(world, p))

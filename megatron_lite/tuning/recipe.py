@@ -232,6 +232,8 @@ class Candidate:
     predicted_tokens_per_s: float = 0.0
     predicted_ep_comm_seconds: float = 0.0
     """The expert all-to-alls' part of the predicted step: the slowest stage's per micro-batch x (g + p - 1)."""
+    predicted_parts: Dict[str, float] = field(default_factory=dict)
+    """The predicted step's terms in seconds (tuning/throughput.py's result: pipeline, stage, dp_comm, ...)."""
     predicted_from: str = ""
     """What priced the step: "model times" (the profile's measurements of this model), "profile" (its GEMM and
     collective fits), "constants" (no profile)."""
@@ -391,6 +393,7 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     c.predicted_ep_comm_seconds = times.get("ep_comm_seconds", 0.0) * (c.gradient_accumulation_steps
                                                                          + c.pipeline_model_parallel_size - 1)
     c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
+    c.predicted_parts = dict(times)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
@@ -407,30 +410,29 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
                               params: Sequence[int], redone: Sequence[int], bytes_per_value: int,
                               muon: Optional[List[MuonWork]] = None):
     """The step priced by the profile's measured times of this very model (tuning/measure_model.py), where it has
-    them: same shape, the plan's world size, this TP and micro batch; ZeRO 0, no CP, no offload, as they were
-    measured (ZeRO 1-3 and offload from the fits on top: throughput.predict_from_model_times). None otherwise,
-    and under context or expert parallelism, which calibrate does not run (the GEMM + collectives model prices
-    them)."""
-    if profile is None or not profile.models or c.context_parallel_size > 1 or c.expert_model_parallel_size > 1:
+    them: same shape, the plan's world size, this TP, CP, EP and micro batch, measured at PP 1 and ZeRO 0 (PP,
+    ZeRO 1-3 and offload from the fits on top: throughput.predict_from_model_times). None otherwise."""
+    if profile is None or not profile.models:
         return None
     from megatron_lite.tuning.measure_model import shape_key  # imports torch: planning without a profile needs none
 
-    world = c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.data_parallel_size
+    tp, cp, ep = c.tensor_model_parallel_size, c.context_parallel_size, c.expert_model_parallel_size
+    world = tp * cp * c.pipeline_model_parallel_size * c.data_parallel_size
     times = profile.model_times(shape_key(config), world)
-    point = times.point(c.tensor_model_parallel_size, c.micro_batch_size) if times else None
+    point = times.point(tp, c.micro_batch_size, cp, ep) if times else None
     if point is None:
         return None
-    m, tp = config.model, c.tensor_model_parallel_size
+    m = config.model
     return predict_from_model_times(
         point, profile, world=world, stage_layers=layers, stage_parameters=params,
-        # The calibration's model: the first n layers (an MoE layer holds every expert there: EP 1).
-        calibration_parameters=lambda n: embedding_parameters(m, tp) + sum(layer_parameters(m, tp, k)
+        # The calibration's model: the first n layers, at the point's TP and EP.
+        calibration_parameters=lambda n: embedding_parameters(m, tp) + sum(layer_parameters(m, tp, k, ep)
                                                                            for k in range(1, n + 1)),
         tp=tp, pp=c.pipeline_model_parallel_size, dp=c.data_parallel_size, micro=c.micro_batch_size,
         gas=c.gradient_accumulation_steps, hidden=m.hidden_size, seq=m.seq_length,
         sequence_parallel=c.sequence_parallel, selective=m.recompute_granularity == "selective", recomputed_layers=redone,
         tied_embedding_parameters=0 if m.untie_embeddings_and_output_weights else m.padded_vocab_size * m.hidden_size // tp,
-        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload, muon=muon)
+        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload, muon=muon, cp=cp)
 
 
 def _recomputed_layer_numbers(m, numbers: range) -> List[int]:

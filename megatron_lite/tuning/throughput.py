@@ -175,6 +175,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     all_to_all = lambda nbytes, messages: (ep - 1) / ep * nbytes / ep_bw  # noqa: E731
     per_stage: List[float] = []
     ep_comms: List[float] = []
+    cp_comms: List[float] = []
     for flops, again, layers, redone, (moe_layers, moe_redone) in zip(
             stage_flops_per_token, recompute_flops, stage_layers, recomputed, moe):
         compute = _compute_seconds(flops, again, moe_layers, moe_redone, experts, tokens / tp, rate(tokens), rate)
@@ -183,6 +184,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
         ep_comm = ep_all_to_all_seconds(experts, moe_layers, moe_redone, all_to_all)
         per_stage.append(compute + tp_comm + cp_comm + ep_comm)
         ep_comms.append(ep_comm)
+        cp_comms.append(cp_comm)
     # Rank order is (pipe, data, model), data = DP x CP: a stage spans tp x cp x dp consecutive ranks.
     sent = act_bytes / tp if sequence_parallel else act_bytes
     stage_ranks = tp * cp * dp
@@ -202,7 +204,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     optimizer = muon_seconds(muon, lambda rows: matmul * gemm_efficiency(rows),
                              lambda nbytes, ranks, messages: 2 * (ranks - 1) / ranks * nbytes / stage_bw,
                              lambda nbytes, messages: (tp - 1) / tp * nbytes / tp_bw)
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, optimizer)
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, optimizer, cp_comms)
 
 
 def _stage_experts(experts: Optional[Experts], stages: int) -> List[Tuple[int, int]]:
@@ -228,13 +230,15 @@ def _compute_seconds(flops: float, again: float, moe_layers: int, moe_redone: in
 
 
 def _step(per_stage: List[float], ep_comms: List[float], gas: int, pp: int, p2p: float, dp_comm: float,
-          offload: float, muon: float = 0.0) -> Dict[str, float]:
+          offload: float, muon: float = 0.0, cp_comms: Sequence[float] = ()) -> Dict[str, float]:
+    """The step's terms: ep_comm_seconds and cp_comm_seconds are the slowest stage's per micro-batch."""
     slowest = max(range(len(per_stage)), key=lambda i: per_stage[i])
     pipeline = (gas + pp - 1) * per_stage[slowest]
     step = pipeline + p2p + dp_comm + offload + muon
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
             "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": per_stage[slowest],
-            "ep_comm_seconds": ep_comms[slowest], "muon_seconds": muon}
+            "ep_comm_seconds": ep_comms[slowest], "cp_comm_seconds": cp_comms[slowest] if cp_comms else 0.0,
+            "muon_seconds": muon}
 
 
 def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
@@ -257,6 +261,7 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
     all_to_all = lambda nbytes, messages: comm("all_to_all", ep, nbytes, messages=messages)  # noqa: E731
     per_stage: List[float] = []
     ep_comms: List[float] = []
+    cp_comms: List[float] = []
     moe = _stage_experts(experts, len(stage_layers))
     for flops, again, layers, redone, (moe_layers, moe_redone) in zip(
             stage_flops_per_token, recompute_flops, stage_layers, recomputed, moe):
@@ -267,6 +272,7 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
         ep_comm = ep_all_to_all_seconds(experts, moe_layers, moe_redone, all_to_all)
         per_stage.append(compute + tp_comm + cp_comm + ep_comm)
         ep_comms.append(ep_comm)
+        cp_comms.append(cp_comm)
     sent = act_bytes / tp if sequence_parallel else act_bytes
     p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
     reduced = dp * cp
@@ -280,7 +286,8 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
                   ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
     offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, profile_muon_seconds(profile, muon, tp))
+    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, profile_muon_seconds(profile, muon, tp),
+                 cp_comms)
 
 
 def profile_muon_seconds(profile: Profile, muon: Optional[Sequence[MuonWork]], tp: int) -> float:
@@ -296,8 +303,10 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
                              micro: int, gas: int, hidden: int, seq: int, sequence_parallel: bool,
                              selective: bool, recomputed_layers: Sequence[int], tied_embedding_parameters: int,
                              bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False,
-                             muon: Optional[Sequence[MuonWork]] = None) -> Dict[str, float]:
-    """A step priced by the model's own measured times (tuning/measure_model.py) at this TP and micro batch:
+                             muon: Optional[Sequence[MuonWork]] = None, cp: int = 1) -> Dict[str, float]:
+    """A step priced by the model's own measured times (tuning/measure_model.py) at this TP, CP, EP and micro
+    batch (a layer's and the ends' times at CP c are those of the rank's S / c tokens, the CP all-to-alls
+    included; at EP e the expert all-to-alls and the experts' GEMMs at their rows):
 
       stage_i  = L_i x layer + (L_i - R_i) x extra + R_i x full_extra + ends [last stage] + engine_per_micro,
                  per micro-batch (R_i: layers full recompute runs again; extra: sp_extra with SP, selective_extra
@@ -305,14 +314,16 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
                  were measured together, their costs do not add)
       pipeline = (g + p - 1) x max_i stage_i
       fixed    = max_i (optimizer + L_i optimizer_per_layer + reduction_i) + engine
-                 reduction_i = (reduce + L_i reduce_per_layer) x AR(dp, P_i) / AR(world / tp, P_cal(L_i)):
-                 measured over the calibration's DP (world / tp) on its own model's parameters P_cal(L)
+                 reduction_i = (reduce + L_i reduce_per_layer) x AR(dp c, P_i) / AR(world / tp, P_cal(L_i)):
+                 gradients are reduced over DP x CP, measured over the calibration's (world / tp) on its own
+                 model's parameters P_cal(L)
                  (`calibration_parameters(L)`), scaled by the all-reduce fit to this layout's DP and the stage's
                  parameters P_i (the fit alone where the calibration had one DP rank; 0 at DP 1)
-      p2p      = 2 (g + p - 1) sends of a micro-batch's activations (/ t with SP), as the fitted model
+      p2p      = 2 (g + p - 1) sends of a micro-batch's activations on a rank (b S / c tokens; / t with SP),
+                 as the fitted model
       tied     = at PP > 1 the tied embedding's gradient all-reduce between the first and the last stage
     AR = the profile's all-reduce fit. The times were measured at ZeRO 0; at ZeRO 1 and 2 the optimizer part is
-    divided by DP (each rank updates its partition) and the reduction is RS(dp, P_i) + AG(dp, P_i) from the
+    divided by DP x CP (each rank updates its partition) and the reduction is RS(dp c, P_i) + AG(dp c, P_i) from the
     fits (reduce-scatter the gradients, all-gather the updated parameters); ZeRO 3 adds two all-gathers of the
     parameters per micro-batch (forward and backward) to the stage; offload adds 16 bytes x P_i / DP over the
     measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines. The times were measured
@@ -322,10 +333,11 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
     prefix = "sp_" if sp else ""
     extra = point.get(f"{prefix}selective_extra_s", 0.0) if selective else point.get("sp_extra_s", 0.0) if sp else 0.0
     again = point.get(f"{prefix}full_extra_s", 0.0)  # a recomputed layer's extra, SP's included
+    reduced = dp * cp  # gradients are reduced, and ZeRO partitions, over DP x CP
     stages = []
     for i, (layers, redone) in enumerate(zip(stage_layers, recomputed_layers)):
         ends = point["ends_s"] if i == len(stage_layers) - 1 else 0.0
-        gathers = 2 * comm("all_gather", dp, stage_parameters[i] * bytes_per_value) if zero_stage == 3 else 0.0
+        gathers = 2 * comm("all_gather", reduced, stage_parameters[i] * bytes_per_value) if zero_stage == 3 else 0.0
         stages.append(layers * point["layer_s"] + (layers - redone) * extra + redone * again + ends
                       + point["engine_per_micro_s"] + gathers)
     calibration_dp = world // tp
@@ -334,17 +346,17 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
         optimizer = point["optimizer_s"] + layers * point["optimizer_per_layer_s"]
         nbytes = params * bytes_per_value
         if zero_stage:
-            optimizer /= dp
-            reduction = comm("reduce_scatter", dp, nbytes) + comm("all_gather", dp, nbytes)
+            optimizer /= reduced
+            reduction = comm("reduce_scatter", reduced, nbytes) + comm("all_gather", reduced, nbytes)
         else:
-            wanted = comm("all_reduce", dp, nbytes)
+            wanted = comm("all_reduce", reduced, nbytes)
             measured_as = comm("all_reduce", calibration_dp, calibration_parameters(layers) * bytes_per_value)
             reduction = wanted if measured_as <= 0 else (
                 (point["reduce_s"] + layers * point["reduce_per_layer_s"]) * wanted / measured_as)
-        offload = 16.0 * params / dp / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
+        offload = 16.0 * params / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
         fixed.append(optimizer + reduction + offload)
     step_fixed = max(fixed) + point["engine_s"] + profile_muon_seconds(profile, muon, tp)
-    sent = micro * seq * hidden * bytes_per_value / (tp if sp else 1)
+    sent = micro * seq // cp * hidden * bytes_per_value / (tp if sp else 1)
     p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
     tied = comm("all_reduce", 2, tied_embedding_parameters * bytes_per_value) if pp > 1 else 0.0
     pipeline = (gas + pp - 1) * max(stages)
