@@ -48,3 +48,30 @@ def test_spread_of_a_missing_or_foreign_file_is_refused_naming_the_flag_and_file
                                 cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert result.returncode == 2 and f"--spread {path}: not a bench_planner --json file" in result.stderr, \
             result.stderr
+
+
+def test_the_sweep_picks_context_parallel_layouts_in_proportion_and_always_the_layout_predicted_fastest():
+    from types import SimpleNamespace
+
+    from benchmarks.bench_planner import pick
+
+    def candidate(rank, cp, saver):
+        return SimpleNamespace(zero_stage=0, cpu_offload=False, context_parallel_size=cp, throughput_rank=rank,
+                               saver=saver)
+
+    # Shaden's order: the CP layouts last, the fastest (throughput rank 1) among them.
+    plain = [candidate(r, 1, "none") for r in range(2, 10)]
+    cp = [candidate(1, 2, "context parallel 2"), candidate(10, 2, "context parallel 2 + full recompute"),
+          candidate(11, 2, "context parallel 2"), candidate(12, 2, "context parallel 2 + ZeRO 2")]
+    chosen = pick(plain + cp, 6)
+    assert len(chosen) == 6 and cp[0] in chosen and cp[3] not in chosen  # ZeRO 2 is not swept
+    assert sum(c.context_parallel_size == 2 for c in chosen) == 2  # 3 of 11 swept candidates are CP: 2 of 6 runs
+    assert pick(plain, 4) == [plain[0], plain[2], plain[5], plain[7]]  # spread over the predicted order
+
+
+def test_runs_are_scored_together_and_apart_by_context_parallelism():
+    from benchmarks.bench_planner import by_kind
+
+    rows = [{"name": "a", "context_parallel_size": 1}, {"name": "b", "context_parallel_size": 2}, {"name": "c"}]
+    assert by_kind(rows, lambda rs: [r["name"] for r in rs]) == {"all": ["a", "b", "c"], "no CP": ["a", "c"],
+                                                                 "CP": ["b"]}

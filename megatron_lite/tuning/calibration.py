@@ -13,8 +13,8 @@ fixed constants:
                the caller sees, ring factors included)
 
 model times (optional, `calibrate -- <model flags>`, tuning/measure_model.py): for one model shape and world
-               size, per layout (TP degree, context-parallel size, expert-parallel size) and micro batch, the seconds of a layer and of the embedding + head +
-               loss per micro-batch, the per-step seconds (fixed and per layer), and what sequence
+               size, per layout (TP degree, context-parallel size, expert-parallel size) and micro batch, the
+               seconds of a layer and of the embedding + head + loss per micro-batch, the per-step seconds (fixed and per layer), and what sequence
                parallelism, selective and full recompute add per layer and micro-batch, from real engines
 
 A group size that was not measured is priced from the nearest measured one by the ring algorithm's

@@ -14,6 +14,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--vocab-size", "256", "--make-vocab-size-divisible-by", "16", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--global-batch-size", "8"]
 
+MOE = [*MODEL, "--num-experts", "4", "--moe-router-topk", "2"]
+
 PARTS = {"layer_s": 0.010, "ends_s": 0.004, "engine_per_micro_s": 0.001, "optimizer_s": 0.002,
          "optimizer_per_layer_s": 0.003, "reduce_s": 0.0015, "reduce_per_layer_s": 0.0005, "engine_s": 0.006,
          "sp_extra_s": 0.0007, "selective_extra_s": 0.002, "full_extra_s": 0.004, "sp_selective_extra_s": 0.0025,
@@ -48,12 +50,12 @@ def test_passes_keep_each_runs_fastest_part_and_a_run_missing_from_a_pass_is_lef
     assert best == {"l1g4": fast}
 
 
-def _profile(world=2, tp=1, micro=1, collectives=True):
+def _profile(world=2, tp=1, micro=1, collectives=True, cp=1):
     fit = calibration.LinkFit(1e-4, 1.0, [4096, 65536], [1e-4, 1e-4])
     return calibration.Profile(
         "cpu", "x", "gloo", "2", "now", "float32", 1, [calibration.GemmPoint(128, 8, 8, 1e9)], 10.0,
         {name: ({2: fit, 4: fit} if collectives else {}) for name in calibration.COLLECTIVES},
-        models=[calibration.ModelTimes(world, [], {}, [dict(PARTS, tp=tp, micro=micro)])])
+        models=[calibration.ModelTimes(world, [], {}, [dict(PARTS, tp=tp, cp=cp, ep=1, micro=micro)])])
 
 
 def _predict(profile, **kw):
@@ -115,12 +117,72 @@ def test_zero_1_divides_the_optimizer_over_dp_and_reduces_by_reduce_scatter_and_
     assert zero1["step_seconds"] == pytest.approx(4 * micro + fixed)
 
 
+def test_context_parallelism_reduces_over_dp_times_cp_and_sends_a_ranks_share_of_the_sequence():
+    # A CP point's layer time holds its all-to-alls and its split attention as measured; what the plan adds on top
+    # treats DP x CP as the data-parallel ranks (gradients reduced, ZeRO partitions) and a CP rank's S / C tokens.
+    profile, p = _profile(cp=2), PARTS
+    comm = profile.collective_seconds
+    assert _predict(profile, dp=1, cp=2) == _predict(profile, dp=2)  # 2 ranks reduce and update either way
+    assert _predict(profile, dp=1, cp=2, zero_stage=1) == _predict(profile, dp=2, zero_stage=1)
+    two = _predict(profile, world=4, pp=2, dp=1, cp=2, stage_layers=[2, 2], stage_parameters=[600, 600],
+                   recomputed_layers=[0, 0])
+    assert two["p2p_seconds"] == pytest.approx(2 * (4 + 1) * comm("send_recv", 2, 1 * 32 // 2 * 64 * 4)
+                                               + comm("all_reduce", 2, 500 * 4))
+    reduction = (p["reduce_s"] + 2 * p["reduce_per_layer_s"]) * comm("all_reduce", 2, 2400) / comm("all_reduce", 4, 2000)
+    last = 2 * p["layer_s"] + p["ends_s"] + p["engine_per_micro_s"]
+    fixed = p["optimizer_s"] + 2 * p["optimizer_per_layer_s"] + reduction + p["engine_s"]
+    assert two["step_seconds"] == pytest.approx(5 * last + two["p2p_seconds"] + fixed)
+
+
+def test_calibrated_context_parallel_layouts_are_priced_from_their_own_times_and_rank_among_the_measured(tmp_path):
+    # Issue 48: CP priced from the generic fits ran 2.6-2.9x slower than predicted. With calibrate's times of the
+    # CP layout the plan prices it from them: here that point is made slow and the CP layout must rank last of
+    # the measured layouts, its price the one its point gives.
+    from megatron_lite.tuning.measure_model import model_base, run_config, shape_key
+
+    profile = _profile()
+    profile.models[0].shape = shape_key(run_config(model_base(MODEL), 2, 1, 1, 1, 1, {}))
+    profile.models[0].points.append(dict(PARTS, tp=1, cp=2, ep=1, micro=1, layer_s=0.5))
+    plan = recipe.plan(MODEL, profile=profile, nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=1,
+                       device="cpu", workdir=str(tmp_path), order="throughput")
+    by = {c.layout: c for c in plan.candidates}
+    cp, dp = by["tp1_cp2_pp1_dp1_mb1"], by["tp1_cp1_pp1_dp2_mb1"]
+    assert cp.predicted_from == dp.predicted_from == "model times"
+    per_micro = PARTS["ends_s"] + PARTS["engine_per_micro_s"]  # gas 8 at DP 1, 4 at DP 2; both reduce over 2 ranks
+    assert cp.predicted_step_seconds - dp.predicted_step_seconds == pytest.approx(
+        8 * (4 * 0.5 + per_micro) - 4 * (4 * PARTS["layer_s"] + per_micro))
+    measured = sorted((c for c in plan.candidates if c.predicted_from == "model times"), key=lambda c: c.throughput_rank)
+    assert measured[-1] is cp and by["tp2_cp1_pp1_dp1_mb1"].predicted_from == "profile"  # TP 2 was not measured
+
+
+def test_model_times_are_measured_at_every_tp_cp_and_ep_the_plan_may_choose():
+    from megatron_lite.tuning.measure_model import layouts, model_base
+
+    base = model_base(MODEL)
+    assert layouts(base, 2) == [(1, 1, 1), (1, 2, 1), (2, 1, 1)]
+    assert layouts(base, 2, max_context_parallel=1) == [(1, 1, 1), (2, 1, 1)]
+    assert layouts(base, 4) == [(1, 1, 1), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (4, 1, 1)]
+    moe = model_base([*MODEL, "--num-experts", "4", "--moe-router-topk", "2"])
+    # EP splits DP x CP (world / TP) and the experts; at TP 2 of 2 ranks there is none to split.
+    assert layouts(moe, 2) == [(1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 1, 1)]
+    assert (2, 2, 2) in layouts(moe, 4) and (2, 1, 4) not in layouts(moe, 4)  # TP 2 leaves 2 ranks to split
+    assert max(ep for _, _, ep in layouts(moe, 4, max_expert_parallel=2)) == 2
+
+
 def test_a_profile_with_model_times_round_trips_and_a_bad_point_is_named(tmp_path):
     path = str(tmp_path / "p.json")
-    _profile().save(path)
+    profile = _profile()
+    profile.models[0].points.append(dict(PARTS, tp=1, cp=2, ep=1, micro=1, layer_s=0.5))
+    profile.save(path)
     loaded = calibration.load(path)
     assert loaded.models[0].point(1, 1)["layer_s"] == PARTS["layer_s"] and loaded.models[0].point(2, 1) is None
+    assert loaded.models[0].point(1, 1, cp=2)["layer_s"] == 0.5 and loaded.models[0].point(1, 1, ep=2) is None
     d = json.loads(open(path).read())
+    for point in d["models"][0]["points"]:  # a profile written before CP and EP were calibrated
+        del point["cp"], point["ep"]
+    del d["models"][0]["points"][1]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert calibration.load(str(tmp_path / "old.json")).models[0].point(1, 1, cp=1, ep=1)["layer_s"] == PARTS["layer_s"]
     del d["models"][0]["points"][0]["ends_s"]
     (tmp_path / "bad.json").write_text(json.dumps(d))
     with pytest.raises(ConfigError, match=r"bad.json: field 'models\[0\].points\[0\].ends_s' is missing"):
@@ -186,7 +248,8 @@ def test_prediction_accuracy_scores_rank_the_fastest_prediction_and_each_step_er
 
 
 @pytest.mark.slow
-def test_calibrate_with_model_flags_times_the_model_at_each_tp_and_the_plan_uses_them(tmp_path, capsys):
+def test_calibrate_with_model_flags_times_the_model_at_each_tp_and_cp_and_the_plan_prices_every_layout_from_them(
+        tmp_path, capsys):
     path = str(tmp_path / "profile.json")
     rc = tune_parallelism.main(["calibrate", "--output", path, "--gemm-tokens", "128", "--gemm-hidden", "64",
                                 "--copy-megabytes", "8", "--message-bytes", "4096", "65536", "--iters", "2",
@@ -194,16 +257,29 @@ def test_calibrate_with_model_flags_times_the_model_at_each_tp_and_the_plan_uses
     assert rc == 0
     profile = calibration.load(path)
     (times,) = profile.models
-    assert times.world == 2 and sorted((p["tp"], p["micro"]) for p in times.points) == [(1, 1), (2, 1)]
+    assert times.world == 2 and sorted((p["tp"], p["cp"], p["micro"]) for p in times.points) == [
+        (1, 1, 1), (1, 2, 1), (2, 1, 1)]
     for p in times.points:  # steps took time; each run's parts are at most its step
         for run in p["runs"].values():
             assert run["step"] > 0 and run["micro"] > 0 and run["micro"] <= run["step"]
         assert ("sp_extra_s" in p) == (p["tp"] == 2)
-    assert "model x2 tp 2 micro 1: per micro-batch layer" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model x2 tp 2 micro 1: per micro-batch layer" in out and "model x2 tp 1 cp 2 micro 1:" in out
     plan = recipe.plan(MODEL, nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=1, device="cpu",
-                       workdir=str(tmp_path), max_context_parallel=1, profile=profile)
+                       workdir=str(tmp_path), profile=profile)
+    assert {c.context_parallel_size for c in plan.candidates} == {1, 2}
     assert {c.predicted_from for c in plan.candidates} == {"model times"}
-    assert all(c.predicted_step_seconds > 0 for c in plan.candidates)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_point_times_the_moe_models_runs_on_ranks_that_split_its_experts():
+    from megatron_lite.tuning.measure import spawn_ranks
+    from megatron_lite.tuning.measure_model import RUNS, _worker
+
+    (point, _) = spawn_ranks(_worker, 2, (MOE, (1, 2, 2), 1, 1), 600, "an EP 2 x CP 2 point")
+    assert (point["tp"], point["cp"], point["ep"], point["micro"]) == (1, 2, 2, 1)
+    assert set(point["runs"]) == {name for name, *_ in RUNS if not name.startswith("sp")}
+    assert all(run["micro"] > 0 and run["micro"] <= run["step"] for run in point["runs"].values())
 
 
 def test_calibrate_refuses_zero_model_passes_before_measuring(tmp_path, capsys):
