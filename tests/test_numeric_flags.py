@@ -70,13 +70,14 @@ NUMBERS = {
     "tune_parallelism.py plan": (["plan", "--nodes", "1", "--gpus-per-node", "8", "--gpu-memory-gb", "80", *MODEL], {
         "--nodes": ["0", "-1"], "--gpus-per-node": ["0"], "--gpu-memory-gb": ["0", "-80", "70000"],
         "--memory-margin": ["-0.1", "1"], "--max-micro-batch": ["0"], "--probe-layers": ["0"],
-        "--max-context-parallel": ["0"], "--peak-tflops": ["0", "2e6"], "--intra-node-gbps": ["0"],
+        "--max-context-parallel": ["0"], "--max-expert-parallel": ["0"], "--peak-tflops": ["0", "2e6"],
+        "--intra-node-gbps": ["0"],
         "--inter-node-gbps": ["-25"], "--show": ["-1"]}),
     "tune_parallelism.py calibrate": (["calibrate", "--output", "{out}"], {
         "--world-size": ["0"], "--gemm-tokens": ["0", "-128"], "--gemm-hidden": ["0"],
         "--copy-megabytes": ["0", "2000000"], "--message-bytes": ["3", "0"], "--iters": ["0"],
         "--min-seconds": ["0", "3601"], "--threads": ["0"], "--micro-batches": ["0"], "--model-reps": ["0"],
-        "--model-passes": ["0"]}),
+        "--model-passes": ["0"], "--max-context-parallel": ["0"], "--max-expert-parallel": ["-2"]}),
     "tune_parallelism.py sweep": (["sweep", "--plan", "{missing}", "--results", "{out}", "--launcher", "x"], {
         "--train-iters": ["1", "0"], "--warmup-iters": ["-1"], "--time-limit": ["0", "1e7"], "--max-runs": ["0"],
         "--repeats": ["0"]}),

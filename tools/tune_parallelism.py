@@ -27,6 +27,17 @@ from megatron_lite.flag_numbers import GPU_MEMORY_GB_MAX, add_number  # noqa: E4
 from megatron_lite.targets import OVERWRITE_HELP, target_problem  # noqa: E402
 
 
+def add_parallel_bounds(parser: argparse.ArgumentParser, verb: str, none: str) -> None:
+    """--max-context-parallel and --max-expert-parallel: plan and calibrate bound the same layouts (calibrate
+    times the CP and EP sizes plan may try, so give both the same bounds)."""
+    add_number(parser, "--max-context-parallel", minimum=1, default=None, example=2,
+               help=f"largest --context-parallel-size {verb} (1, 2, 4, ...; default: up to the heads per TP rank; 1 "
+                    f"{none} context parallelism)")
+    add_number(parser, "--max-expert-parallel", minimum=1, default=None, example=2,
+               help=f"an MoE model's largest --expert-model-parallel-size {verb} (default: up to --num-experts; 1 "
+                    f"{none} expert parallelism)")
+
+
 def plan_parser() -> argparse.ArgumentParser:
     from megatron_lite.tuning import recipe
 
@@ -48,12 +59,7 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-probe", action="store_true",
                         help="Samyam's mode: one node, --probe-layers layers at full hidden size, micro batch 1..64")
     add_number(parser, "--probe-layers", minimum=1, default=2)
-    add_number(parser, "--max-context-parallel", minimum=1, default=None, example=4,
-                        help="largest --context-parallel-size tried (1, 2, 4, ...; default: up to the heads per TP "
-                             "rank; 1 plans without context parallelism)")
-    add_number(parser, "--max-expert-parallel", minimum=1, default=None, example=2,
-               help="an MoE model's largest --expert-model-parallel-size tried (default: up to --num-experts; 1 "
-                    "plans without expert parallelism)")
+    add_parallel_bounds(parser, "tried", "plans without")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where the runs will train")
     add_number(parser, "--peak-tflops", kind=float, above=0, maximum=1e6, default=312.0,
                help="16-bit dense peak per GPU (A100 312)")
@@ -137,12 +143,7 @@ def calibrate_parser() -> argparse.ArgumentParser:
     add_number(parser, "--model-passes", minimum=1, default=1,
                help="with model flags: times every run is measured, in passes of alternating order, each keeping "
                     "its fastest (2 on a shared machine: its slow spells last tens of seconds)")
-    add_number(parser, "--max-context-parallel", minimum=1, default=None, example=2,
-               help="with model flags: the largest --context-parallel-size timed (default: every size the model "
-                    "allows, as plan tries; give plan's --max-context-parallel here too)")
-    add_number(parser, "--max-expert-parallel", minimum=1, default=None, example=2,
-               help="with model flags of an MoE model: the largest --expert-model-parallel-size timed (default: "
-                    "every size the experts allow)")
+    add_parallel_bounds(parser, "timed (with model flags)", "measures no")
     return parser
 
 
