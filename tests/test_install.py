@@ -45,7 +45,11 @@ def fresh_install(tmp_path_factory):
         os.makedirs(src / os.path.dirname(rel), exist_ok=True)
         shutil.copy2(os.path.join(REPO_ROOT, rel), src / rel)
     # `python3` in the README is this interpreter; pip may use its wheel cache, never the installed package.
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    # No bytecode compiled at install time (PIP_NO_COMPILE=0 is --no-compile: pip reads a store_false flag's
+    # variable inverted, pypa/pip#5735): compiling all of torch and DeepSpeed cost ~12 CPU-seconds, and the
+    # imports below compile what they use.
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+               PIP_NO_COMPILE="0")
     env.pop("PYTHONPATH", None)
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_install_commands()], cwd=src, env=env,
                             capture_output=True, text=True, timeout=1500)

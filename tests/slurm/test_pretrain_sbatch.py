@@ -19,14 +19,16 @@ MODEL = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 32
 # --lr-decay-iters fixed: the schedule must not follow --train-iters, or a resubmission with more
 # iterations would continue on another curve than one run straight through.
 TRAINING = ("--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --log-interval 1 "
-            "--eval-interval 1000 --eval-iters 2 --seed 5 --split 90,10,0 --num-workers 1 --lr-decay-iters 6")
+            "--eval-interval 1000 --eval-iters 2 --seed 5 --split 90,10,0 --lr-decay-iters 6")
 
 
-def variables(corpus, checkpoint_dir, train_iters, **extra):  # noqa: F811
+def variables(corpus, checkpoint_dir, train_iters, num_workers=0, **extra):  # noqa: F811
+    """The jobs' variables. Data workers (a spawned interpreter each, ~2 CPU-seconds) only where a test
+    signals them: the USR1 tests."""
     prefix, tokenizer = corpus
     env = dict(DATA_PATH=prefix, TOKENIZER_MODEL=tokenizer, GPUS_PER_NODE="1", GPU_REQUEST="", TP="1", PP="2",
-               MODEL_ARGS=MODEL, TRAINING_ARGS=TRAINING, TRAIN_ITERS=str(train_iters),
-               CHECKPOINT_DIR=str(checkpoint_dir))
+               MODEL_ARGS=MODEL, TRAINING_ARGS=f"{TRAINING} --num-workers {num_workers}",
+               TRAIN_ITERS=str(train_iters), CHECKPOINT_DIR=str(checkpoint_dir))
     env.update(extra)
     return env
 
@@ -71,7 +73,8 @@ def test_torchrun_job_trains_on_n1_and_n2_and_a_resubmission_resumes_where_it_st
 
 def test_usr1_to_the_job_step_saves_exits_0_and_the_requeued_job_resumes(slurm_cluster, corpus, tmp_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
-    job = slurm_cluster.submit(TORCHRUN, str(tmp_path / "job.out"), *RESOURCES, **variables(corpus, ckpt, 60))
+    job = slurm_cluster.submit(TORCHRUN, str(tmp_path / "job.out"), *RESOURCES,
+                               **variables(corpus, ckpt, 60, num_workers=1))
     slurm_cluster.wait_for_output(job, r"iteration\s+3/60")
     # what --signal=USR1@T does before the time limit: every process of the step, data workers included
     slurm_cluster.command("scancel", "--signal=USR1", job.id)
@@ -96,7 +99,7 @@ def test_usr1_to_the_job_step_saves_exits_0_and_the_requeued_job_resumes(slurm_c
 def test_usr1_to_the_batch_shell_reaches_the_ranks_which_save_and_exit_0(slurm_cluster, corpus, tmp_path):  # noqa: F811
     ckpt = tmp_path / "ckpt"
     job = slurm_cluster.submit(PER_RANK, str(tmp_path / "job.out"), *per_rank_sbatch(RESOURCES),
-                               **variables(corpus, ckpt, 60))
+                               **variables(corpus, ckpt, 60, num_workers=1))
     slurm_cluster.wait_for_output(job, r"iteration\s+3/60")
     # what `--signal=B:USR1@T` does: only the batch shell, which passes it on to the step
     slurm_cluster.command("scancel", "--batch", "--signal=USR1", job.id)
