@@ -5,6 +5,7 @@ import os
 import pytest
 
 from tests.harness import run_distributed
+from tests.model.engine_census import imports_frozen
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -15,6 +16,11 @@ STEPS, SAVE_AT = 4, 2
 def _train(tp, pp, dp, extra, save=None, load=None, steps=STEPS, save_at=SAVE_AT):
     """Train to `steps` (from the checkpoint in `load`, or from scratch), saving at `save_at` into `save`;
     returns ({iteration: loss}, the resume's note) on every rank."""
+    with imports_frozen():  # BF16_Optimizer's forced collections skip the worker's modules
+        return _train_unfrozen(tp, pp, dp, extra, save, load, steps, save_at)
+
+
+def _train_unfrozen(tp, pp, dp, extra, save, load, steps, save_at):
     from megatron_lite.parallel import state
     from megatron_lite.training import checkpointing
     from megatron_lite.training.engine import Engine
@@ -86,16 +92,34 @@ def test_fp32_zero0_to_zero1_at_one_layout_keeps_the_random_generators_so_dropou
 BF16_STEPS, BF16_SAVE_AT = 8, 4
 
 
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """bf16_run(layout, extra) -> ({iteration: loss}, its checkpoint at BF16_SAVE_AT): an uninterrupted run of
+    BF16_STEPS, made once per module for every test that starts from it or compares with it (a save changes
+    nothing the run computes; resumes only read the checkpoint)."""
+    runs = {}
+
+    def run(layout, extra):
+        key = (tuple(layout), tuple(extra))
+        if key not in runs:
+            ckpt = str(tmp_path_factory.mktemp("bf16_run") / "ckpt")
+            losses, _ = run_distributed(_train, layout[0] * layout[1] * layout[2], *layout, extra, ckpt, None,
+                                        BF16_STEPS, BF16_SAVE_AT)[0]
+            runs[key] = losses, ckpt
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("zero", ["0", "1"])
 @pytest.mark.parametrize("source, target", [((1, 1, 2), (1, 1, 1)), ((1, 1, 2), (2, 1, 1))],
                          ids=["dp2-to-dp1", "dp2-to-tp2"])
-def test_bf16_resumes_under_another_layout_within_the_layouts_own_difference(tmp_path, zero, source, target):
+def test_bf16_resumes_under_another_layout_within_the_layouts_own_difference(bf16_run, zero, source, target):
     extra = ["--bf16", "--zero-stage", zero]
-    ckpt = str(tmp_path / "ckpt")
     world = target[0] * target[1] * target[2]
-    full, _ = run_distributed(_train, 2, *source, extra, ckpt, None, BF16_STEPS, BF16_SAVE_AT)[0]
+    full, ckpt = bf16_run(source, extra)
     resumed, note = run_distributed(_train, world, *target, extra, None, ckpt, BF16_STEPS)[0]
-    other_layout, _ = run_distributed(_train, world, *target, extra, None, None, BF16_STEPS)[0]
+    other_layout, _ = bf16_run(target, extra)
     tolerance = 3 * max(_relative(other_layout[s], full[s]) for s in full)
     assert sorted(resumed) == list(range(BF16_SAVE_AT + 1, BF16_STEPS + 1))
     for step in resumed:
@@ -107,15 +131,14 @@ def test_bf16_resumes_under_another_layout_within_the_layouts_own_difference(tmp
     ([], ["--no-accumulate-allreduce-grads-in-fp32"]),
     (["--no-accumulate-allreduce-grads-in-fp32"], []),  # as a checkpoint from before the flag resumes today
 ], ids=["bf16-optimizer-to-zero-optimizer", "zero-optimizer-to-bf16-optimizer"])
-def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layout_free_path(tmp_path, saved_with,
+def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layout_free_path(bf16_run, saved_with,
                                                                                             resumed_with):
     """bf16 at ZeRO 1 runs BF16_Optimizer (fp32 gradients, the default) or DeepSpeedZeroOptimizer; their partition
     files differ, so a switch at the same layout cannot use DeepSpeed's own loader (it fails on the other's file)."""
     extra = ["--bf16", "--zero-stage", "1"]
-    ckpt = str(tmp_path / "ckpt")
-    full, _ = run_distributed(_train, 2, 1, 1, 2, extra + saved_with, ckpt, None, BF16_STEPS, BF16_SAVE_AT)[0]
+    full, ckpt = bf16_run((1, 1, 2), extra + saved_with)
     resumed, note = run_distributed(_train, 2, 1, 1, 2, extra + resumed_with, None, ckpt, BF16_STEPS)[0]
-    other, _ = run_distributed(_train, 2, 1, 1, 2, extra + resumed_with, None, None, BF16_STEPS)[0]
+    other, _ = bf16_run((1, 1, 2), extra + resumed_with)
     tolerance = 3 * max(_relative(other[s], full[s]) for s in full)
     assert note and "(ZeRO 1, bf16) -> " in note
     for step in resumed:

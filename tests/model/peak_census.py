@@ -11,14 +11,12 @@ are not new. Memory an operator uses only inside itself is not seen.
 Steps 3 and 4 are measured: by then the optimizer states exist and the pipe buffers have their
 steady shape.
 """
-import gc
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.model.engine_census import live_storage_bytes
+from tests.model.engine_census import collected_live_bytes, imports_frozen
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
 
@@ -68,6 +66,11 @@ def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1, 
     cp: --context-parallel-size (the world is TP x CP x PP x DP). phases: also each pipeline instruction's
     peak (ForwardPass, BackwardPass, ReduceGrads, OptimizerStep, ...) over those steps, as bytes alive
     (the step's start included), under "phases"."""
+    with imports_frozen():
+        return _engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs, cp, phases)
+
+
+def _engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs, cp, phases):
     import torch.distributed as dist
 
     from megatron_lite.parallel import state
@@ -108,8 +111,7 @@ def engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs=True, cp=1, 
     with tracker:
         engine.train_step(data)
         for _ in range(2):
-            gc.collect()
-            alive.append(live_storage_bytes())
+            alive.append(collected_live_bytes())
             start = tracker.restart_peak()
             if phases:
                 start_of_step[0], measuring[0] = start, True

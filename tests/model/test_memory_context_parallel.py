@@ -1,9 +1,11 @@
 """The memory estimate under context parallelism (--context-parallel-size C): per-rank activations
 divided by C where the model divides them (measured on a real GPT at CP 1, 2 and 4, seq 2048), ZeRO
 partitioned over DP x CP, and the longest sequence that fits growing with C."""
+import importlib.util
+import io
 import json
-import subprocess
-import sys
+import os
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
@@ -131,12 +133,24 @@ LLAMA_8B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-head
             "--sequence-parallel", "--recompute-granularity", "selective"]
 
 
+def _estimate_memory(*argv):
+    """tools/estimate_memory.py's exit code, output and errors, its main run in this process: six interpreters
+    importing torch cost this test 14 s, and the tool's start-up is tests/test_tool_startup.py's to check."""
+    spec = importlib.util.spec_from_file_location("estimate_memory", os.path.join(REPO_ROOT, "tools",
+                                                                                  "estimate_memory.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = tool.main(["--world-size", "64", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
 def _longest(cp):
-    r = subprocess.run([sys.executable, "tools/estimate_memory.py", "--world-size", "64", *LLAMA_8B,
-                        "--context-parallel-size", str(cp), "--gpu-memory-gb", "80", "--longest-sequence", "--json"],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)
+    code, out, err = _estimate_memory(*LLAMA_8B, "--context-parallel-size", str(cp), "--gpu-memory-gb", "80",
+                                      "--longest-sequence", "--json")
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_the_longest_sequence_an_8b_llama_fits_in_80_gib_grows_with_cp():
@@ -152,10 +166,9 @@ def test_the_longest_sequence_an_8b_llama_fits_in_80_gib_grows_with_cp():
         assert f["longest_multiple"] % 1024 == 0 and f["peak_bytes_multiple"] <= budget
         assert f["longest_power_of_two"] <= f["longest_multiple"] < 2 * f["longest_power_of_two"]
         argv = LLAMA_8B + ["--context-parallel-size", str(cp), "--seq-length", str(f["longest_multiple"] + 1024)]
-        r = subprocess.run([sys.executable, "tools/estimate_memory.py", "--world-size", "64", *argv,
-                            "--gpu-memory-gb", "80"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-        assert "does NOT fit" in r.stdout, r.stdout + r.stderr
-        assert f"TP 8 x CP {cp}" in r.stdout and f"DP {8 // cp}" in r.stdout
+        _, out, err = _estimate_memory(*argv, "--gpu-memory-gb", "80")
+        assert "does NOT fit" in out, out + err
+        assert f"TP 8 x CP {cp}" in out and f"DP {8 // cp}" in out
 
 
 @pytest.mark.slow
