@@ -1,8 +1,6 @@
 """Context parallelism (--context-parallel-size, all-to-all attention) computes the dense single-process
 losses under every layout it composes with: TP, SP, PP, DP with ZeRO 1, RoPE and learned positions,
 grouped-query attention, with a loss mask that falls unevenly on the CP ranks."""
-import functools
-
 import pytest
 import torch
 
@@ -57,15 +55,14 @@ def run_layout(tp, cp, pp, dp, extra=(), masked=True, eod=None, documents_path=N
     return run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, tuple(extra), STEPS, masked, eod, documents_path)
 
 
-@functools.lru_cache(maxsize=None)  # one model's reference serves every layout compared with it
 def dense_reference(extra, masked=True, eod=None):
     config = tiny_config(extra=extra)
     batches = global_batches(config, STEPS)
     # A micro-batch's loss is its own masked mean (Megatron-LM's and ours at every layout); with uneven
     # masks that differs from the whole batch's, so the reference runs the same micro-batches.
-    return tuple(dense_losses(config, with_eods(batches) if masked else batches,
-                              micro_batch_size=config.batch.micro_batch_size, loss_mask=eod_mask if masked else None,
-                              eod=eod))
+    return dense_losses(config, with_eods(batches) if masked else batches,
+                        micro_batch_size=config.batch.micro_batch_size, loss_mask=eod_mask if masked else None,
+                        eod=eod)
 
 
 def assert_matches(results, reference, tolerance=1e-5):
