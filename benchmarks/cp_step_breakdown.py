@@ -141,6 +141,7 @@ def main() -> int:
           f"slower rank's; ms")
     print(f"{'layout':<10} {'':>9} {'step':>8} {'compute':>9} {'a2a':>8} {'reduce':>8} {'optim':>8} {'engine':>8}"
           f"  per micro-batch: compute, a2a; per step: the rest")
+    seq = next(int(v) for k, v in zip(MODEL, MODEL[1:]) if k == "--seq-length")
     for key in rounds[0]:
         med = {n: statistics.median(r[key][i] for r in rounds) for i, n in enumerate(names)}
         c = predicted[key]
@@ -160,6 +161,12 @@ def main() -> int:
         print(f"{label:<10} {'meas/pred':>9} " + "  ".join(f"{k} {r:.2f}" for k, r in ratio.items()))
         rows.append({"layout": key[0], "micro": key[1], "gas": gas, "measured_s": meas, "predicted_s": pred,
                      "profile_ms": profiles[key]})
+    print("\ncompute per micro-batch against the tokens a rank holds (least squares over the micro batches):")
+    for name, (tp, cp) in LAYOUTS.items():
+        points = [(r["micro"] * seq // cp, r["measured_s"]["compute"] * 1e3) for r in rows if r["layout"] == name]
+        if len(points) > 1:
+            fit = statistics.linear_regression([t for t, _ in points], [ms for _, ms in points])
+            print(f"{name}: {fit.intercept:.1f} ms + {fit.slope:.3f} ms x tokens ({', '.join(str(t) for t, _ in points)})")
     print("\none profiled step, rank 0, self CPU ms by kind:")
     print(f"{'layout':<10} " + " ".join(f"{k:>12}" for k in KINDS))
     for key, sums in profiles.items():

@@ -309,23 +309,27 @@ def test_merged_calibrations_keep_each_runs_fastest_and_solve_again():
 
 def test_a_layout_priced_from_generic_terms_never_outranks_measured_ones_without_a_word(tmp_path):
     # Issue 48: context parallelism priced from the profile's fits ran 2.6-2.9x slower than predicted and
-    # became the plan's first choice. Here the measured layout (TP 1) is made slow, so the generic price of TP 2
-    # and CP 2 comes out faster: they must still rank after it, the plan must say why, and the table where from.
+    # became the plan's first choice. Here CP 2 is not in the profile's model times; TP 1 is, and TP 2 measured
+    # slow, so the generic price of CP 2 (scaled by the median measured / generic step, the TP 1 layouts') comes
+    # out faster than TP 2's: it must still rank after it, the plan must say why, and the table where from.
     from megatron_lite.tuning.measure_model import model_base, run_config, shape_key
 
     profile = _profile()
     profile.models[0].shape = shape_key(run_config(model_base(MODEL), 2, 1, 1, 1, 1, {}))
-    profile.models[0].points[0]["layer_s"] = 10.0  # a measured layer far slower than the fits predict
+    profile.models[0].points.append(dict(PARTS, tp=2, cp=1, ep=1, micro=1, layer_s=10.0))
     plan = recipe.plan(MODEL, profile=profile, nodes=1, gpus_per_node=2, gpu_memory_gb=8, max_micro_batch=1,
                        device="cpu", workdir=str(tmp_path), max_context_parallel=2, order="throughput")
     measured = [c for c in plan.candidates if c.predicted_from == "model times"]
     generic = [c for c in plan.candidates if c.predicted_from != "model times"]
-    assert measured and generic and any(c.context_parallel_size == 2 for c in generic)
-    assert max(c.predicted_tokens_per_s for c in generic) > max(c.predicted_tokens_per_s for c in measured)
-    assert max(c.throughput_rank for c in measured) < min(c.throughput_rank for c in generic)
+    assert len(measured) == 3 and [c.context_parallel_size for c in generic] == [2]
+    assert generic[0].predicted_tokens_per_s > min(c.predicted_tokens_per_s for c in measured)
+    assert max(c.throughput_rank for c in measured) < generic[0].throughput_rank
     assert plan.candidates[0].predicted_from == "model times"
+    ratios = sorted(c.predicted_step_seconds / c.predicted_parts["generic_step_seconds"] for c in measured)
+    assert generic[0].predicted_parts["generic_scale"] == pytest.approx(ratios[1])
+    assert generic[0].predicted_step_seconds == pytest.approx(ratios[1] * generic[0].predicted_parts["step_seconds"])
     note = next(n for n in plan.notes if "generic terms" in n)
-    assert f"{len(generic)} of {len(plan.candidates)} layouts" in note and "CP 2" in note
+    assert f"1 of {len(plan.candidates)} layouts (CP 2)" in note and f"x {ratios[1]:.3g}" in note
     table = recipe.format_plan(plan).splitlines()
     assert table[0].split()[-2:] == ["from", "saver"]
     for c, line in zip(plan.candidates, table[1:]):
