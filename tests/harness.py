@@ -11,6 +11,7 @@ tests/entry_points.py runs a script's main on them as torchrun runs the script.
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import re
@@ -97,6 +98,10 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
     generation = 0
     _join_world(rank, world_size, port, generation)
     enter_test_device()
+    # The heap inherited from the fork server (torch's, DeepSpeed's modules) out of every collection: a task's
+    # collections (ours after it, DeepSpeed's forced ones while it builds an engine) walked and touched all of
+    # it, copying its pages from the server. gc.get_objects skips frozen objects: the census unfreezes to count.
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -115,6 +120,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
             state.destroy()
             if dist.is_initialized():
                 _release_process_groups()
+            else:
+                gc.collect()
+            gc.freeze()  # what outlived the task (collected just now) stays out of the next tasks' collections
         results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task")), dist.is_initialized()))
     if dist.is_initialized():
         dist.destroy_process_group()
