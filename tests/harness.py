@@ -95,13 +95,15 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # The heap inherited from the fork server (torch's, DeepSpeed's modules) out of every collection: a task's
+    # collections (ours after it, DeepSpeed's forced ones while it builds an engine) walked and touched all of
+    # it, copying its pages from the server. Frozen before the world group exists: a frozen object is never
+    # collected, and a destroyed group must be, to close its connections. gc.get_objects skips frozen objects:
+    # the census unfreezes to count (tests/model/engine_census.py).
+    gc.freeze()
     generation = 0
     _join_world(rank, world_size, port, generation)
     enter_test_device()
-    # The heap inherited from the fork server (torch's, DeepSpeed's modules) out of every collection: a task's
-    # collections (ours after it, DeepSpeed's forced ones while it builds an engine) walked and touched all of
-    # it, copying its pages from the server. gc.get_objects skips frozen objects: the census unfreezes to count.
-    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -120,9 +122,6 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
             state.destroy()
             if dist.is_initialized():
                 _release_process_groups()
-            else:
-                gc.collect()
-            gc.freeze()  # what outlived the task (collected just now) stays out of the next tasks' collections
         results.put((rank, *outcome, len(os.listdir(f"/proc/{os.getpid()}/task")), dist.is_initialized()))
     if dist.is_initialized():
         dist.destroy_process_group()
