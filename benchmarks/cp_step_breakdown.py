@@ -129,6 +129,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from megatron_lite.tuning.measure import measure
+    from megatron_lite.tuning.measure_model import model_base
 
     profile = measure("cpu", 2, gemm_tokens=(128, 512, 2048), gemm_hidden=128, copy_megabytes=64,
                       message_bytes=(2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22), iters=10, min_seconds=0.3)
@@ -141,7 +142,7 @@ def main() -> int:
           f"slower rank's; ms")
     print(f"{'layout':<10} {'':>9} {'step':>8} {'compute':>9} {'a2a':>8} {'reduce':>8} {'optim':>8} {'engine':>8}"
           f"  per micro-batch: compute, a2a; per step: the rest")
-    seq = next(int(v) for k, v in zip(MODEL, MODEL[1:]) if k == "--seq-length")
+    seq = model_base(MODEL).model.seq_length
     for key in rounds[0]:
         med = {n: statistics.median(r[key][i] for r in rounds) for i, n in enumerate(names)}
         c = predicted[key]
@@ -166,7 +167,8 @@ def main() -> int:
         points = [(r["micro"] * seq // cp, r["measured_s"]["compute"] * 1e3) for r in rows if r["layout"] == name]
         if len(points) > 1:
             fit = statistics.linear_regression([t for t, _ in points], [ms for _, ms in points])
-            print(f"{name}: {fit.intercept:.1f} ms + {fit.slope:.3f} ms x tokens ({', '.join(str(t) for t, _ in points)})")
+            tokens = ", ".join(str(t) for t, _ in points)
+            print(f"{name}: {fit.intercept:.1f} ms + {fit.slope:.3f} ms x tokens ({tokens})")
     print("\none profiled step, rank 0, self CPU ms by kind:")
     print(f"{'layout':<10} " + " ".join(f"{k:>12}" for k in KINDS))
     for key, sums in profiles.items():

@@ -14,8 +14,9 @@ fixed constants:
 
 model times (optional, `calibrate -- <model flags>`, tuning/measure_model.py): for one model shape and world
                size, per layout (TP degree, context-parallel size, expert-parallel size) and micro batch, the
-               seconds of a layer and of the embedding + head + loss per micro-batch, the per-step seconds (fixed and per layer), and what sequence
-               parallelism, selective and full recompute add per layer and micro-batch, from real engines
+               seconds of a layer and of the embedding + head + loss per micro-batch, the per-step seconds
+               (fixed and per layer), and what sequence parallelism, selective and full recompute add per layer
+               and micro-batch, from real engines
 
 A group size that was not measured is priced from the nearest measured one by the ring algorithm's
 scaling: latency x (g-1)/(g0-1), bytes x ((g-1)/g)/((g0-1)/g0). Loading checks every field and names the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_lite.atomic import write_text
 from megatron_lite.config import ConfigError
@@ -77,20 +78,26 @@ class ModelTimes:
     shape: Dict[str, Any]
     """measure_model.shape_key of the model: a plan uses these times only for a model with the same key."""
     points: List[Dict[str, Any]]
-    """Per (tp, cp, ep, micro) (cp and ep 1 where a profile predates them): layer_s, ends_s, engine_per_micro_s per micro-batch; optimizer_s (+ optimizer_per_layer_s
-    x layers), reduce_s (+ reduce_per_layer_s x layers: the gradient reduction over world / tp ranks), engine_s per
-    step; the variants' sp_extra_s, sp_selective_extra_s, sp_full_extra_s (TP > 1), selective_extra_s, full_extra_s
-    per layer and micro-batch; runs, each
-    run's measured parts (tuning/measure_model.py)."""
+    """Per (tp, cp, ep, micro) (cp and ep 1 where a profile predates them): layer_s, ends_s, engine_per_micro_s
+    per micro-batch; optimizer_s (+ optimizer_per_layer_s x layers), reduce_s (+ reduce_per_layer_s x layers: the
+    gradient reduction over world / tp ranks), engine_s per step; the variants' sp_extra_s, sp_selective_extra_s,
+    sp_full_extra_s (TP > 1), selective_extra_s, full_extra_s per layer and micro-batch; runs, each run's
+    measured parts (tuning/measure_model.py)."""
 
     def point(self, tp: int, micro: int, cp: int = 1, ep: int = 1) -> Optional[Dict[str, Any]]:
-        return next((p for p in self.points if (p["tp"], p.get("cp", 1), p.get("ep", 1), p["micro"])
-                     == (tp, cp, ep, micro)), None)
+        return next((p for p in self.points if (*point_layout(p), p["micro"]) == (tp, cp, ep, micro)), None)
+
+
+def point_layout(point: Dict[str, Any]) -> Tuple[int, int, int]:
+    """(TP, CP, EP) of a model-times point; CP and EP 1 where it has TP only (a profile written before they were
+    calibrated)."""
+    return point["tp"], point.get("cp", 1), point.get("ep", 1)
 
 
 def describe(world: int, p: Dict[str, Any]) -> str:
     """One line of a model-times point, in ms."""
-    layout = "".join(f" {name} {p[name]}" for name in ("cp", "ep") if p.get(name, 1) > 1)
+    _, cp, ep = point_layout(p)
+    layout = "".join(f" {name} {size}" for name, size in (("cp", cp), ("ep", ep)) if size > 1)
     return (f"model x{world} tp {p['tp']}{layout} micro {p['micro']}: per micro-batch layer {p['layer_s'] * 1e3:.2f} ms, ends "
             f"{p['ends_s'] * 1e3:.2f} ms, engine {p['engine_per_micro_s'] * 1e3:.2f} ms; per step optimizer "
             f"{p['optimizer_s'] * 1e3:.2f} + {p['optimizer_per_layer_s'] * 1e3:.2f} ms/layer, reduction "

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_lite.model.moe_options import layer_freq_for
-from megatron_lite.tuning.calibration import ModelTimes, describe
+from megatron_lite.tuning.calibration import ModelTimes, describe, point_layout
 from megatron_lite.tuning.measure import spawn_ranks
 
 RUNS = (("l1g4", 1, 4, {}), ("l3g4", 3, 4, {}), ("l3g1", 3, 1, {}),
@@ -123,11 +123,6 @@ PER_MICRO_PARTS = ("layer_s", "ends_s", "engine_per_micro_s") + tuple(f"{v}_extr
 PER_STEP_PARTS = ("optimizer_s", "optimizer_per_layer_s", "reduce_s", "reduce_per_layer_s", "engine_s")
 
 
-def layout_of(point: Dict[str, Any]) -> Tuple[int, int, int]:
-    """(TP, CP, EP) of a point (a profile written before CP and EP were calibrated has TP only: 1 and 1)."""
-    return point["tp"], point.get("cp", 1), point.get("ep", 1)
-
-
 def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The points of one layout (TP, CP, EP) made consistent with each other, which halves the scatter a 2-core machine
     leaves in single runs: a per-micro-batch part is a + b x micro (least squares over the micro batches: a
@@ -135,8 +130,8 @@ def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     reduction, engine) does not depend on the micro batch (their mean). Each point keeps its own solve() as
     `measured`."""
     out = []
-    for layout in sorted({layout_of(p) for p in points}):
-        group = [p for p in points if layout_of(p) == layout]
+    for layout in sorted({point_layout(p) for p in points}):
+        group = [p for p in points if point_layout(p) == layout]
         micros = [p["micro"] for p in group]
         for p in group:
             q = {k: v for k, v in p.items() if k not in PER_MICRO_PARTS + PER_STEP_PARTS}
@@ -261,12 +256,12 @@ def layouts(base, world: int, max_context_parallel: Optional[int] = None,
     model's heads, groups, sequence, FFN and experts allow."""
     from megatron_lite.config import ConfigError
 
+    experts = base.model.num_experts
     out = []
     for tp in _powers_of_two(world):
         for cp in _powers_of_two(world // tp):
             if max_context_parallel is not None and cp > max_context_parallel:
                 continue
-            experts = base.model.num_experts
             for ep in _powers_of_two(world // tp) if experts else [1]:
                 if ep > 1 and (experts % ep or (max_expert_parallel is not None and ep > max_expert_parallel)):
                     continue
@@ -295,7 +290,7 @@ def merge_model_times(a: ModelTimes, b: ModelTimes) -> ModelTimes:
         raise ValueError(f"model times of world {a.world} and {b.world} or of different shapes do not merge")
     measured = []
     for p in a.points:
-        tp, cp, ep = layout_of(p)
+        tp, cp, ep = point_layout(p)
         q = b.point(tp, p["micro"], cp, ep)
         if q is None:
             raise ValueError(f"model times to merge: TP {tp}, CP {cp}, EP {ep}, micro batch {p['micro']} missing "

@@ -204,7 +204,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     optimizer = muon_seconds(muon, lambda rows: matmul * gemm_efficiency(rows),
                              lambda nbytes, ranks, messages: 2 * (ranks - 1) / ranks * nbytes / stage_bw,
                              lambda nbytes, messages: (tp - 1) / tp * nbytes / tp_bw)
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, optimizer, cp_comms)
+    return _step(per_stage, ep_comms, cp_comms, gas, pp, p2p, dp_comm, offload, optimizer)
 
 
 def _stage_experts(experts: Optional[Experts], stages: int) -> List[Tuple[int, int]]:
@@ -229,15 +229,15 @@ def _compute_seconds(flops: float, again: float, moe_layers: int, moe_redone: in
     return seconds
 
 
-def _step(per_stage: List[float], ep_comms: List[float], gas: int, pp: int, p2p: float, dp_comm: float,
-          offload: float, muon: float = 0.0, cp_comms: Sequence[float] = ()) -> Dict[str, float]:
+def _step(per_stage: List[float], ep_comms: List[float], cp_comms: List[float], gas: int, pp: int, p2p: float,
+          dp_comm: float, offload: float, muon: float = 0.0) -> Dict[str, float]:
     """The step's terms: ep_comm_seconds and cp_comm_seconds are the slowest stage's per micro-batch."""
     slowest = max(range(len(per_stage)), key=lambda i: per_stage[i])
     pipeline = (gas + pp - 1) * per_stage[slowest]
     step = pipeline + p2p + dp_comm + offload + muon
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
             "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": per_stage[slowest],
-            "ep_comm_seconds": ep_comms[slowest], "cp_comm_seconds": cp_comms[slowest] if cp_comms else 0.0,
+            "ep_comm_seconds": ep_comms[slowest], "cp_comm_seconds": cp_comms[slowest],
             "muon_seconds": muon}
 
 
@@ -286,8 +286,8 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
                   ) * (1.5 if zero_stage == 3 else 1.0)
     largest = max(stage_parameters)
     offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
-    return _step(per_stage, ep_comms, gas, pp, p2p, dp_comm, offload, profile_muon_seconds(profile, muon, tp),
-                 cp_comms)
+    return _step(per_stage, ep_comms, cp_comms, gas, pp, p2p, dp_comm, offload,
+                 profile_muon_seconds(profile, muon, tp))
 
 
 def profile_muon_seconds(profile: Profile, muon: Optional[Sequence[MuonWork]], tp: int) -> float:
