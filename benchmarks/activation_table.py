@@ -2,9 +2,9 @@
 
 For TP 1 / 2 / 4, sequence parallelism off / on and recompute none / selective / full, one row each:
   measured   what autograd saves for the first layer of a real GPT on each TP rank, plus what recompute
-             keeps alive (saved_tensors_hooks; tests/model/activation_census.py), rank 0's (every rank
+             keeps alive (saved_tensors_hooks; tests/cost/activation_census.py), rank 0's (every rank
              measures the same)
-  estimate   model/activations.py
+  estimate   cost/activations.py
   paper      Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
              for GPT-2's block, evaluated for this run's element sizes: e bytes per activation (the
              paper's 2-byte terms; 4 in fp32) and k per dropout-mask element (the paper's 1 byte; on CPU
@@ -60,7 +60,7 @@ def paper_bytes(config, k: int) -> int:
 
 def _census(tp, configs):
     from megatron_lite.parallel import state
-    from tests.model.activation_census import saved_bytes_per_layer
+    from tests.cost.activation_census import saved_bytes_per_layer
 
     state.initialize(tp, 1)
     return [saved_bytes_per_layer(config) for config in configs]
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args(argv)
 
-    from megatron_lite.model import activations
+    from megatron_lite.cost import activations
     from tests.harness import run_distributed, shutdown_pools
 
     gpt2 = args.block == "gpt2"

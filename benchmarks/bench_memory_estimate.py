@@ -2,9 +2,9 @@
 
 Measured on CPU with gloo, per layout of the tiny sweep model:
   model states + buffers = every live tensor storage (counted once) just before the optimizer's
-                           second step (tests/model/engine_census.py);
+                           second step (tests/cost/engine_census.py);
   activations            = storages autograd saves for backward for one micro-batch, per stage
-                           (saved_tensors_hooks; tests/model/activation_census.py).
+                           (saved_tensors_hooks; tests/cost/activation_census.py).
 Prints one line per (layout, stage) with the ratio measured / predicted.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_memory_estimate.py
@@ -24,7 +24,7 @@ LAYOUTS = [(1, 1, 2, ()), (2, 1, 1, ()), (1, 2, 1, ()), (2, 2, 1, ()), (1, 1, 2,
 
 def _activations(tp, pp, micro):
     from tests.model.gpt_layouts import tiny_config
-    from tests.model.activation_census import saved_bytes_per_stage
+    from tests.cost.activation_census import saved_bytes_per_stage
 
     return saved_bytes_per_stage(tiny_config(tp, pp, 1, ["--micro-batch-size", str(micro), "--global-batch-size",
                                                          str(4 * micro), "--hidden-dropout", "0.1",
@@ -33,11 +33,11 @@ def _activations(tp, pp, micro):
 
 def main(argv=None) -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
-    from megatron_lite.model import memory
+    from megatron_lite.cost import memory
     from megatron_lite.deepspeed_config import deepspeed_config
     from tests.harness import run_distributed, shutdown_pools
     from tests.model.gpt_layouts import tiny_config
-    from tests.model.engine_census import engine_census
+    from tests.cost.engine_census import engine_census
 
     start = time.time()
     worst = 0.0

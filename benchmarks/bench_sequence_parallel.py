@@ -8,7 +8,7 @@ Two processes (TP 2, one thread each, gloo on loopback) hold four engines of the
 and time them in interleaved rounds (this VM drifts 10-25% within a minute): each round runs
 --steps optimizer steps of every engine, in an order that rotates from round to round. Printed:
 per engine the median seconds per step, the median of the per-round ratios sp/tp2 and
-selective/full (with their range), and the activation bytes per micro-batch model/memory.py
+selective/full (with their range), and the activation bytes per micro-batch cost/memory.py
 expects on each rank. The slower rank's time counts (a step ends with a collective anyway).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sequence_parallel.py                # CPU-sized defaults
@@ -48,7 +48,7 @@ def _worker(rank, port, args, results):
     import torch.distributed as dist
 
     from megatron_lite.arguments import parse_args
-    from megatron_lite.model import memory
+    from megatron_lite.cost import memory
     from megatron_lite.parallel import state
     from megatron_lite.deepspeed_config import deepspeed_config
     from megatron_lite.training.engine import Engine

@@ -93,8 +93,8 @@ def _ours(argv, world_size, warmup, iters):
     details, for a pipeline: the stage split, each stage's measured fwd+bwd seconds per micro-batch,
     the predicted efficiency from them, and this rank's time breakdown over the timed steps."""
     from megatron_lite.arguments import parse_args
-    from megatron_lite.model.partition import stage_costs
-    from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
+    from megatron_lite.cost.stages import stage_costs
+    from megatron_lite.cost.pipeline_efficiency import predicted_pipeline_efficiency
     from megatron_lite.parallel import state
     from megatron_lite.training import stage_timing
     from megatron_lite.training.engine import Engine

@@ -48,7 +48,7 @@ KINDS = ("matmuls", "attention", "copies", "collectives", "other")
 def _worker(rank, port, args, results):
     import torch.distributed as dist
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import pipeline
     from megatron_lite.parallel import context_parallel, state
     from megatron_lite.training.engine import Engine
     from megatron_lite.tuning.measure_model import model_base, random_batches, run_config
@@ -67,7 +67,7 @@ def _worker(rank, port, args, results):
             engines[key] = Engine(config, with_scheduler=False)
             data[key] = random_batches(config, state.get_data_parallel_rank(), state.get_context_parallel_rank())
             seconds = timers[key] = {}
-            deepspeed_compat.time_pipeline_instructions(
+            pipeline.time_pipeline_instructions(
                 engines[key].engine, lambda n, s, seconds=seconds: seconds.__setitem__(n, seconds.get(n, 0.0) + s),
                 lambda: None)
             state.destroy()

@@ -1,9 +1,9 @@
 """The whole-step memory census (issue 31): real DeepSpeed engines, every live tensor storage counted
-through a training step, against model/memory.py's estimate, per pipeline stage.
+through a training step, against cost/memory.py's estimate, per pipeline stage.
 
 For each cell of precision x ZeRO stage x DP x TP (ZeRO 0/1 at PP 1 and 2, ZeRO 2/3 at PP 1 only, as the
 engine allows), GPT-2's block and the Llama block, it runs two steps and measures steps 3 and 4 on every
-rank (tests/model/peak_census.py: the storages alive at the step's start plus the highest running sum of
+rank (tests/cost/peak_census.py: the storages alive at the step's start plus the highest running sum of
 those the step's operators create), and prints measured / estimated for
   peak     the whole step's peak (backward, the gradient reduction, the optimizer step)
   between  the storages alive between steps, against the booked model states + communication buffers
@@ -56,7 +56,7 @@ def _flags(precision, zero, block):
 def _measure(tp, pp, dp, extra, ds_json):
     from deepspeed.accelerator import get_accelerator
 
-    from tests.model.peak_census import engine_peak
+    from tests.cost.peak_census import engine_peak
 
     # DeepSpeed's CPU accelerator refuses fp16 at initialize; the bytes do not depend on the device.
     get_accelerator().is_fp16_supported = lambda: True
@@ -66,7 +66,7 @@ def _measure(tp, pp, dp, extra, ds_json):
 def census_cell(precision, zero, dp, tp, pp, block, ds_json, extra=()):
     """One cell's measured and estimated bytes per rank; extra: more pretrain_gpt.py flags (--optimizer muon)."""
     from megatron_lite.deepspeed_config import deepspeed_config, deepspeed_optimizer
-    from megatron_lite.model import memory
+    from megatron_lite.cost import memory
     from tests.harness import run_distributed, shutdown_pools
 
     extra = _flags(precision, zero, block) + list(extra)

@@ -1,6 +1,6 @@
 """Command-line flags (Megatron-LM names) -> a `Config`, then `validation.validate()`.
 
-The parser is generated from `config.py`: every field declared with `option(default, flag, ...)`
+The parser is generated from the `config` package: every field declared with `option(default, flag, ...)`
 becomes that flag, its docstring the help, its dataclass default the only default (argparse
 keeps none: a flag not given leaves the field as the dataclass declares it). The reverse,
 `config_to_argv`, writes a `Config` back as flags (the tuning planner's command lines).
@@ -14,16 +14,18 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
+import pkgutil
 import sys
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite import config as config_module
 from megatron_lite.config import Config, ConfigError, flag_fields, parse_data_path, parse_split  # noqa: F401
-from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.flag_numbers import number
+from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.validation import validate
 from megatron_lite.validation.numbers import bounds_of, example_of
 from megatron_lite.validation.resume import with_checkpoint_args
@@ -38,17 +40,30 @@ LAUNCHER_FLAGS = (
 
 @functools.lru_cache(maxsize=None)
 def field_docs() -> Dict[Tuple[str, str], str]:
-    """(dataclass name, field name) -> the field's docstring, one line."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """(dataclass name, field name) -> the field's docstring, one line; a field a section inherits (ModelConfig's,
+    declared in config/model_*.py) under the section's name too."""
     docs = {}
-    for node in tree.body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        for statement, following in zip(node.body, node.body[1:]):
-            if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-                docs[(node.name, statement.target.id)] = " ".join(following.value.value.split())
+    for module in _config_modules():
+        tree = ast.parse(inspect.getsource(module))
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for statement, following in zip(node.body, node.body[1:]):
+                if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
+                        and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
+                    docs[(node.name, statement.target.id)] = " ".join(following.value.value.split())
+    for section in [Config] + [f.default_factory for f in dataclasses.fields(Config)]:
+        for f in dataclasses.fields(section):
+            owner = next((c for c in section.__mro__ if (c.__name__, f.name) in docs), None)
+            if owner is not None:
+                docs.setdefault((section.__name__, f.name), docs[(owner.__name__, f.name)])
     return docs
+
+
+def _config_modules() -> List[Any]:
+    """The modules of the megatron_lite.config package, whose classes declare the fields and their docstrings."""
+    return [config_module] + [importlib.import_module(f"{config_module.__name__}.{m.name}")
+                              for m in pkgutil.iter_modules(config_module.__path__)]
 
 
 def _section_class(section: str):

@@ -90,7 +90,7 @@ def _fp32_gradients(config: Config) -> Dict[str, Any]:
 def sends_partitioned(config: Config) -> bool:
     """Whether DeepSpeed's pipeline engine cuts a stage's output (and its gradient) into TP parts for the send
     and gathers them on the next stage (pipe_partitioned / grad_partitioned, on by default, apply at TP > 1):
-    not under sequence parallelism, where _pipeline turns them off. model/memory.py sizes the pipe buffers by it."""
+    not under sequence parallelism, where _pipeline turns them off. cost/memory.py sizes the pipe buffers by it."""
     return config.parallel.tensor_model_parallel_size > 1 and not config.parallel.sequence_parallel
 
 

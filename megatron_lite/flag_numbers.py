@@ -6,9 +6,9 @@ works; argparse names the flag and exits 2 before the tool does anything:
 
     train_tokenizer.py: error: argument --vocab-size: must be at least 1, got 0; e.g. 32000
 
-pretrain_gpt.py's numbers are config.py fields (their bounds in the field's metadata), checked by validation's
+pretrain_gpt.py's numbers are config/ fields (their bounds in the field's metadata), checked by validation's
 `number_rules` with the same `problem()`. A whole number is at most WHOLE_MAX unless its flag says otherwise.
-Torch-free, at the bottom of the imports, like config.py.
+Torch-free, at the bottom of the imports, like config/.
 """
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, environ: Dict
     # collections (ours after it, DeepSpeed's forced ones while it builds an engine) walked and touched all of
     # it, copying its pages from the server. Frozen before the world group exists: a frozen object is never
     # collected, and a destroyed group must be, to close its connections. gc.get_objects skips frozen objects:
-    # the census unfreezes to count (tests/model/engine_census.py).
+    # the census unfreezes to count (tests/cost/engine_census.py).
     gc.freeze()
     generation = 0
     _join_world(rank, world_size, port, generation)

@@ -5,17 +5,17 @@ import re
 import pytest
 import torch
 
-from megatron_lite import deepspeed_compat
+from megatron_lite.deepspeed_compat import hooks, optimizer_state, pipeline, startup
 
-METHODS = [(path, spec) for path, spec in deepspeed_compat.HOOKS if spec not in ("attribute", "module name")]
-ATTRIBUTES = [path for path, spec in deepspeed_compat.HOOKS if spec == "attribute"]
-MODULE_NAMES = [path for path, spec in deepspeed_compat.HOOKS if spec == "module name"]
+METHODS = [(path, spec) for path, spec in hooks.HOOKS if spec not in ("attribute", "module name")]
+ATTRIBUTES = [path for path, spec in hooks.HOOKS if spec == "attribute"]
+MODULE_NAMES = [path for path, spec in hooks.HOOKS if spec == "module name"]
 
 
 @pytest.mark.parametrize("path, parameters", METHODS, ids=[p for p, _ in METHODS])
 def test_method_hook_exists_with_its_parameters(path, parameters):
-    method = deepspeed_compat.resolve(path)
-    assert deepspeed_compat.parameter_names(method)[:len(parameters.split(", "))] == parameters.split(", ")
+    method = hooks.resolve(path)
+    assert hooks.parameter_names(method)[:len(parameters.split(", "))] == parameters.split(", ")
 
 
 @pytest.mark.parametrize("path", MODULE_NAMES)
@@ -23,7 +23,7 @@ def test_module_name_hook_is_still_a_class_that_module_looks_up(path):
     """A name a module looks up at run time (engine_finds_experts swaps deepspeed.runtime.engine.MoE): it must
     still be a class there, and the module must still test instances against it."""
     module_path, name = path.rsplit(".", 1)
-    module = deepspeed_compat.resolve(module_path)
+    module = hooks.resolve(module_path)
     assert inspect.isclass(getattr(module, name, None)), f"{path} is no longer a class in {module.__file__}"
     assert re.search(rf"isinstance\(\w+, {name}\)", inspect.getsource(module)), f"{module.__file__} no longer checks {name}"
 
@@ -33,7 +33,7 @@ def test_attribute_hook_is_still_set_by_its_class(path):
     """An instance attribute cannot be looked up on the class: its class's source must still set it
     (or define it as a property), so a rename in DeepSpeed fails here by name."""
     class_path, attribute = path.rsplit(".", 1)
-    cls = deepspeed_compat.resolve(class_path)
+    cls = hooks.resolve(class_path)
     source = inspect.getsource(inspect.getmodule(cls))
     assert re.search(rf"\b{attribute} = |def {attribute}\(", source), \
         f"{path} is no longer set in {inspect.getsourcefile(cls)}"
@@ -50,28 +50,51 @@ def test_loss_scale_reads_the_public_property_and_none_without_scaling():
     class Scaled:
         loss_scale = 1024
 
-    assert deepspeed_compat.loss_scale(Scaled()) == 1024.0
-    assert deepspeed_compat.loss_scale(object()) is None
+    assert optimizer_state.loss_scale(Scaled()) == 1024.0
+    assert optimizer_state.loss_scale(object()) is None
 
 
 def test_no_other_module_touches_deepspeed_internals():
-    """Private DeepSpeed names appear only in deepspeed_compat.py."""
+    """Private DeepSpeed names appear only in the deepspeed_compat package."""
     import pathlib
     import re
 
-    package = pathlib.Path(deepspeed_compat.__file__).parent
+    compat = pathlib.Path(hooks.__file__).parent
+    package = compat.parent
     private = re.compile(r"\b(_partition_layers|_set_bounds|_synchronize_tied_weights|_topo|ds_pipe_replicated|"
                          r"cur_scale|loss_scale_config|_exec_schedule|_INSTRUCTION_MAP)\b")
     offenders = [str(p.relative_to(package)) for p in package.rglob("*.py")
-                 if p.name != "deepspeed_compat.py" and private.search(p.read_text())]
+                 if compat not in p.parents and private.search(p.read_text())]
     assert offenders == []
 
 
-@pytest.mark.parametrize("path, text", deepspeed_compat.STARTUP_PRINTS, ids=[p for p, _ in deepspeed_compat.STARTUP_PRINTS])
+def test_hooks_is_the_one_list_of_what_the_package_relies_on():
+    """Every hook's entry is in hooks.HOOKS, which the tests above check: no other module of the package
+    defines (or imports) a HOOKS of its own, which no test would read."""
+    import ast
+    import pathlib
+
+    compat = pathlib.Path(hooks.__file__).parent
+    others = {}
+    for path in sorted(compat.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                bound = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                         if isinstance(t, ast.Name)]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                bound = [a.asname or a.name for a in node.names]
+            else:
+                continue
+            if "HOOKS" in bound:
+                others.setdefault(path.name, []).append(node.lineno)
+    assert list(others) == ["hooks.py"] and len(others["hooks.py"]) == 1, others
+
+
+@pytest.mark.parametrize("path, text", startup.STARTUP_PRINTS, ids=[p for p, _ in startup.STARTUP_PRINTS])
 def test_startup_lines_quiet_prints_hides_are_still_printed_not_logged(path, text):
     """quiet_prints exists because these lines are print()ed: once DeepSpeed logs them instead (its
     log level then hides them) or drops them, this fails by name and the hook can go."""
-    source = inspect.getsource(deepspeed_compat.resolve(path))
+    source = inspect.getsource(hooks.resolve(path))
     assert re.search(r"print\([^\n]*" + re.escape(text), source), f"{path} no longer prints {text!r}"
 
 
@@ -90,7 +113,7 @@ def _pipeline_module_output(log_level):
     if not state.is_initialized():
         state.initialize(1, 1)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), deepspeed_compat.quiet_prints(log_level):
+    with contextlib.redirect_stdout(out), startup.quiet_prints(log_level):
         PipelineModule([LayerSpec(torch.nn.Linear, 2, 2)], topology=state.get_topology())
     return out.getvalue()
 
@@ -110,7 +133,7 @@ def test_set_log_level_sets_deepspeeds_logger_and_its_handler():
 
     before = logger.level
     try:
-        deepspeed_compat.set_log_level("error")
+        startup.set_log_level("error")
         assert logger.level == logging.ERROR and all(h.level == logging.ERROR for h in logger.handlers)
     finally:
         logger.setLevel(before)
@@ -127,13 +150,13 @@ def _two_steps(pp, dp, hooked):
 
     config = tiny_config(pp=pp, dp=dp)
     state.initialize(1, pp)
-    original = deepspeed_compat.skip_gradient_all_reduce
+    original = pipeline.skip_gradient_all_reduce
     if not hooked:
-        engine_module.deepspeed_compat.skip_gradient_all_reduce = lambda engine: None
+        engine_module.pipeline.skip_gradient_all_reduce = lambda engine: None
     try:
         engine = engine_module.Engine(config, with_scheduler=False)
     finally:
-        engine_module.deepspeed_compat.skip_gradient_all_reduce = original
+        engine_module.pipeline.skip_gradient_all_reduce = original
     calls = []
     fallback = engine.engine.buffered_allreduce_fallback
     engine.engine.buffered_allreduce_fallback = lambda *a, **k: (calls.append(1), fallback(*a, **k))[1]
@@ -168,7 +191,7 @@ def _bytes_between_steps(free_outputs):
 
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
-    from tests.model.engine_census import live_storage_bytes
+    from tests.cost.engine_census import live_storage_bytes
     from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
     config = tiny_config(1, 2, 1, ["--vocab-size", "2048", "--micro-batch-size", "2", "--global-batch-size", "8"])
@@ -183,7 +206,7 @@ def _bytes_between_steps(free_outputs):
     return {"rank": dist.get_rank(), "bytes": live_storage_bytes(), "config": config}
 
 
-@pytest.mark.slow  # in the fast tier, the last stage's measured peak (tests/model/test_memory.py) depends on it
+@pytest.mark.slow  # in the fast tier, the last stage's measured peak (tests/cost/test_memory.py) depends on it
 def test_free_last_stage_outputs_drops_the_logits_the_pipeline_engine_keeps_after_backward():
     from tests.harness import run_distributed, shutdown_pools
 
@@ -213,18 +236,18 @@ def _zeroed_gradients_leave_weights_unchanged(extra):
     engine = Engine(config, with_scheduler=False)
     params = list(engine.module.parameters())
     calls, order = [], []
-    deepspeed_compat.time_pipeline_instructions(engine.engine, lambda name, seconds: order.append(name), lambda: None)
+    pipeline.time_pipeline_instructions(engine.engine, lambda name, seconds: order.append(name), lambda: None)
 
     def zero():
         calls.append(1)
         order.append("callback")
         # (the position table of the head's copy of the tied embedding module has no gradient)
-        grads = [g for g in (deepspeed_compat.accumulated_gradient(engine.engine, p) for p in params) if g is not None]
+        grads = [g for g in (pipeline.accumulated_gradient(engine.engine, p) for p in params) if g is not None]
         assert len(grads) >= len(params) - 1 and all(g.abs().sum() > 0 for g in grads)
         for g in grads:
             g.zero_()
 
-    deepspeed_compat.before_gradient_reduction(engine.engine, zero)
+    pipeline.before_gradient_reduction(engine.engine, zero)
     before = [p.detach().float().clone() for p in params]
     engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
     after = [p.detach().float() for p in params]
@@ -254,7 +277,7 @@ def _collective_on_a_deepspeed_group(timeout_seconds: float):
     from deepspeed.comm import comm
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    deepspeed_compat.new_groups_time_out_after(datetime.timedelta(seconds=timeout_seconds))
+    startup.new_groups_time_out_after(datetime.timedelta(seconds=timeout_seconds))
     try:
         group = comm.new_group([0, 1])
         if torch.distributed.get_rank() == 1:

@@ -28,8 +28,8 @@ def _engine_after_a_step(extra, save=None):
 
 def _files_written_and_read(folder):
     """Every file DeepSpeed wrote or read goes through the installed IO, under DeepSpeed's names."""
-    from megatron_lite import deepspeed_compat
     from megatron_lite.checkpoint.format import layer_file, model_states_file, zero_optimizer_file
+    from megatron_lite.deepspeed_compat import pipeline
 
     config, engine = _engine_after_a_step(["--zero-stage", "1"])
     written, read = [], []
@@ -44,7 +44,7 @@ def _files_written_and_read(folder):
     engine.load(folder, "tag")
     expected = {zero_optimizer_file(rank, 0, 0, 1, False)} | ({model_states_file(0, 0, 1)} |
                                                              {layer_file(s, 0) for s in range(6)} if rank == 0 else set())
-    module_files = {f"layer_{s:02d}-model_00-model_states.pt" for s in deepspeed_compat.layer_file_modules(
+    module_files = {f"layer_{s:02d}-model_00-model_states.pt" for s in pipeline.layer_file_modules(
         engine.module)}
     return sorted(written), sorted(expected), on_disk, sorted(set(read)), sorted(module_files)
 
@@ -64,14 +64,14 @@ def _partitions_put_together(folder, extra):
     DeepSpeed's own fragment mapping places them); joined in DP order they are DeepSpeed's full parameter."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from megatron_lite import deepspeed_compat
     from megatron_lite.checkpoint.format import load_file, zero_optimizer_file
+    from megatron_lite.deepspeed_compat import checkpoint_files, optimizer_state
 
     config, engine = _engine_after_a_step(extra, save=folder)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     tag = os.path.join(folder, "iter_0000001")
     bf16 = config.precision.bf16
-    parts = [deepspeed_compat.partition_fragments(load_file(os.path.join(tag, zero_optimizer_file(d, 0, 0, 1, bf16))))
+    parts = [optimizer_state.partition_fragments(load_file(os.path.join(tag, zero_optimizer_file(d, 0, 0, 1, bf16))))
              for d in range(world)]
     optimizer = engine.engine.optimizer
     inner_state = optimizer.optimizer.state
@@ -91,7 +91,7 @@ def _partitions_put_together(folder, extra):
                                                    mapping.hp_fragment_address.numel)
         if not (torch.equal(mine["fp32"], mapping.hp_fragment) and torch.equal(mine["exp_avg"], live)):
             mismatched.append(("fragment", name))
-    owner = [deepspeed_compat.pipeline_parameter_owner(n) for n, _ in engine.module.named_parameters()]
+    owner = [checkpoint_files.pipeline_parameter_owner(n) for n, _ in engine.module.named_parameters()]
     return mismatched, parts[0].steps, sorted({type(o).__name__ for o, _ in owner})
 
 
@@ -107,13 +107,13 @@ def _set_then_read_back(extra):
     """set_optimizer_state, then DeepSpeed's public getters (or the torch optimizer) give back what was set."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import optimizer_state
 
     config, engine = _engine_after_a_step(extra)
     generator = torch.Generator().manual_seed(0)
     values = {p: {k: torch.randn(p.shape, generator=generator) for k in ("fp32", "exp_avg", "exp_avg_sq")}
               for _, p in engine.module.named_parameters()}
-    deepspeed_compat.set_optimizer_state(engine.engine, values, 7.0)
+    optimizer_state.set_optimizer_state(engine.engine, values, 7.0)
     inner = engine.engine.optimizer
     bad = []
     for p, value in values.items():
@@ -130,8 +130,8 @@ def _set_then_read_back(extra):
             bad.append(("low-precision copy", tuple(p.shape)))
     states = getattr(inner, "optimizer", inner).state.values()
     steps = {float(s["step"]) for s in states}
-    deepspeed_compat.set_step_counters(engine.engine, 7, 28, 1)
-    counters = (engine.engine.global_steps, engine.engine.global_samples, deepspeed_compat.skipped_steps(engine.engine))
+    optimizer_state.set_step_counters(engine.engine, 7, 28, 1)
+    counters = (engine.engine.global_steps, engine.engine.global_samples, optimizer_state.skipped_steps(engine.engine))
     return bad, steps, counters
 
 
@@ -147,7 +147,7 @@ def _set_weights_keeps_moments(extra):
     """set_master_weights, then the public getters give the weights set and the moments of before."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import optimizer_state
 
     config, engine = _engine_after_a_step(extra)
     params = [p for _, p in engine.module.named_parameters()]
@@ -160,7 +160,7 @@ def _set_weights_keeps_moments(extra):
     before = moments()
     generator = torch.Generator().manual_seed(1)
     values = {p: {"fp32": torch.randn(p.shape, generator=generator)} for p in params}
-    deepspeed_compat.set_master_weights(engine.engine, values)
+    optimizer_state.set_master_weights(engine.engine, values)
     bad = []
     for p in params:
         master = safe_get_full_fp32_param(p) if lp else p.detach()
@@ -184,7 +184,7 @@ def test_set_master_weights_sets_weights_and_fp32_masters_and_leaves_the_moments
 def _loss_scaler_round_trip():
     from deepspeed.accelerator import get_accelerator
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import optimizer_state
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
 
@@ -192,10 +192,10 @@ def _loss_scaler_round_trip():
     config = tiny_config(1, 1, 1, ("--fp16", "--zero-stage", "1", "--initial-loss-scale", "1024"))
     state.initialize(1, 1)
     engine = Engine(config)
-    saved = deepspeed_compat.loss_scaler_state(engine.optimizer)
-    deepspeed_compat.set_loss_scaler_state(engine.optimizer, dict(saved, cur_scale=256.0, cur_iter=9))
-    return saved["cur_scale"], deepspeed_compat.loss_scale(engine.optimizer), \
-        deepspeed_compat.loss_scaler_state(engine.optimizer)["cur_iter"]
+    saved = optimizer_state.loss_scaler_state(engine.optimizer)
+    optimizer_state.set_loss_scaler_state(engine.optimizer, dict(saved, cur_scale=256.0, cur_iter=9))
+    return saved["cur_scale"], optimizer_state.loss_scale(engine.optimizer), \
+        optimizer_state.loss_scaler_state(engine.optimizer)["cur_iter"]
 
 
 def test_the_fp16_loss_scaler_state_is_read_and_set_by_its_attributes():
@@ -206,11 +206,11 @@ def test_the_fp16_loss_scaler_state_is_read_and_set_by_its_attributes():
 def _partitions_cover_each_parameter(extra):
     """optimizer_partitions: each rank's fragments, put together over the partition's group, are every value
     of every parameter of every group exactly once, and each points at the flat buffer's own values."""
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import optimizer_state
 
     _, engine = _engine_after_a_step(extra)
-    inner = deepspeed_compat.inner_optimizer(engine.optimizer)
-    partitions = deepspeed_compat.optimizer_partitions(engine.optimizer)
+    inner = optimizer_state.inner_optimizer(engine.optimizer)
+    partitions = optimizer_state.optimizer_partitions(engine.optimizer)
     bad = []
     for index, partition in partitions.items():
         flat = inner.param_groups[index]["params"][0]

@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         from megatron_lite.training.console import select_accelerator
 
         select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
-        from megatron_lite import deepspeed_compat  # noqa: F401 - torch and DeepSpeed start outside the time printed
+        # torch and DeepSpeed start outside the time printed
+        from megatron_lite.deepspeed_compat import checkpoint_files  # noqa: F401
 
         start = time.time()
         if args.command == "merge":

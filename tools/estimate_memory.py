@@ -10,7 +10,7 @@ of two) whose peak fits --gpu-memory-gb less --memory-margin, for that model and
     python tools/estimate_memory.py <model and layout flags> --context-parallel-size 2 --world-size 64 \\
         --gpu-memory-gb 80 --memory-margin 0.1 --longest-sequence
 
-Formulas and their sources: megatron_lite/model/memory.py.
+Formulas and their sources: megatron_lite/cost/memory.py.
 """
 import argparse
 import json
@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.arguments import parse_args  # noqa: E402
 from megatron_lite.config import Config, ConfigError  # noqa: E402
-from megatron_lite.flag_numbers import GPU_MEMORY_GB_MAX, add_number  # noqa: E402
-from megatron_lite.model import memory  # noqa: E402
+from megatron_lite.cost import memory, model_state  # noqa: E402
 from megatron_lite.deepspeed_config import deepspeed_config  # noqa: E402
+from megatron_lite.flag_numbers import GPU_MEMORY_GB_MAX, add_number  # noqa: E402
 
 
 def estimate_for(model_argv: Sequence[str], world_size: int, device: str) -> Tuple[Config, List[memory.StageMemory]]:
@@ -66,7 +66,7 @@ def layout_line(config: Config) -> str:
     p, seq = config.parallel, config.model.seq_length
     cp = p.context_parallel_size
     split = f" ({seq // cp} per CP rank, {p.cp_comm_type})" if cp > 1 else ""
-    zero = f" over DP x CP = {memory.zero_partitions(config)}" if p.zero_stage and cp > 1 else ""
+    zero = f" over DP x CP = {model_state.zero_partitions(config)}" if p.zero_stage and cp > 1 else ""
     return (f"TP {p.tensor_model_parallel_size} x CP {cp} x PP {p.pipeline_model_parallel_size} x DP "
             f"{p.data_parallel_size}, seq {seq}{split}, micro batch {config.batch.micro_batch_size}, gas "
             f"{config.batch.gradient_accumulation_steps}, ZeRO {p.zero_stage}{' + offload' if p.cpu_offload else ''}"

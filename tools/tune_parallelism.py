@@ -39,7 +39,7 @@ def add_parallel_bounds(parser: argparse.ArgumentParser, verb: str, none: str) -
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    from megatron_lite.tuning import recipe
+    from megatron_lite.tuning import candidates
 
     parser = argparse.ArgumentParser(prog="tune_parallelism.py plan", allow_abbrev=False,
                                      description="Candidate layouts for a cluster. Every flag not listed here is a "
@@ -72,21 +72,21 @@ def plan_parser() -> argparse.ArgumentParser:
                         help="keep every memory saver that fits a layout as its own candidate (sweep recompute and "
                              "sequence parallelism too), not only the fastest")
     parser.add_argument("--output", default=None, help=f"plan JSON (default: print only); the ZeRO-3 candidates' "
-                                                       f"{recipe.OFFLOAD_PARAM_JSON} is written beside it")
+                                                       f"{candidates.OFFLOAD_PARAM_JSON} is written beside it")
     parser.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     add_number(parser, "--show", minimum=0, default=30, help="rows of the table to print")
     return parser
 
 
 def _plan(argv) -> int:
-    from megatron_lite.tuning import calibration, recipe
+    from megatron_lite.tuning import calibration, candidates, plan_output, recipe
     from megatron_lite.tuning.throughput import Hardware
 
     parser = plan_parser()
     own, model_argv = parser.parse_known_args(argv)
     if own.output:
         why = (target_problem("--output", own.output, [own.output], own.overwrite)
-               or recipe.offload_json_problem(own.output, own.overwrite))
+               or candidates.offload_json_problem(own.output, own.overwrite))
         if why:
             parser.error(why)
     profile = None
@@ -102,8 +102,8 @@ def _plan(argv) -> int:
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
                     max_context_parallel=own.max_context_parallel, profile=profile, all_savers=own.all_savers,
                     max_expert_parallel=own.max_expert_parallel)
-    print(recipe.format_plan(p, own.show))
-    print(f"first: {recipe.first_choice_reason(p)}")
+    print(plan_output.format_plan(p, own.show))
+    print(f"first: {plan_output.first_choice_reason(p)}")
     if own.output:
         p.save(own.output)
     best = p.candidates[0].layout if p.candidates else "none"

@@ -261,7 +261,7 @@ def softmax_table(rows: List[dict]) -> str:
 def details_for(table: str, winners: str, auto_now: str, measured: str) -> str:
     return (f"{table}\n\nWhole causal attention, faster backend per row: {winners}.\n"
             f"`--attention-backend auto` takes `{auto_now}` here "
-            f"(megatron_lite/model/transformer.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
+            f"(megatron_lite/model/attention.py AUTO_ATTENTION_BACKEND); measured: `{measured}`.\n")
 
 
 def training_numbers(records: List[dict]) -> Dict[str, list]:

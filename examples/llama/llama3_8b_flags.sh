@@ -1,7 +1,7 @@
 # A Llama-3-8B-shaped model as pretrain_gpt.py flags, to source (not run): 32 layers, hidden 4096, 32 query
 # heads sharing 8 key/value groups, SwiGLU FFN 14336, vocabulary 128256, sequence 8192, RoPE base 500000
 # with Llama 3.1's scaling (factor 8), RMSNorm eps 1e-5, no biases, untied output head, no dropout, bf16.
-# 8,030,261,248 parameters (model/arithmetic.py `total_parameters`), as Llama 3 8B.
+# 8,030,261,248 parameters (cost/arithmetic.py `total_parameters`), as Llama 3 8B.
 #
 #   source examples/llama/llama3_8b_flags.sh
 #   sbatch --nodes 2 examples/slurm/pretrain_gpt.sbatch        # sbatch passes MODEL_ARGS, TP, PP on

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import WriteError, describe, torch_save
 from megatron_lite.checkpoint.format import load_file
 from megatron_lite.checkpoint.snapshot import snapshot
+from megatron_lite.deepspeed_compat import checkpoint_files
 
 
 class EngineIO:
@@ -25,7 +25,7 @@ class EngineIO:
         self.deferred: Optional[List[Tuple[Any, str]]] = None
 
     def install(self, engine) -> None:
-        deepspeed_compat.install_checkpoint_io(engine, self)
+        checkpoint_files.install_checkpoint_io(engine, self)
 
     def preload(self, path: str, value: Any) -> None:
         """A validated file's content, handed to DeepSpeed when it asks for `path`."""

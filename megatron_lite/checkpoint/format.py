@@ -9,12 +9,12 @@ Layout of a --save folder:
                                     tokenizer SHA-256 (rank 0)
         rng_rank_00003.pt           every random generator of global rank 3
         layer_XX-model_YY-model_states.pt, mp_rank_XX_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_XX_
-        optim_states.pt             DeepSpeed's files (names from deepspeed_compat)
+        optim_states.pt             DeepSpeed's files (names from deepspeed_compat.checkpoint_files)
     tmp-iter_0000200-RUNID/         a save in progress, renamed to iter_0000200 when every rank is done
 
 Every file is loaded with `torch.load(weights_only=True)`: tensors, numbers, strings and containers, plus
-the few plain DeepSpeed classes its optimizers save (deepspeed_compat.checkpoint_safe_globals) and numpy's
-array reconstruction (random-generator states of older checkpoints). A file that needs anything else is
+the few plain DeepSpeed classes its optimizers save (deepspeed_compat.checkpoint_files.checkpoint_safe_globals)
+and numpy's array reconstruction (random-generator states of older checkpoints). A file that needs anything else is
 refused by name: nothing in a checkpoint executes.
 
 Imports no torch or DeepSpeed (deepspeed_compat and torch are imported where a name or a load needs them),
@@ -37,29 +37,30 @@ TAG_PREFIX = "iter_"
 UNIVERSAL_FORMAT = "megatron_lite.universal.v1"
 
 
-# DeepSpeed's file names, which deepspeed_compat owns; imported per call, as it imports torch and DeepSpeed.
+# DeepSpeed's file names, which deepspeed_compat.checkpoint_files owns; imported per call, as it imports torch
+# and DeepSpeed.
 def layer_file(spec: int, tp_rank: int) -> str:
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
 
-    return deepspeed_compat.layer_file_name(spec, tp_rank)
+    return checkpoint_files.layer_file_name(spec, tp_rank)
 
 
 def model_states_file(stage: int, tp_rank: int, tp: int) -> str:
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
 
-    return deepspeed_compat.model_states_file_name(stage, tp_rank, tp)
+    return checkpoint_files.model_states_file_name(stage, tp_rank, tp)
 
 
 def zero_optimizer_file(dp_rank: int, stage: int, tp_rank: int, tp: int, bf16: bool) -> str:
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
 
-    return deepspeed_compat.zero_optimizer_file_name(dp_rank, stage, tp_rank, tp, bf16)
+    return checkpoint_files.zero_optimizer_file_name(dp_rank, stage, tp_rank, tp, bf16)
 
 
 def zero3_model_states_file(dp_rank: int) -> str:
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
 
-    return deepspeed_compat.zero3_model_states_file_name(dp_rank)
+    return checkpoint_files.zero3_model_states_file_name(dp_rank)
 
 
 class CheckpointError(RuntimeError):
@@ -287,10 +288,10 @@ def load_file(path: str, mmap: bool = False) -> Any:
 def _safe_globals() -> list:
     import numpy as np
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
 
     # numpy's own array reconstruction (random states of checkpoints before the tensor-only format).
     arrays = [np.ndarray, np.dtype, np.dtypes.UInt32DType]
     core = getattr(np, "_core", None) or getattr(np, "core")
     arrays.append(core.multiarray._reconstruct)
-    return deepspeed_compat.checkpoint_safe_globals() + arrays
+    return checkpoint_files.checkpoint_safe_globals() + arrays

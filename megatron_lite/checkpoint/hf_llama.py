@@ -26,11 +26,11 @@ from typing import List, Optional
 import torch
 
 from megatron_lite.checkpoint import hf_mapping
-from megatron_lite.checkpoint.hf_fields import real, whole
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_fields import real, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.transformer import (
+from megatron_lite.model.rotary import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
     LLAMA3_ORIGINAL_MAX_POSITIONS,

@@ -26,7 +26,7 @@ from deepspeed.pipe import TiedLayerSpec
 
 from megatron_lite.checkpoint.optimizer_groups import GROUPS, group_of
 from megatron_lite.config import Config
-from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
+from megatron_lite.cost.stages import stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.gpt import TransformerLayerPipe, layer_specs
 from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.parallel.experts import is_expert_parameter
@@ -156,7 +156,7 @@ class ModelLayout:
             if index not in self.tied_users:
                 ordered += [(p, False) for p in self.params[index]]
         # optimizer_groups.GROUPS; an MoE model's expert parameters follow in groups of their own, in the same
-        # order (deepspeed_compat.expert_optimizer_groups). sorted() keeps the order inside each group.
+        # order (deepspeed_compat.experts.expert_optimizer_groups). sorted() keeps the order inside each group.
         muon = self.config.optimizer.optimizer == "muon"
         return sorted(ordered, key=lambda x: (x[0].experts > 0, GROUPS.index(
             group_of(len(x[0].shape), x[0].hidden_matrix, muon))))

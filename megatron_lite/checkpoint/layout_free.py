@@ -8,7 +8,8 @@ reads it from
 
 - any checkpoint the trainer saves: the fp32 masters and moments come from DeepSpeed's DP-partitioned
   optimizer files where there are any (ZeRO 1, bf16, fp16: fragments found through their slice mappings,
-  deepspeed_compat.partition_fragments), else from the layer files and the plain AdamW state (fp32 ZeRO 0);
+  deepspeed_compat.optimizer_state.partition_fragments), else from the layer files and the plain AdamW state
+  (fp32 ZeRO 0);
   TP slices are put together as parallel/layers.py cut them (slicing.py);
 - or a folder written by `convert_checkpoint.py universal` (`write_universal`): one file per layer spec.
 
@@ -24,7 +25,6 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import torch_save
 from megatron_lite.checkpoint import sliced
 from megatron_lite.checkpoint.format import (
@@ -42,6 +42,7 @@ from megatron_lite.checkpoint.layout import ModelLayout, slice_shape
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.checkpoint.vocab import is_vocab_parameter
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_compat import checkpoint_files, optimizer_state
 
 Key = Tuple[int, str]  # (layer spec index, name inside the layer)
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -217,17 +218,17 @@ class LayoutFreeReader:
             out[(spec, name)] = [Source.of(tensors, entry.get("step") if optimizer else None)]
         return out
 
-    def _partition(self, path: str) -> deepspeed_compat.PartitionFragments:
+    def _partition(self, path: str) -> optimizer_state.PartitionFragments:
         state = load_file(path, mmap=True)
         check_zero_state(path, state)
         try:
-            return deepspeed_compat.partition_fragments(state)
+            return optimizer_state.partition_fragments(state)
         except (KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{path}: not a DeepSpeed optimizer partition this version can read ({e!r})") \
                 from None
 
     def _owner(self, pipeline_name: str) -> Key:
-        owner, name = deepspeed_compat.pipeline_parameter_owner(pipeline_name)
+        owner, name = checkpoint_files.pipeline_parameter_owner(pipeline_name)
         return (self.layout.tied_spec[owner] if isinstance(owner, str) else owner), name
 
     def _stage_sources(self, stage: int, tp_rank: int, specs: Set[int], optimizer: bool) -> Dict[Key, "Source"]:

@@ -23,8 +23,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import atomic_folder, torch_save
+from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.format import (
     CheckpointError,
     layer_file,
@@ -40,9 +40,9 @@ from megatron_lite.checkpoint.format import model_states_file as mp_rank_file
 from megatron_lite.checkpoint.layout import ModelLayout, ParamInfo, slice_shape
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, write_universal
 from megatron_lite.checkpoint.optimizer_groups import parameter_groups, saved_group_settings
-from megatron_lite.checkpoint import preflight
 from megatron_lite.checkpoint.preflight import refuse_existing
 from megatron_lite.config import Config, ConfigError, pad_vocab_size
+from megatron_lite.deepspeed_compat.experts import expert_optimizer_groups, mark_expert_parameters
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
 from megatron_lite.model.partition import check_partition_method
 
@@ -127,8 +127,8 @@ def _optimizer_groups(config: Config, params: List[Tuple[ParamInfo, bool]]) -> L
     index = {id(fake): i for i, fake in enumerate(fakes)}
     groups = parameter_groups(fakes, config.optimizer.weight_decay, muon=config.optimizer.optimizer == "muon")
     if config.model.num_experts is not None:
-        deepspeed_compat.mark_expert_parameters(fakes)
-        groups = deepspeed_compat.expert_optimizer_groups([dict(g, name=f"group{i}") for i, g in enumerate(groups)])
+        mark_expert_parameters(fakes)
+        groups = expert_optimizer_groups([dict(g, name=f"group{i}") for i, g in enumerate(groups)])
     return [({k: v for k, v in g.items() if k != "params"}, [index[id(f)] for f in g["params"]]) for g in groups]
 
 

@@ -1,1 +1,2 @@
-"""The GPT: transformer layers built from parallel/ layers, the fused softmax, pipeline specs."""
+"""The network: the GPT's pipeline specs, the transformer block, attention and positions, MLP and MoE, built
+from parallel/ layers; no process-group calls. What it costs: cost/."""

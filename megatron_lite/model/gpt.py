@@ -25,20 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from torch import nn
 
-from megatron_lite import deepspeed_compat
-from megatron_lite.config import Config, ModelConfig
-from megatron_lite.deepspeed_compat import OwnPartitionPipelineModule
-from megatron_lite.model.arithmetic import require_vocab, spec_costs, stage_bounds, transformer_layers_per_stage
-from megatron_lite.model.partition import stage_table
+from megatron_lite.config import Config, ModelConfig, require_vocab
+from megatron_lite.deepspeed_compat import startup
+from megatron_lite.deepspeed_compat.pipeline import OwnPartitionPipelineModule
+from megatron_lite.model.mlp import normal_init
 from megatron_lite.model.norms import RMSNorm
+from megatron_lite.model.partition import PipelineSplit
 from megatron_lite.model.recompute import run_stage
-from megatron_lite.model.transformer import TransformerLayer, normal_init
+from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy, weighted_sum
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
@@ -193,16 +193,14 @@ def layer_specs(config: Config) -> List[LayerSpec]:
 
 
 class GPTPipe(OwnPartitionPipelineModule):
-    """DeepSpeed PipelineModule whose stage boundaries come from model/arithmetic.py.
+    """DeepSpeed PipelineModule cut where `split` says (cost/stages.py `pipeline_split` decides, from FLOPs
+    or, under `--pipeline-partition-method profile`, the seconds training/model_setup.py measures)."""
 
-    spec_seconds: each spec's measured seconds, the same on every rank (training/model_setup.py
-    measures them and takes rank 0's), needed by `--pipeline-partition-method profile` only."""
-
-    def __init__(self, config: Config, topology, spec_seconds: Optional[Sequence[float]] = None):
+    def __init__(self, config: Config, topology, split: PipelineSplit):
         self._config = config
-        self._spec_seconds = spec_seconds
+        self._split = split
         self.stage_table = ""
-        with deepspeed_compat.quiet_prints(config.logging.log_level):
+        with startup.quiet_prints(config.logging.log_level):
             super().__init__(
                 layers=layer_specs(config),
                 topology=topology,
@@ -217,19 +215,15 @@ class GPTPipe(OwnPartitionPipelineModule):
         return run_stage(functions, x, self._config.model)
 
     def stage_boundaries(self, num_stages: int) -> List[int]:
-        config = self._config
-        assert num_stages == config.parallel.pipeline_model_parallel_size
-        bounds = stage_bounds(config, self._spec_seconds)
-        costs = spec_costs(config, self._spec_seconds)
-        self.layers_per_stage = transformer_layers_per_stage(config, bounds)
-        table = stage_table(costs, bounds, config.batch.gradient_accumulation_steps)
-        self.stage_table = f"pipeline stages ({config.parallel.pipeline_partition_method}):\n{table}"
-        return bounds
+        assert num_stages == len(self._split.bounds) - 1 == self._config.parallel.pipeline_model_parallel_size
+        self.layers_per_stage = list(self._split.layers_per_stage)
+        self.stage_table = self._split.table
+        return list(self._split.bounds)
 
 
-def build(config: Config, topology, spec_seconds: Optional[Sequence[float]] = None) -> GPTPipe:
+def build(config: Config, topology, split: PipelineSplit) -> GPTPipe:
     """The GPT as a PipelineModule for DeepSpeed's pipeline engine, on this rank's stage."""
-    return GPTPipe(config, topology, spec_seconds)
+    return GPTPipe(config, topology, split)
 
 
 class GPTModel(nn.Module):

@@ -4,10 +4,13 @@ Each spec gets a cost. `cost`: forward FLOPs per token from the config alone
 (no layer is built to count it), so the output head (2 h V plus the fp32
 cross entropy) weighs what it computes and the embedding is not free.
 `profile`: seconds of one forward + backward measured on the device
-(model/spec_profile.py). Both pick the boundaries that minimise the most
+(cost/spec_profile.py). Both pick the boundaries that minimise the most
 expensive stage, with at least one transformer layer per stage. `uniform`,
 `parameters`, `type:<regex>` and explicit layer counts are there for users
 coming from DeepSpeed and Megatron-DeepSpeed.
+
+The costs themselves, and the bounds a config gets, are the cost model's (cost/stages.py); the GPT's
+pipeline module (model/gpt.py) is handed the result as a `PipelineSplit`.
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from megatron_lite.config import ConfigError
-from megatron_lite.model.pipeline_efficiency import predicted_pipeline_efficiency
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,17 @@ class SpecCost:
     """A transformer layer: every stage must hold at least one."""
     seconds: Optional[float] = None
     """Measured forward + backward time of one micro-batch (the `profile` method), if measured."""
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Where the GPT's pipeline module cuts its specs (cost/stages.py `pipeline_split` decides)."""
+    bounds: List[int]
+    """Stage i holds specs[bounds[i]:bounds[i + 1]]."""
+    layers_per_stage: List[int]
+    """Transformer layers on each stage (saved with a checkpoint to read its stage files back)."""
+    table: str
+    """The stage table rank 0 prints when the module is built."""
 
 
 def layers_per_stage_uniform(num_layers: int, stages: int) -> List[int]:
@@ -123,7 +136,7 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
         bounds = _balanced([s.flops for s in specs], [s.is_transformer for s in specs], stages)
     elif method == "profile":
         if any(s.seconds is None for s in specs):
-            raise ValueError("the profile method needs measured seconds for every spec (model/spec_profile.py)")
+            raise ValueError("the profile method needs measured seconds for every spec (cost/spec_profile.py)")
         bounds = _balanced([s.seconds for s in specs], [s.is_transformer for s in specs], stages)
     elif method == "parameters":
         bounds = _balanced([float(s.parameters) for s in specs], [s.is_transformer for s in specs], stages)
@@ -141,28 +154,3 @@ def partition(specs: Sequence[SpecCost], stages: int, method: str = "cost") -> L
         bounds = _from_layer_counts(specs, [int(c) for c in method.split(",")])
     return bounds
 
-
-def stage_costs(specs: Sequence[SpecCost], bounds: Sequence[int], measured: bool) -> List[float]:
-    """Each stage's cost: summed measured seconds, or summed FLOPs per token."""
-    return [sum((s.seconds if measured else s.flops) for s in specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int], num_micro_batches: int) -> str:
-    """One line per stage (layers, parameters, cost relative to the mean stage, measured ms where
-    profiled) and the predicted pipeline efficiency for `num_micro_batches` per step."""
-    measured = all(s.seconds is not None for s in specs)
-    costs = stage_costs(specs, bounds, measured)
-    mean = sum(costs) / len(costs)
-    lines = [f"{'stage':>5} {'specs':>9} {'transformer':>11} {'parameters':>12} {'rel. cost':>9}"
-             + (f" {'fwd+bwd ms':>10}" if measured else "") + "  layers"]
-    for stage, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        part = specs[a:b]
-        names = ", ".join(sorted({s.name for s in part}, key=[s.name for s in part].index))
-        lines.append(f"{stage:>5} {f'{a}-{b - 1}':>9} {sum(s.is_transformer for s in part):>11} "
-                     f"{sum(s.parameters for s in part):>12,} {costs[stage] / mean:>9.2f}"
-                     + (f" {costs[stage] * 1e3:>10.1f}" if measured else "") + f"  {names}")
-    efficiency = predicted_pipeline_efficiency(costs, num_micro_batches)
-    lines.append(f"predicted pipeline efficiency at {num_micro_batches} micro-batches per step: {efficiency:.3f} "
-                 f"(bubble {num_micro_batches}/{num_micro_batches + len(costs) - 1} x balance "
-                 f"{mean / max(costs):.3f}, from {'measured' if measured else 'FLOP'} stage costs)")
-    return "\n".join(lines)

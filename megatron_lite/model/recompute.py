@@ -1,13 +1,13 @@
 """Full activation recompute: which transformer layers of a stage run under checkpoint, and running them.
 
 --recompute-granularity full, with Megatron-LM's methods, over each pipeline stage's transformer layers
-(a stage's layers are consecutive; N = --recompute-num-layers; the chunks: model/arithmetic.py):
+(a stage's layers are consecutive; N = --recompute-num-layers; the chunks: model/recompute_options.py):
   uniform  the layers in chunks of N from the stage's first (the last chunk may be shorter); each chunk
            keeps only its input and runs again in backward
   block    the first N layers each keep only their input and run again in backward; the rest keep
            their activations
 Recompute draws the forward's dropout masks again (parallel/random.py `checkpoint`). Selective
-recompute is inside the attention (model/transformer.py).
+recompute is inside the attention (model/attention.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.arithmetic import recompute_chunks
+from megatron_lite.model.recompute_options import recompute_chunks
 from megatron_lite.model.transformer import TransformerLayer
 from megatron_lite.parallel.random import checkpoint
 

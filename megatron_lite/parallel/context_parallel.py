@@ -32,8 +32,8 @@ _seconds = 0.0
 def context_parallel_groups(local_groups: int, cp: int) -> int:
     """Key/value groups a TP rank sends through the all-to-all, which gives each CP rank 1/cp of them: its
     own, or each repeated for the ranks whose query heads use it when there are fewer than cp (cp is then a
-    multiple of them: validation). The one rule the attention (model/transformer.py) and the memory
-    estimate (model/activations.py) share."""
+    multiple of them: validation). The one rule the attention (model/attention.py) and the memory
+    estimate (cost/activations.py) share."""
     return max(local_groups, cp)
 
 

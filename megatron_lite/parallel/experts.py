@@ -30,7 +30,7 @@ _seconds = 0.0
 
 def mark_expert_parameter(param: torch.Tensor, num_experts: int) -> None:
     """Tag a parameter holding this rank's experts along dim 0: reduced over expert-DP, not DP x CP
-    (deepspeed_compat.mark_expert_parameters tells DeepSpeed), counted over EP in the gradient norm, and
+    (deepspeed_compat.experts.mark_expert_parameters tells DeepSpeed), counted over EP in the gradient norm, and
     stored by global expert index in checkpoints."""
     param.expert_parallel = True
     param.num_experts = num_experts

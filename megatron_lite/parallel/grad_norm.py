@@ -5,7 +5,7 @@
 A rank counts its TP-split parameters (each rank holds a different slice) and
 its replicated parameters (LayerNorm, row-parallel bias) only on TP rank 0.
 A tied weight's copy on a stage that does not own it (DeepSpeed marks it; see
-deepspeed_compat.is_pipe_replicated_copy) is left to the owning stage. Expert parameters (model/moe.py)
+deepspeed_compat.pipeline.is_pipe_replicated_copy) is left to the owning stage. Expert parameters (model/moe.py)
 hold other experts on each expert-parallel rank: their squares are summed over the EP group first, so
 each expert counts once (the bug of Megatron-LM PR #5916 and DeepSpeed #8475 was counting them otherwise).
 """
@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_lite.deepspeed_compat import is_pipe_replicated_copy
+from megatron_lite.deepspeed_compat.pipeline import is_pipe_replicated_copy
 from megatron_lite.parallel import state
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.tp import tp_rank

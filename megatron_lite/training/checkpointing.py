@@ -27,7 +27,6 @@ from typing import Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.atomic import WriteError, describe, fsync_folder, torch_save
 from megatron_lite.checkpoint.format import (
     fused_weights,
@@ -54,11 +53,12 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.checkpoint.layout_free import storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
-from megatron_lite.checkpoint.snapshot import snapshot
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
+from megatron_lite.checkpoint.snapshot import snapshot
 from megatron_lite.config import Config
-from megatron_lite.deepspeed_config import deepspeed_optimizer
 from megatron_lite.data.sidecar import tokenizer_sha256
+from megatron_lite.deepspeed_compat import optimizer_state, pipeline
+from megatron_lite.deepspeed_config import deepspeed_optimizer
 from megatron_lite.parallel import state
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.training.async_save import AsyncWriter, write_in_turn
@@ -255,7 +255,7 @@ def _files_of_this_rank(folder: str, config: Config, engine, load_optimizer: boo
     tp, stage, tp_rank = p.tensor_model_parallel_size, state.get_pipeline_model_parallel_rank(), \
         state.get_tensor_model_parallel_rank()
     files = []
-    for spec, module in sorted(deepspeed_compat.layer_file_modules(engine.module).items()):
+    for spec, module in sorted(pipeline.layer_file_modules(engine.module).items()):
         # the file must fit the module it loads into: names and this rank's shapes
         expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
         # an MoE layer's file holds every expert (training/engine.py Engine.save), this rank its EP block
@@ -299,9 +299,10 @@ def _same_places(engine, config: Config, metadata: dict) -> bool:
 
 def _same_layout(engine, config: Config, metadata: dict) -> bool:
     """Whether DeepSpeed's own loader can read the optimizer state too: also the same DP size, ZeRO stage
-    and precision, and an optimizer DeepSpeed's loader reads back (deepspeed_compat.own_loader_reads)."""
+    and precision, and an optimizer DeepSpeed's loader reads back
+    (deepspeed_compat.optimizer_state.own_loader_reads)."""
     p = config.parallel
-    return (deepspeed_compat.own_loader_reads(deepspeed_optimizer(config), p.zero_stage)
+    return (optimizer_state.own_loader_reads(deepspeed_optimizer(config), p.zero_stage)
             and _same_places(engine, config, metadata)
             and metadata["layout"].get("data_parallel_size") == p.data_parallel_size
             and expert_ranks(metadata["layout"]) == p.expert_model_parallel_size

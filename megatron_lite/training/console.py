@@ -1,7 +1,7 @@
 """The first screen of a run: library log levels, DeepSpeed's start-up lines, our layout summary.
 
 By default (`--log-level warning`) torch's, DeepSpeed's and our loggers show warnings and
-errors only, DeepSpeed's print()ed start-up lines are hidden (deepspeed_compat.quiet_prints),
+errors only, DeepSpeed's print()ed start-up lines are hidden (deepspeed_compat.startup.quiet_prints),
 and rank 0 prints one line saying how the job is laid out. `--log-level info` shows everything.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 import os
 
 from megatron_lite.config import Config
+from megatron_lite.cost.arithmetic import active_parameters, total_parameters
 from megatron_lite.deepspeed_config import deepspeed_optimizer
-from megatron_lite.model.arithmetic import active_parameters, total_parameters
 
 
 def select_accelerator() -> None:
@@ -25,10 +25,10 @@ def select_accelerator() -> None:
 
 def configure_logging(level: str) -> None:
     """Python logging (ours, torch's) and DeepSpeed's logger at `level` (a --log-level choice)."""
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import startup
 
     logging.basicConfig(level=level.upper(), format="[%(levelname)s] %(name)s: %(message)s", force=True)
-    deepspeed_compat.set_log_level(level)
+    startup.set_log_level(level)
 
 
 def _count(n: int) -> str:

@@ -80,7 +80,7 @@ def init_distributed(backend: Optional[str] = None, log_level: str = "warning",
     import deepspeed  # here: the CLI imports this module to find rank 0 before torch is needed
     import torch
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import startup
 
     environment_from_launcher()
     if backend is None:
@@ -88,9 +88,9 @@ def init_distributed(backend: Optional[str] = None, log_level: str = "warning",
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    with deepspeed_compat.quiet_prints(log_level):
+    with startup.quiet_prints(log_level):
         deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timeout)
-    deepspeed_compat.new_groups_time_out_after(timeout)
+    startup.new_groups_time_out_after(timeout)
 
 
 def collective_timeout(error: BaseException, timeout_minutes: float) -> Optional[str]:

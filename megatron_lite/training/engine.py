@@ -20,9 +20,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_compat import optimizer_state, pipeline
+from megatron_lite.deepspeed_compat.experts import (engine_finds_experts, expert_norm_groups_on_every_stage,
+                                                    experts_only_in_gradient_reduction, mark_expert_parameters,
+                                                    register_expert_groups)
+from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.model import aux_loss
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.moe import GroupedExperts, MoELayer
@@ -30,7 +34,6 @@ from megatron_lite.parallel import state
 from megatron_lite.parallel.experts import ep_world_size, gather_experts
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_tp, partial_gradient_parameters
-from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.training.expert_balance import update_expert_biases
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.muon import Muon
@@ -66,40 +69,41 @@ class Engine:
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
         model_parallel_seed(config.training.seed, config.model.num_layers)
         self.experts = config.model.num_experts is not None
-        if self.experts:  # expert parameters are reduced over expert-DP (deepspeed_compat says how)
-            deepspeed_compat.register_expert_groups(
+        if self.experts:  # expert parameters are reduced over expert-DP (deepspeed_compat.experts says how)
+            register_expert_groups(
                 state.get_expert_model_parallel_group(), state.get_expert_model_parallel_ranks(),
                 state.get_expert_data_parallel_group(), state.get_expert_data_parallel_ranks())
-            deepspeed_compat.mark_expert_parameters(self.module.parameters())
+            mark_expert_parameters(self.module.parameters())
         optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config),
                                     experts=self.experts)
         scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
-        with deepspeed_compat.engine_finds_experts(MoELayer):
+        with engine_finds_experts(MoELayer):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=self.module, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu,
                 config=deepspeed_config(config),
             )
-        inner = deepspeed_compat.inner_optimizer(self.optimizer)
+        inner = optimizer_state.inner_optimizer(self.optimizer)
         if isinstance(inner, Muon):  # whole matrices out of DeepSpeed's flat partitions (training/muon.py)
-            inner.use_partitions(deepspeed_compat.optimizer_partitions(self.optimizer))
+            inner.use_partitions(optimizer_state.optimizer_partitions(self.optimizer))
         if self.experts:
-            deepspeed_compat.experts_only_in_gradient_reduction(self.engine)
-            if self.pipelined:  # a stage without MoE layers has fewer optimizer groups (deepspeed_compat says why)
-                deepspeed_compat.expert_norm_groups_on_every_stage(self.engine)
+            experts_only_in_gradient_reduction(self.engine)
+            # A stage without MoE layers has fewer optimizer groups (deepspeed_compat.experts says why).
+            if self.pipelined:
+                expert_norm_groups_on_every_stage(self.engine)
         # Checkpoint files are read without executing code and written without tearing a save (engine_io.py).
         self.io = EngineIO()
         self.io.install(self.engine)
         if (self.pipelined and config.parallel.zero_stage == 0
                 and config.parallel.data_parallel_size * config.parallel.context_parallel_size == 1):
-            deepspeed_compat.skip_gradient_all_reduce(self.engine)
+            pipeline.skip_gradient_all_reduce(self.engine)
         if self.pipelined:
-            # The last stage's logits are not needed once their backward ran (deepspeed_compat says why).
-            deepspeed_compat.free_last_stage_outputs_after_backward(self.engine)
+            # The last stage's logits are not needed once their backward ran (deepspeed_compat.pipeline says why).
+            pipeline.free_last_stage_outputs_after_backward(self.engine)
             if config.parallel.tensor_model_parallel_size > 1 and partial_gradient_parameters(self.module):
                 self._sum_partial_gradients_before_reduction()
             if self.experts:
                 # Once per global batch, from its token counts: the expert bias (training/expert_balance.py).
-                deepspeed_compat.before_gradient_reduction(
+                pipeline.before_gradient_reduction(
                     self.engine, lambda: update_expert_biases(self.module, config.parallel.sequence_parallel))
 
     def _sum_partial_gradients_before_reduction(self) -> None:
@@ -110,9 +114,9 @@ class Engine:
         engine = self.engine
 
         def reduce():
-            all_reduce_gradients_over_tp([deepspeed_compat.accumulated_gradient(engine, p) for p in params])
+            all_reduce_gradients_over_tp([pipeline.accumulated_gradient(engine, p) for p in params])
 
-        deepspeed_compat.before_gradient_reduction(engine, reduce)
+        pipeline.before_gradient_reduction(engine, reduce)
 
     @property
     def device(self) -> torch.device:
@@ -121,15 +125,15 @@ class Engine:
     def train_step(self, data_iter: Iterator) -> StepStats:
         lr = self.optimizer.param_groups[0]["lr"]
         if self.experts:  # the router losses' gradients go through what the loss's gradient goes through
-            aux_loss.set_scale((deepspeed_compat.loss_scale(self.optimizer) or 1.0)
+            aux_loss.set_scale((optimizer_state.loss_scale(self.optimizer) or 1.0)
                                * self.config.parallel.context_parallel_size
                                / self.engine.gradient_accumulation_steps())
-        skipped_before = deepspeed_compat.skipped_steps(self.engine)
+        skipped_before = optimizer_state.skipped_steps(self.engine)
         loss = self._train_batch(data_iter)
         return StepStats(
             loss=loss, lr=lr, grad_norm=self._grad_norm(),
-            loss_scale=deepspeed_compat.loss_scale(self.optimizer) if self.config.precision.fp16 else None,
-            skipped=deepspeed_compat.skipped_steps(self.engine) > skipped_before,
+            loss_scale=optimizer_state.loss_scale(self.optimizer) if self.config.precision.fp16 else None,
+            skipped=optimizer_state.skipped_steps(self.engine) > skipped_before,
         )
 
     def _train_batch(self, data_iter: Iterator) -> float:
@@ -193,7 +197,7 @@ class Engine:
         return [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask, *documents)]
 
     def _grad_norm(self) -> Optional[float]:
-        inner = deepspeed_compat.inner_optimizer(self.optimizer)
+        inner = optimizer_state.inner_optimizer(self.optimizer)
         if getattr(inner, "last_grad_norm", None) is not None:
             return inner.last_grad_norm
         norm = self.engine.get_global_grad_norm()

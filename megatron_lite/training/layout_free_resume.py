@@ -2,7 +2,7 @@
 
 Each rank reads, for its own layers only, its TP slice of every parameter's fp32 master weight and Adam
 moments, and the step (checkpoint/layout_free.py: only the bytes of that slice, from memory-mapped files),
-with padded vocabulary rows dropped or added, and hands them to the engine, whose own fragment mapping cuts the ZeRO partition (deepspeed_compat.set_optimizer_state). The LR
+with padded vocabulary rows dropped or added, and hands them to the engine, whose own fragment mapping cuts the ZeRO partition (deepspeed_compat.optimizer_state.set_optimizer_state). The LR
 schedule, DeepSpeed's step counters and the fp16 loss scale follow. Random generators are kept when every
 rank keeps its stage and TP rank (any DP rank's streams are every DP rank's), else reseeded from --seed.
 Ranks agree on any problem before any of them touches the engine, so a bad file stops all of them.
@@ -14,11 +14,11 @@ from typing import Optional
 
 import torch
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.format import CheckpointError, data_ranks, layout_of
 from megatron_lite.checkpoint.layout import ModelLayout
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.config import Config
+from megatron_lite.deepspeed_compat import checkpoint_files, optimizer_state
 from megatron_lite.parallel import state
 from megatron_lite.parallel.experts import ep_rank, is_expert_parameter
 from megatron_lite.training.distributed import gather_problems
@@ -61,7 +61,7 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
     tp, tp_rank = p.tensor_model_parallel_size, state.get_tensor_model_parallel_rank()
     layout = ModelLayout(config)
     params = {}
-    for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
+    for (owner, name), param in checkpoint_files.engine_parameters(engine.module).items():
         params[(layout.tied_spec[owner] if isinstance(owner, str) else owner, name)] = param
     reader = LayoutFreeReader(folder, metadata)
     # Only this rank's slices are read (checkpoint/sliced.py), the vocabulary padded as this run pads it.
@@ -81,7 +81,7 @@ def _local_states(engine, config: Config, folder: str, metadata: dict, optimizer
     saved_buffers = reader.read_buffers({spec for spec, _ in params})
     buffers = {}
     for name, buffer in engine.module.named_buffers():
-        owner, inner = deepspeed_compat.pipeline_parameter_owner(name)
+        owner, inner = checkpoint_files.pipeline_parameter_owner(name)
         key = (layout.tied_spec[owner] if isinstance(owner, str) else owner, inner)
         if key in saved_buffers:
             buffers[buffer] = saved_buffers[key]
@@ -96,7 +96,7 @@ def _set_buffers(buffers) -> None:
 
 def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_places: bool) -> Resumed:
     values, buffers, step, run = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=True))
-    deepspeed_compat.set_optimizer_state(engine.engine, values, step)
+    optimizer_state.set_optimizer_state(engine.engine, values, step)
     _set_buffers(buffers)
     if run.lr_scheduler is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(run.lr_scheduler)
@@ -104,9 +104,9 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
         # with the optimizer's param_groups): the next step uses the rate the schedule last gave.
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
-    deepspeed_compat.set_step_counters(engine.engine, run.global_steps, run.global_samples, run.skipped_steps)
+    optimizer_state.set_step_counters(engine.engine, run.global_steps, run.global_samples, run.skipped_steps)
     if config.precision.fp16:
-        deepspeed_compat.set_loss_scaler_state(engine.optimizer, run.loss_scaler)
+        optimizer_state.set_loss_scaler_state(engine.optimizer, run.loss_scaler)
     p, saved = config.parallel, metadata["layout"]
     rng = agree(lambda: _rng_of_same_place(folder, saved)) if same_places else None
     if rng is not None:
@@ -145,5 +145,5 @@ def load_weights_fresh_optimizer(engine, config: Config, folder: str, metadata: 
     """Weights only, from any layout, into parameters and fp32 masters (--finetune, imported models); the
     optimizer, schedule, counters and random generators stay as a new run has them."""
     values, buffers, _, _ = agree(lambda: _local_states(engine, config, folder, metadata, optimizer=False))
-    deepspeed_compat.set_master_weights(engine.engine, values)
+    optimizer_state.set_master_weights(engine.engine, values)
     _set_buffers(buffers)

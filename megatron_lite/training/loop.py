@@ -19,20 +19,20 @@ import torch.distributed as dist
 
 from megatron_lite.batching import global_batch_size_at
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.cost.memory import estimate_peak_bytes
+from megatron_lite.data import workers
 from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
-from megatron_lite.data import workers
 from megatron_lite.data.workers import TRAINER_SIGNALS
+from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.model.attention_mask import ATTENTION_WORK
 from megatron_lite.model.attention_options import needs_document_ids
-from megatron_lite.model.memory import estimate_peak_bytes
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
 from megatron_lite.training.console import configure_logging, layout_summary
 from megatron_lite.training.distributed import collective_timeout, init_distributed, is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
-from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.training.expert_balance import moe_scalars
 from megatron_lite.training.metrics import (
     IntervalStats,
@@ -290,7 +290,7 @@ def maybe_log(run: Run, stats: StepStats) -> None:
 
 def report_memory_estimate(run: Run) -> None:
     """Once, at the first log line: each stage's estimated peak next to the measured one (as
-    Megatron-LM does), so every run checks the estimator (model/memory.py)."""
+    Megatron-LM does), so every run checks the estimator (cost/memory.py)."""
     config, stage = run.config, state.get_pipeline_model_parallel_rank()
     estimated = estimate_peak_bytes(config, stage, deepspeed_config(config))
     measured, what = peak_memory_bytes()

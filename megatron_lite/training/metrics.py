@@ -1,6 +1,6 @@
 """Throughput, FLOPs, memory and the per-interval log line (console + TensorBoard).
 
-FLOPs follow Megatron-LM's accounting (model/arithmetic.py `training_flops_per_token`):
+FLOPs follow Megatron-LM's accounting (cost/arithmetic.py `training_flops_per_token`):
 per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 4sh (attention
 scores and weighted values, counted in full), the head 2hV; training costs 3x the
 forward, plus what activation recompute runs again (the recomputed layers, or every
@@ -17,7 +17,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.arithmetic import training_flops_per_token
+from megatron_lite.cost.arithmetic import training_flops_per_token
 
 # Dense bf16/fp16 tensor-core peak per GPU (TFLOP/s), by a substring of the device name.
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}

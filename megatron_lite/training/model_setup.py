@@ -1,7 +1,7 @@
 """The pipeline module a run trains, with `--pipeline-partition-method profile`'s timings agreed on.
 
 `profile` times one forward + backward of each kind of layer on this rank's device
-(model/spec_profile.py); every rank must cut the pipeline at the same places, so all
+(cost/spec_profile.py); every rank must cut the pipeline at the same places, so all
 of them take rank 0's numbers. That broadcast is a collective, which is why it lives
 here and not in model/.
 """
@@ -12,10 +12,10 @@ from typing import List, Optional
 import torch
 
 from megatron_lite.config import Config
-from megatron_lite.model.arithmetic import spec_costs
+from megatron_lite.cost.spec_profile import measure_spec_seconds
+from megatron_lite.cost.stages import pipeline_split, spec_costs
 from megatron_lite.model.gpt import GPTPipe, build, layer_specs, model_loss_fn
 from megatron_lite.model.partition import SpecCost
-from megatron_lite.model.spec_profile import measure_spec_seconds
 from megatron_lite.parallel import state
 
 
@@ -46,4 +46,4 @@ def build_pipeline(config: Config) -> GPTPipe:
     seconds: Optional[List[float]] = None
     if config.parallel.pipeline_partition_method == "profile":
         seconds = agreed_spec_seconds(config)
-    return build(config, state.get_topology(), seconds)
+    return build(config, state.get_topology(), pipeline_split(config, seconds))

@@ -33,9 +33,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint import slicing
-from megatron_lite.model.muon_cost import assembly_batches
+from megatron_lite.cost.muon import assembly_batches
+from megatron_lite.deepspeed_compat import optimizer_state
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.grad_norm import clip_to_global_norm
 from megatron_lite.parallel.layers import equal_sections
@@ -104,7 +104,8 @@ class Muon(torch.optim.AdamW):
     (checkpoint/optimizer_groups.parameter_groups). clip_grad > 0: the step first scales the gradients to a
     global norm of at most clip_grad (ZeRO 0, where DeepSpeed hands us the model's own gradients:
     training/optimizer.py says why). After deepspeed.initialize, `use_partitions` gets DeepSpeed's flat
-    partitions (deepspeed_compat.optimizer_partitions); before it, groups hold the parameters themselves."""
+    partitions (deepspeed_compat.optimizer_state.optimizer_partitions); before it, groups hold the parameters
+    themselves."""
 
     def __init__(self, params, *, momentum: float, nesterov: bool, ns_steps: int, scale_mode: str,
                  extra_scale: float, split_qkv: bool, split_gate_up: bool, tp_mode: str, precision: str = "highest",
@@ -116,11 +117,12 @@ class Muon(torch.optim.AdamW):
         self.split = {"qkv": split_qkv, "gate_up": split_gate_up}
         self.tp_mode, self.precision, self.clip_grad = tp_mode, precision, clip_grad
         self.last_grad_norm = None
-        self.partitions: Dict[int, Tuple[torch.Tensor, deepspeed_compat.FlatPartition]] = {}
+        self.partitions: Dict[int, Tuple[torch.Tensor, optimizer_state.FlatPartition]] = {}
 
-    def use_partitions(self, partitions: Dict[int, deepspeed_compat.FlatPartition]) -> None:
+    def use_partitions(self, partitions: Dict[int, optimizer_state.FlatPartition]) -> None:
         """partitions: group index -> view. Kept by the group's flat tensor: ZeRO 1/2 step this optimizer one
-        group at a time, each shown as the only group (deepspeed_compat.optimizer_partitions says so)."""
+        group at a time, each shown as the only group (deepspeed_compat.optimizer_state.optimizer_partitions says
+        so)."""
         self.partitions = {}
         for index, partition in partitions.items():
             flat = self.param_groups[index]["params"][0]
@@ -153,7 +155,8 @@ class Muon(torch.optim.AdamW):
             if flat is not tensor and self.partitions:
                 # A buffer DeepSpeed made after use_partitions (none does in 0.19): its matrices are unknown here.
                 raise RuntimeError("Muon was given DeepSpeed's flat partitions, but steps a tensor that is none of "
-                                   "them: deepspeed_compat.optimizer_partitions no longer matches this DeepSpeed")
+                                   "them: deepspeed_compat.optimizer_state.optimizer_partitions no longer matches "
+                                   "this DeepSpeed")
             if flat is not tensor:  # the parameter itself, whole on this DP rank
                 tensor.mul_(1 - lr * decay).add_(self._orthogonalised(update.view_as(tensor), tensor), alpha=-lr)
             else:
@@ -227,5 +230,5 @@ class Muon(torch.optim.AdamW):
 
 
 def _batches(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """Consecutive parameters assembled by one all-reduce (model/muon_cost.py `assembly_batches`)."""
+    """Consecutive parameters assembled by one all-reduce (cost/muon.py `assembly_batches`)."""
     return [[params[i] for i in batch] for batch in assembly_batches([p.numel() for p in params])]

@@ -21,9 +21,9 @@ import math
 
 import torch
 
-from megatron_lite import deepspeed_compat
 from megatron_lite.checkpoint.optimizer_groups import adamw_kwargs, parameter_groups
 from megatron_lite.config import OptimizerConfig
+from megatron_lite.deepspeed_compat.experts import expert_optimizer_groups
 from megatron_lite.parallel.grad_norm import clip_to_global_norm
 from megatron_lite.training.muon import Muon
 
@@ -49,12 +49,12 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 def build_optimizer(model: torch.nn.Module, opt: OptimizerConfig,
                     clip_in_optimizer: bool = False, experts: bool = False) -> torch.optim.Optimizer:
     """AdamW, or with --optimizer muon our Muon (training/muon.py: AdamW on every group but Muon's).
-    experts: the model's expert parameters are marked for DeepSpeed (deepspeed_compat.mark_expert_parameters)
+    experts: the model's expert parameters are marked for DeepSpeed (deepspeed_compat.experts.mark_expert_parameters)
     and go into groups of their own."""
     muon = opt.optimizer == "muon"
     groups = parameter_groups([p for p in model.parameters() if p.requires_grad], opt.weight_decay, muon=muon)
     if experts:  # DeepSpeed's split names its expert groups after ours
-        groups = deepspeed_compat.expert_optimizer_groups(
+        groups = expert_optimizer_groups(
             [dict(g, name=f"group{i}") for i, g in enumerate(groups)])
     fused = all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for g in groups for p in g["params"])
     kwargs = adamw_kwargs(opt, fused)

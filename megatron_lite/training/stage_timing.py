@@ -1,7 +1,7 @@
 """Where each pipeline stage's time goes: `--timing-breakdown`.
 
 Every instruction the pipeline engine runs is timed on every rank (see
-deepspeed_compat.time_pipeline_instructions) and summed per category over the
+deepspeed_compat.pipeline.time_pipeline_instructions) and summed per category over the
 log interval ("loss" is the broadcast of the loss from the last stage that ends
 every step: the other stages wait for it there). At each log line the first rank of every stage sends its sums to
 rank 0, which prints one small table and writes `timing/stage{N}/{category}`
@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_lite import deepspeed_compat
+from megatron_lite.deepspeed_compat import pipeline
 from megatron_lite.parallel import context_parallel, experts, state
 
 CATEGORY = {
@@ -37,7 +37,7 @@ class StageTimer:
         self.a2a_from = context_parallel.seconds()
         self.ep_a2a_from = experts.seconds()
         synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        deepspeed_compat.time_pipeline_instructions(pipeline_engine, self._record, synchronize)
+        pipeline.time_pipeline_instructions(pipeline_engine, self._record, synchronize)
 
     def _record(self, instruction: str, seconds: float) -> None:
         self.seconds[CATEGORY.get(instruction, instruction)] += seconds

@@ -1,1 +1,1 @@
-"""Memory estimates and the TP/PP/micro-batch/gas tuning recipe."""
+"""The tuning recipe as code: calibrate the machine and the model, plan layouts, sweep short runs, report."""

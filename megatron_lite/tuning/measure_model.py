@@ -10,7 +10,7 @@ the plan can choose and each micro batch b: TP degree t, context-parallel size c
 expert-parallel size e (DP = world / (t c); EP splits DP x CP), every combination validation allows. A
 point at CP c times its all-to-alls and its attention on the rank's 1/c of the sequence as they run; one at
 EP e its expert all-to-alls and its experts' GEMMs at their rows. Every pipeline instruction is timed
-(deepspeed_compat.time_pipeline_instructions), so one run splits its step into
+(deepspeed_compat.pipeline.time_pipeline_instructions), so one run splits its step into
 
     per micro-batch: forward + backward (LoadMicroBatch, ForwardPass, BackwardPass)
     per step:        the gradient all-reduce over DP (ReduceGrads, ReduceTiedGrads), the optimizer
@@ -174,10 +174,10 @@ def _timed_parts(engine, data, reps: int) -> Dict[str, float]:
     shared machine moves a median of a few steps less than their mean)."""
     import torch.distributed as dist
 
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import pipeline
 
     seconds: Dict[str, float] = {}
-    deepspeed_compat.time_pipeline_instructions(
+    pipeline.time_pipeline_instructions(
         engine.engine, lambda name, s: seconds.__setitem__(name, seconds.get(name, 0.0) + s), lambda: None)
     for _ in range(WARMUP):
         engine.train_step(data)

@@ -39,7 +39,7 @@ from megatron_lite.reading import UnreadableFile, read_json
 from megatron_lite.targets import blocking_file
 from megatron_lite.training import records
 from megatron_lite.training.distributed import free_port
-from megatron_lite.tuning.recipe import LAYOUT_FLAGS
+from megatron_lite.tuning.candidates import LAYOUT_FLAGS
 
 STATUSES = ("pending", "running", "completed", "oom", "timeout", "refused", "failed")
 FINAL_FAILURES = ("oom", "timeout", "refused", "failed")

@@ -5,7 +5,7 @@ tokens of a micro-batch a rank holds (S the sequence; context parallelism splits
 
   step = (g + p - 1) x max over stages (compute_i + tp_comm_i + cp_comm_i + ep_comm_i) + p2p + dp_comm + offload
 
-  compute_i  = (3 x stage forward FLOPs + what recompute runs again on the stage: model/arithmetic.py
+  compute_i  = (3 x stage forward FLOPs + what recompute runs again on the stage: cost/arithmetic.py
                `recompute_forward_flops_per_token`) x b S / (t c) / (peak x gemm_eff(s))
                gemm_eff(tokens) = tokens / (tokens + 256): small matrices run below peak
                (context parallelism splits the attention core by heads and the rest by tokens)
@@ -14,7 +14,7 @@ tokens of a micro-batch a rank holds (S the sequence; context parallelism splits
                sequence parallelism replaces each by a reduce-scatter and an all-gather, the same bytes)
   cp_comm_i  = (2 layers_i + recomputed layers_i) x (c-1)/c x A / bandwidth
                A = the bytes of one layer's two forward all-to-alls on a rank (q, k, v in, the context
-               out: model/activations.py `context_parallel_all_to_all_bytes`), each rank sending
+               out: cost/activations.py `context_parallel_all_to_all_bytes`), each rank sending
                (c-1)/c of them; backward moves their gradients, full recompute runs the forward ones
                again. CP ranks follow the TP ranks (rank order pipe, data, model with data = DP x c + CP),
                so the group sits in a node when t c <= GPUs per node
@@ -27,7 +27,7 @@ tokens of a micro-batch a rank holds (S the sequence; context parallelism splits
 
 Mixture of Experts with expert parallelism e (EP, `Experts`; a dense model has no such terms): an MoE
 layer sends its N = T k routed copies (T = b S / c the tokens a rank dispatches: every TP rank dispatches
-all of them; fewer copies with a capacity, model/activations.py `routed_copies`) to the experts' ranks and
+all of them; fewer copies with a capacity, cost/activations.py `routed_copies`) to the experts' ranks and
 brings the outputs back, one all-to-all each; backward runs the mirror pair, full recompute the forward
 pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
   ep_comm_i  = (4 moe_i + 2 recomputed moe_i) x (e-1)/e x R / bandwidth,   R = N h x 2 bytes
@@ -37,7 +37,7 @@ pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
                experts each get the copies of e ranks (balanced routing), so EP grows the expert GEMMs as
                it shrinks the experts a rank holds
 
---optimizer muon adds its step (model/muon_cost.py `MuonWork`, the slowest stage's) after the pipeline:
+--optimizer muon adds its step (cost/muon.py `MuonWork`, the slowest stage's) after the pipeline:
   muon       = Newton-Schulz FLOPs / (matmul rate x gemm_eff(m)) + 2 (N-1)/N x assembled bytes / bandwidth
                + (t-1)/t x gathered bytes / bandwidth(TP)
                the rate by --muon-fp32-matmul-prec: highest the fp32 peak (`fp32_tflops`), high TF32 at half
@@ -46,7 +46,7 @@ pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
                fp32 over TP (duplicated mode)
 
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
-model/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
+cost/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
 are for ranking layouts against each other; only the sweep measures.
 
 With a measured profile (tuning/calibration.py, `tune_parallelism.py calibrate`) the constants give way
@@ -75,7 +75,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megatron_lite.model.muon_cost import MuonWork
+from megatron_lite.cost.muon import MuonWork
 from megatron_lite.tuning.calibration import Profile
 
 DP_BUCKET_BYTES = 5e8

@@ -100,14 +100,14 @@ def moe_pipeline_rules(config: Config, notes: List[str]) -> Config:
     the expert gradients (get_norm_with_moe_layers) only on a stage whose optimizer has expert groups, over groups
     that span the stages. Measured (tests/test_moe_validation.py): TP 1 x PP 2 with layers [0,0,1,1] in bf16 at
     ZeRO 0 hung. ZeRO 1 hung the same way (one model-parallel all-reduce per optimizer group) until
-    deepspeed_compat.expert_norm_groups_on_every_stage; fp32 at ZeRO 0 takes our own norm."""
+    deepspeed_compat.experts.expert_norm_groups_on_every_stage; fp32 at ZeRO 0 takes our own norm."""
     m, p = config.model, config.parallel
     pp = p.pipeline_model_parallel_size
     per_group_norm = p.zero_stage == 0 and (config.precision.bf16 or config.precision.fp16)
     if (m.num_experts is None or pp == 1 or not per_group_norm or m.padded_vocab_size is None
             or p.pipeline_partition_method == "profile"):  # a profile split is known only once running
         return config
-    from megatron_lite.model.arithmetic import stage_bounds
+    from megatron_lite.cost.stages import stage_bounds
     from megatron_lite.model.moe_options import is_moe_layer
 
     bounds = stage_bounds(config)

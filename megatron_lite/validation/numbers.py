@@ -1,6 +1,6 @@
 """Every number of a Config finite, whole where a count is meant, and in its field's range: one rule for all.
 
-The range is the field's (config.py: `option(..., minimum=1)`), the check flag_numbers.problem(), the one
+The range is the field's (config/: `option(..., minimum=1)`), the check flag_numbers.problem(), the one
 the tools' own flags use; a whole number is at most flag_numbers.WHOLE_MAX unless its field says otherwise.
 It runs before every other section, which then compare and divide numbers known to be sane: a NaN passes
 every `<` test, and 1e15 minutes overflows timedelta after the process group exists.

@@ -64,7 +64,7 @@ def test_an_async_save_at_pp2_writes_the_sync_saves_bytes_while_training_goes_on
 
 def _snapshot_measured_and_estimated(tp, pp, dp, extra, root):
     from megatron_lite.checkpoint.snapshot import snapshot_bytes
-    from megatron_lite.model.memory import estimate
+    from megatron_lite.cost.memory import estimate
     from megatron_lite.parallel import state
     from megatron_lite.deepspeed_config import deepspeed_config
     from megatron_lite.training.engine import Engine

@@ -22,7 +22,7 @@ SOURCE = ("--zero-stage", "1", "--eval-iters", "2") + SIGMOID_BIAS
 def _train(tp, pp, dp, ep, extra, save=None, load=None):
     """Train STEPS steps (saving at SAVE_AT, or resuming from `load`): the losses, the resume note, and at
     SAVE_AT this rank's parameters by (layer spec, name) with its experts' global indices."""
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import checkpoint_files
     from megatron_lite.checkpoint.layout import ModelLayout
     from megatron_lite.parallel import state
     from megatron_lite.parallel.experts import is_expert_parameter, local_experts
@@ -47,12 +47,12 @@ def _train(tp, pp, dp, ep, extra, save=None, load=None):
             checkpointing.save(engine, config, iteration, iteration * config.batch.global_batch_size,
                                checkpointing.SaveFolder(lock=None, run_id="test"))
             layout = ModelLayout(config)
-            for (owner, name), param in deepspeed_compat.engine_parameters(engine.module).items():
+            for (owner, name), param in checkpoint_files.engine_parameters(engine.module).items():
                 spec = layout.tied_spec[owner] if isinstance(owner, str) else owner
                 experts = local_experts(config.model.num_experts) if is_expert_parameter(param) else None
                 weights[(spec, name)] = (param.detach().clone(), experts)
             for name, buffer in engine.module.named_buffers():
-                owner, inner = deepspeed_compat.pipeline_parameter_owner(name)
+                owner, inner = checkpoint_files.pipeline_parameter_owner(name)
                 if inner in layout.buffers.get(owner, {}):
                     weights[(owner, inner)] = (buffer.clone(), None)
     return losses, note, weights

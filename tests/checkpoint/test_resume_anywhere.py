@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from tests.cost.engine_census import imports_frozen
 from tests.harness import run_distributed
-from tests.model.engine_census import imports_frozen
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -147,7 +147,7 @@ def test_bf16_zero1_resumes_across_its_two_deepspeed_optimizers_through_the_layo
 
 def test_a_bf16_zero0_run_resumes_at_its_own_layout_with_the_uninterrupted_losses(tmp_path):
     """DeepSpeed 0.19's own loader fails on its BF16_Optimizer's ZeRO 0 checkpoint (KeyError 0:
-    deepspeed_compat.own_loader_reads); the layout-free path reads it, bit for bit."""
+    deepspeed_compat.optimizer_state.own_loader_reads); the layout-free path reads it, bit for bit."""
     full, resumed, note = _uninterrupted_then_resumed(tmp_path, (1, 2, 1), (1, 2, 1), ["--bf16"])
     assert sorted(resumed) == [3, 4] and "random generators kept" in note
     for step in resumed:

@@ -9,7 +9,7 @@ from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_llama import FLAGS, from_hf, hf_config, mapping, table, to_hf, with_qkv_biases
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.transformer import RotaryEmbedding
+from megatron_lite.model.rotary import RotaryEmbedding
 from megatron_lite.parallel.random import model_parallel_seed
 from tests.model.gpt_layouts import tiny_config
 

@@ -169,7 +169,8 @@ def test_expert_bias_after_three_steps_equals_the_dense_runs():
 @pytest.mark.parametrize("zero", ["0", "1"])
 def test_a_pipeline_stage_without_moe_layers_trains_without_hanging(zero):
     # Megatron-LM #1444: a stage without MoE layers must not wait in a collective the others skip. At ZeRO 1 it
-    # did (DeepSpeed's one norm all-reduce per optimizer group: deepspeed_compat.expert_norm_groups_on_every_stage).
+    # did (DeepSpeed's one norm all-reduce per optimizer group:
+    # deepspeed_compat.experts.expert_norm_groups_on_every_stage).
     extra = ("--moe-layer-freq", "[0,0,1,1]")
     assert_matches(run_layout(1, 2, 2, 1, 2, extra + ("--zero-stage", zero)), dense_reference(extra))
 

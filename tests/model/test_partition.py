@@ -1,7 +1,8 @@
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.model.partition import SpecCost, partition, stage_table
+from megatron_lite.cost.stages import stage_table
+from megatron_lite.model.partition import partition, SpecCost
 
 
 def gpt_like(num_layers, layer_flops=100.0, embed_flops=5.0, head_flops=150.0):

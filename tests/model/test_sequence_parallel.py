@@ -39,7 +39,7 @@ def _replicated_gradients(extra):
     from megatron_lite.parallel import state
     from megatron_lite.parallel.layers import is_sequence_parallel_parameter
     from megatron_lite.training.engine import Engine
-    from tests.model.engine_census import _innermost_optimizer
+    from tests.cost.engine_census import _innermost_optimizer
     from tests.model.gpt_layouts import micro_batches
 
     config = tiny_config(2, 1, 1, SP + MICRO_2 + tuple(extra))

@@ -8,7 +8,7 @@ from tests.model.gpt_layouts import tiny_config
 
 
 def _attention(config):
-    from megatron_lite.model.transformer import ParallelAttention
+    from megatron_lite.model.attention import ParallelAttention
 
     torch.manual_seed(11)
     return ParallelAttention(config.model, layer_number=1)

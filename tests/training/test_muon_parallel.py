@@ -51,8 +51,8 @@ def test_orthogonalising_shards_or_the_fused_qkv_whole_misses_the_dense_losses(w
 
 def test_muon_on_experts_at_ep2_with_tp2_cp2_and_zero1_gives_the_dense_losses():
     """ZeRO 1 partitions the experts' group over expert-DP, the rest over DP x CP; ZeRO steps one group at a
-    time (deepspeed_compat.optimizer_partitions): keyed by group index, the expert group took the dense group's
-    partition view and this missed by 1.7e-4."""
+    time (deepspeed_compat.optimizer_state.optimizer_partitions): keyed by group index, the expert group took the
+    dense group's partition view and this missed by 1.7e-4."""
     reference = dense_reference(MOE + MUON)
     results = run_moe_layout(2, 1, 1, 2, 2, MUON + ("--zero-stage", "1"), steps=STEPS)
     assert relative_difference(results, reference) <= 1e-5, [r["losses"] for r in results] + [reference]
@@ -60,7 +60,7 @@ def test_muon_on_experts_at_ep2_with_tp2_cp2_and_zero1_gives_the_dense_losses():
 
 def _train_low_precision(tp, pp, dp, extra):
     """Losses, and the dtypes of Muon's momentum buffers, of a run whose precision flag is in `extra`."""
-    from megatron_lite import deepspeed_compat
+    from megatron_lite.deepspeed_compat import optimizer_state
     from megatron_lite.parallel import state
     from megatron_lite.training.engine import Engine
     from tests.model.gpt_layouts import micro_batches
@@ -73,7 +73,7 @@ def _train_low_precision(tp, pp, dp, extra):
     engine = Engine(config, with_scheduler=False)
     data = micro_batches(config, global_batches(config, STEPS), state.get_data_parallel_rank(), dp)
     losses = [engine.train_step(data).loss for _ in range(STEPS)]
-    inner = deepspeed_compat.inner_optimizer(engine.optimizer)
+    inner = optimizer_state.inner_optimizer(engine.optimizer)
     dtypes = {str(inner.state[t]["exp_avg"].dtype) for g in inner.param_groups if g.get("muon") for t in g["params"]}
     return {"losses": losses, "momentum": dtypes, "wrapper": type(engine.optimizer).__name__}
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.tuning import calibration, recipe, report
+from megatron_lite.tuning import calibration, plan_output, recipe, report
 from megatron_lite.tuning.measure_model import fastest_runs, solve
 from megatron_lite.tuning.throughput import predict_from_model_times
 from tools import tune_parallelism
@@ -330,7 +330,7 @@ def test_a_layout_priced_from_generic_terms_never_outranks_measured_ones_without
     assert generic[0].predicted_step_seconds == pytest.approx(ratios[1] * generic[0].predicted_parts["step_seconds"])
     note = next(n for n in plan.notes if "generic terms" in n)
     assert f"1 of {len(plan.candidates)} layouts (CP 2)" in note and f"x {ratios[1]:.3g}" in note
-    table = recipe.format_plan(plan).splitlines()
+    table = plan_output.format_plan(plan).splitlines()
     assert table[0].split()[-2:] == ["from", "saver"]
     for c, line in zip(plan.candidates, table[1:]):
-        assert recipe.PRICED_FROM[c.predicted_from] in line.split(), (c.layout, line)
+        assert plan_output.PRICED_FROM[c.predicted_from] in line.split(), (c.layout, line)

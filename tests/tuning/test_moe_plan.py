@@ -3,9 +3,9 @@ estimate per EP, and the price of the expert all-to-alls in the predicted step, 
 import pytest
 
 from megatron_lite.arguments import parse_args
+from megatron_lite.cost import memory
 from megatron_lite.deepspeed_config import deepspeed_config
-from megatron_lite.model import memory
-from megatron_lite.tuning import calibration, recipe
+from megatron_lite.tuning import calibration, plan_output, pricing, recipe
 from megatron_lite.tuning.throughput import Experts, Hardware, predict_step_seconds
 
 MIXTRAL_DENSE = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
@@ -42,7 +42,7 @@ def test_mixtral_8x7b_on_four_nodes_gets_an_expert_parallel_layout_and_the_dense
     assert (tp, ep, first.pipeline_model_parallel_size) == (4, 2, 1), first.layout
     assert first.layout == "tp4_cp1_pp1_dp8_ep2_mb1"
     assert "tp4_cp1_pp1_dp8_mb1" in {r["layout"] for r in p.rejected if r["reason_code"] == "does_not_fit_memory"}
-    assert "TP 4 x EP 2 = GPUs per node" in recipe.first_choice_reason(p)
+    assert "TP 4 x EP 2 = GPUs per node" in plan_output.first_choice_reason(p)
     # Every EP divides DP x CP and the 8 experts; every degree that does is tried.
     assert all(c.data_parallel_size * c.context_parallel_size % c.expert_model_parallel_size == 0
                and 8 % c.expert_model_parallel_size == 0 for c in p.candidates)
@@ -55,12 +55,12 @@ def test_mixtral_8x7b_on_four_nodes_gets_an_expert_parallel_layout_and_the_dense
     assert first.peak_bytes_per_stage == [st.peak for st in memory.estimate(config, deepspeed_config(config))]
     # The all-to-alls are priced where experts are split, and nowhere else.
     assert all((c.predicted_ep_comm_seconds > 0) == (c.expert_model_parallel_size > 1) for c in p.candidates)
-    table = recipe.format_plan(p, limit=3)
+    table = plan_output.format_plan(p, limit=3)
     assert " EP " in table.splitlines()[0] and "a2a %" in table.splitlines()[0]
     dense = _plan(MIXTRAL_DENSE, tmp_path)
     assert dense.candidates and {c.expert_model_parallel_size for c in dense.candidates} == {1}
     assert not any("_ep" in c.layout or "--expert-model-parallel-size" in c.pretrain_argv for c in dense.candidates)
-    assert " EP " not in recipe.format_plan(dense).splitlines()[0]
+    assert " EP " not in plan_output.format_plan(dense).splitlines()[0]
 
 
 def test_expert_parallelism_shrinks_the_memory_estimate_of_a_stage():
@@ -169,15 +169,15 @@ def test_expert_costs_count_each_stages_moe_layers_and_those_full_recompute_runs
                   "--pipeline-partition-method", "uniform", "--recompute-granularity", "full",
                   "--recompute-method", "block", "--recompute-num-layers", "1", "--expert-model-parallel-size", "2"]
     config, _ = parse_args(argv, world_size=4)
-    from megatron_lite.model.arithmetic import stage_bounds
+    from megatron_lite.cost.stages import stage_bounds
 
-    experts = recipe.expert_costs(config, stage_bounds(config, estimate=True), bytes_per_value=4)
+    experts = pricing.expert_costs(config, stage_bounds(config, estimate=True), bytes_per_value=4)
     assert experts.ep == 2 and list(experts.stage_moe_layers) == [1, 2]
     assert list(experts.stage_recomputed_moe_layers) == [0, 1]
     assert experts.all_to_all_bytes == 32 * 2 * 64 * 4  # T k h x 4 bytes, micro batch 1
     assert experts.rows_per_expert == 2 * 32 * 2 / 4  # EP x T k / E
     dense, _ = parse_args(MOE[:-4], world_size=1)
-    assert recipe.expert_costs(dense, stage_bounds(dense, estimate=True), bytes_per_value=4) is None
+    assert pricing.expert_costs(dense, stage_bounds(dense, estimate=True), bytes_per_value=4) is None
 
 
 def test_the_micro_batch_probe_cuts_a_layer_pattern_with_the_layers(tmp_path):

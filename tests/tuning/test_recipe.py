@@ -5,9 +5,9 @@ import sys
 import pytest
 
 from megatron_lite.arguments import parse_args
-from megatron_lite.model import memory
+from megatron_lite.cost import memory
 from megatron_lite.deepspeed_config import deepspeed_config
-from megatron_lite.tuning import recipe
+from megatron_lite.tuning import plan_output, recipe
 from tests.harness import REPO_ROOT
 
 BIG = ["--num-layers", "104", "--hidden-size", "8192", "--num-attention-heads", "64", "--seq-length", "2048",
@@ -56,7 +56,7 @@ def test_rejections_name_their_reasons(tmp_path):
         p, "layers_fewer_than_stages")
     # global batch 16 with micro 4 x DP 8 = 32
     assert "tp1_cp1_pp1_dp8_mb4" in _rejections(p, "batch_not_divisible")
-    table = recipe.format_plan(p)
+    table = plan_output.format_plan(p)
     assert "x heads not divisible by TP: tp8_cp1_pp1_dp1_mb1" in table and "x layers fewer than stages" in table
     kept = {c.layout for c in p.candidates}
     assert {"tp1_cp1_pp1_dp8_mb1", "tp2_cp1_pp2_dp2_mb2", "tp4_cp1_pp1_dp2_mb1"} <= kept
@@ -145,7 +145,7 @@ def test_plan_says_it_replaces_the_users_zero_stage(tmp_path):
     p = _plan(SMALL + ["--zero-stage", "1"], tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80)
     assert any("your --zero-stage 1 is replaced" in note for note in p.notes)
     assert {c.zero_stage for c in p.candidates} == {0}  # the fastest saver that fits, not the user's 1
-    assert "note: your --zero-stage 1 is replaced" in recipe.format_plan(p)
+    assert "note: your --zero-stage 1 is replaced" in plan_output.format_plan(p)
     assert not _plan(SMALL, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=80).notes
 
 
@@ -198,7 +198,7 @@ def test_llama_plan_with_2_query_groups_proposes_tp4_and_no_tp_that_validation_r
     refused = {r["tensor_model_parallel_size"] for r in p.rejected
                if r["reason_code"] == "groups_not_compatible_with_tp"}
     assert refused == {3, 6, 12}
-    assert "x query groups neither divide nor are divided by TP" in recipe.format_plan(p)
+    assert "x query groups neither divide nor are divided by TP" in plan_output.format_plan(p)
     for c in p.candidates:  # what pretrain_gpt.py would be given: it validates
         world = _world(c)
         config, _ = parse_args(c.pretrain_argv, world_size=world)
@@ -207,7 +207,7 @@ def test_llama_plan_with_2_query_groups_proposes_tp4_and_no_tp_that_validation_r
         assert c.peak_bytes_per_stage == [st.peak for st in memory.estimate(config, deepspeed_config(config))]
     first = p.candidates[0]
     assert first.tensor_model_parallel_size == 4, "Shaden's order: the TP nearest the GPUs per node that validates"
-    assert recipe.first_choice_reason(p).startswith(f"{first.layout}: gas ")
+    assert plan_output.first_choice_reason(p).startswith(f"{first.layout}: gas ")
 
 
 def test_plan_tries_context_parallelism_up_to_the_heads_per_tp_rank_and_names_the_cps_it_refuses(tmp_path):
@@ -221,7 +221,7 @@ def test_plan_tries_context_parallelism_up_to_the_heads_per_tp_rank_and_names_th
                if r["reason_code"] == "heads_not_divisible_by_cp"}
     assert refused == {(1, 8), (2, 4), (4, 2)}
     assert "tp1_cp8_pp1_dp1_mb1" in _rejections(p, "heads_not_divisible_by_cp")
-    assert "x heads per TP rank not divisible by CP: " in recipe.format_plan(p)
+    assert "x heads per TP rank not divisible by CP: " in plan_output.format_plan(p)
     for c in p.candidates:
         if c.context_parallel_size == 1:
             continue

@@ -1,6 +1,6 @@
 """The whole step against the estimate (issue 31): every rank's peak over a training step, and what stays
 alive between steps, measured on real DeepSpeed engines (benchmarks/memory_census.py's cells), within 10% of
-model/memory.py's booking, under each optimizer DeepSpeed runs at ZeRO 0, 1 and 3, and with --optimizer muon
+cost/memory.py's booking, under each optimizer DeepSpeed runs at ZeRO 0, 1 and 3, and with --optimizer muon
 (its one moment per matrix between steps; its look-ahead, assembly, TP gather and Newton-Schulz temporaries in
 the optimizer step's phase)."""
 import pytest

@@ -5,12 +5,14 @@ from contextlib import redirect_stdout
 
 import pytest
 
-from megatron_lite.model import memory
+from megatron_lite.cost import memory
+
+from megatron_lite.cost import model_state
 from megatron_lite.deepspeed_config import deepspeed_config
+from tests.cost.activation_census import saved_bytes_per_stage
 from tests.device import census_device
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
-from tests.model.activation_census import saved_bytes_per_stage
 from tests.model.test_llama_parallel import LLAMA
 
 GIB = 2 ** 30
@@ -37,7 +39,7 @@ def test_zero2_model_states_equal_deepspeeds_estimator(params, nodes, gpus):
         # DeepSpeed's estimator counts the step: between steps ours holds no gradients at 16-bit ZeRO 2 (measured,
         # benchmarks/memory_census.py); during it the 16-bit partition (step_gradients) and the fp32 partition
         # the step makes (half of the measured step transient), which ZeRO-Offload keeps on the CPU.
-        ours = memory.model_state_bytes(params, 2, n, "bf16", cpu_offload=offload)
+        ours = model_state.model_state_bytes(params, 2, n, "bf16", cpu_offload=offload)
         during = sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) + (
             0 if offload else memory.step_gradient_bytes(params, 2, "bf16", n) + 4 * params // n)
         theirs = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)[1]
@@ -62,7 +64,7 @@ def test_zero3_model_states_equal_deepspeeds_estimator(params, nodes, gpus):
     for offload, offload_param, row in ((False, False, "offload_param=none,offload_optimizer=none,zero_init=1"),
                                         (True, False, "offload_param=none,offload_optimizer=cpu,zero_init=1"),
                                         (True, True, "offload_param=cpu,offload_optimizer=cpu,zero_init=1")):
-        ours = memory.model_state_bytes(params, 3, n, "bf16", cpu_offload=offload, offload_param=offload_param)
+        ours = model_state.model_state_bytes(params, 3, n, "bf16", cpu_offload=offload, offload_param=offload_param)
         # DeepSpeed's 4L is the gathered working set (two largest layers, bf16), which we book during forward
         # and backward (zero3_gathered_bytes), not between steps; its gradients are fp32 (fp32_accumulation).
         device = sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) + 2 * 2 * largest
@@ -88,7 +90,7 @@ def test_live_estimators_on_a_real_module_agree():
         out = io.StringIO()
         with redirect_stdout(out):
             fn(layers, num_gpus_per_node=4, num_nodes=1)
-        ours = memory.model_state_bytes(params, zero, 4, "bf16")
+        ours = model_state.model_state_bytes(params, zero, 4, "bf16")
         during = sum(ours[k] for k in ("weights", "gradients", "optimizer_states")) + (
             memory.step_gradient_bytes(params, 2, "bf16", 4) + 4 * params // 4 if zero == 2
             else 2 * 2 * 500_000_000)  # as above; ZeRO 3: the gathered working set
@@ -102,7 +104,7 @@ ENGINE_LAYOUTS = [(1, 1, 1, ()), (2, 1, 1, ()), (1, 2, 1, ()), (2, 2, 1, ()), (1
 @pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, dp, extra", ENGINE_LAYOUTS)
 def test_model_states_of_a_real_engine_match_the_estimate(tp, pp, dp, extra, tmp_path):
-    from tests.model.engine_census import engine_census
+    from tests.cost.engine_census import engine_census
 
     ds_json = tmp_path / "ds.json"
     # Small buckets, so the comparison is about the model states, not a 2 GB reduction buffer.
@@ -135,7 +137,7 @@ PEAK_MODEL = ("--hidden-size", "128", "--vocab-size", "2048", "--micro-batch-siz
 
 
 def _measured_peaks(tp, pp, extra, tmp_path, free_last_stage_outputs=True):
-    from tests.model.peak_census import engine_peak
+    from tests.cost.peak_census import engine_peak
 
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))
@@ -212,7 +214,7 @@ CENSUS_ROWS = [(sp, recompute) for sp in (False, True) for recompute in ("none",
 
 def _layer_census(tp, configs):
     from megatron_lite.parallel import state
-    from tests.model.activation_census import saved_bytes_per_layer
+    from tests.cost.activation_census import saved_bytes_per_layer
 
     state.initialize(tp, 1)
     return [saved_bytes_per_layer(config) for config in configs]
@@ -224,7 +226,7 @@ def _layer_rows(tp, backend, block, **kw):
 
 
 def _assert_layer_census_equals_the_estimate(tp, rows):
-    from megatron_lite.model import activations
+    from megatron_lite.cost import activations
 
     measured = run_distributed(_layer_census, tp, tp, [config for _, _, config in rows])
     for (sp, recompute, config), *per_rank in zip(rows, *measured):
@@ -298,7 +300,7 @@ def _mask_rows(tp, backend, masks):
 def _mask_census(configs, path, per_sample):
     from megatron_lite.model import attention_mask
     from megatron_lite.parallel import state
-    from tests.model import activation_census
+    from tests.cost import activation_census
 
     attention_mask.SEGMENTS_PER_TOKEN = 1.0 if path == "segments" else 0.0
     activation_census.DOCUMENTS_PER_SAMPLE = per_sample
@@ -316,7 +318,7 @@ def test_one_layers_activations_with_document_masks_and_windows_match_the_estima
     recompute keeps the bool mask it is given; rotary tables per sample when positions restart. Attended
     document by document, within the estimate's bound (one document per sample is its most: the s x s
     terms shrink with more); the estimate without a path is the larger path's."""
-    from megatron_lite.model import activations
+    from megatron_lite.cost import activations
 
     rows = _mask_rows(1, backend, masks)
     measured = run_distributed(_mask_census, 1, [config for _, _, config in rows], path, per_sample)[0]
@@ -341,8 +343,8 @@ def _masked_census(pp):
 def test_a_pipeline_stage_with_document_ids_keeps_what_the_estimate_says():
     """The int32 document ids cross every stage boundary beside the hidden states; each layer keeps its
     mask (the estimate takes the larger of the mask's and the document-by-document bound, as data decides)."""
-    from megatron_lite.model import activations
-    from megatron_lite.model.arithmetic import stage_bounds, transformer_layers_per_stage
+    from megatron_lite.cost import activations
+    from megatron_lite.cost.stages import stage_bounds, transformer_layers_per_stage
 
     config = tiny_config(1, 2, 1, ["--micro-batch-size", "2", "--global-batch-size", "8"] + MASKS["documents+rope"])
     measured = run_distributed(_masked_census, 1, 2)[0]

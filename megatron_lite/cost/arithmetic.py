@@ -1,10 +1,9 @@
-"""Model arithmetic from the config alone: parameter counts, FLOPs and pipeline stage bounds.
+"""Model arithmetic from the config alone: parameter counts and FLOPs.
 
-The one place these numbers are computed; model/gpt.py (the stage split it builds),
-model/memory.py (the estimate), checkpoint/layout.py (which stage holds which layer
-file) and tuning/ (the planner) all ask here, and tests/model/test_arithmetic.py
-checks them against built models at several TP x PP layouts. No torch: the planner
-prices hundreds of layouts without building a layer.
+The one place these numbers are computed; cost/stages.py (the pipeline split and what each stage
+holds), cost/memory.py (the estimate), training/metrics.py (TFLOP/s, MFU) and tuning/ (the planner)
+all ask here, and tests/cost/test_arithmetic.py checks them against built models at several TP x PP
+layouts. No torch: the planner prices hundreds of layouts without building a layer.
 
 The GPT is a list of specs (model/gpt.py `layer_specs`):
     0            embedding: word [V, h] (split over TP) + learned positions [P, h] (whole)
@@ -42,21 +41,12 @@ routed expert's two); the router, the gate, norms, biases, embeddings and the he
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_lite.config import Config, ConfigError, ModelConfig
+from megatron_lite.config import Config, ModelConfig, require_vocab
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, moe_layer_pattern
-from megatron_lite.model.partition import SpecCost, partition
-
-
-def require_vocab(config: Config) -> ModelConfig:
-    model = config.model
-    if model.padded_vocab_size is None:
-        raise ConfigError("the model needs a vocabulary size: give --vocab-size N or a --tokenizer-model")
-    return model
+from megatron_lite.model.recompute_options import recompute_chunks
 
 
 def mlp_in_width(model: ModelConfig) -> int:
@@ -173,12 +163,6 @@ def layer_matrices(model: ModelConfig, layer_number: Optional[int] = None, ep: i
     shared = model.moe_shared_expert_intermediate_size
     return (attention + mlp_matrices(model, expert_ffn_hidden_size(model), model.num_experts // ep, expert=True)
             + (mlp_matrices(model, shared) if shared is not None else []))
-
-
-def stage_matrices(config: Config, bounds: Sequence[int]) -> List[List[HiddenMatrix]]:
-    """The weights --optimizer muon steps on each stage (`layer_matrices` of its layers, in order)."""
-    m, ep = config.model, config.parallel.expert_model_parallel_size
-    return [[x for n in numbers for x in layer_matrices(m, n, ep)] for numbers in stage_layer_numbers(config, bounds)]
 
 
 def layer_parameters(model: ModelConfig, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
@@ -302,19 +286,6 @@ def attention_core_forward_flops(model: ModelConfig) -> float:
     return 4.0 * model.seq_length * attention_width(model)
 
 
-def recompute_chunks(method: Optional[str], num_layers: Optional[int], layers: int) -> List[Tuple[int, int, bool]]:
-    """(start, end, recomputed) chunks covering a stage's `layers` transformer layers, in order, for
-    --recompute-granularity full (model/recompute.py runs them): uniform cuts the layers into chunks of
-    num_layers, each recomputed from its input; block recomputes the first num_layers layers one by one."""
-    if method is None or layers == 0:
-        return [(0, layers, False)] if layers else []
-    if method == "uniform":
-        return [(a, min(a + num_layers, layers), True) for a in range(0, layers, num_layers)]
-    recomputed = min(num_layers, layers)
-    chunks = [(i, i + 1, True) for i in range(recomputed)]
-    return chunks + ([(recomputed, layers, False)] if recomputed < layers else [])
-
-
 def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
                                       attention_share: float = 1.0, first_layer: int = 1) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
@@ -357,89 +328,3 @@ def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequ
     return (layers + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
             + 3 * 2 * model.hidden_size * v)
 
-
-def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:
-    """Forward FLOPs per token and (whole-model: TP = EP = 1) parameters of each spec; with `seconds` (measured
-    by `--pipeline-partition-method profile`) each cost also carries its time."""
-    m = require_vocab(config)
-    h, v = m.hidden_size, m.padded_vocab_size
-    per_spec = spec_parameters(config, tp=1, ep=1)
-    costs = [SpecCost("EmbeddingPipe", 4.0 * h, per_spec[0], False)]
-    # An MoE layer costs its active experts' FLOPs and holds all its experts' parameters.
-    costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True, layer_number=i)),
-                       per_spec[i], True) for i in range(1, m.num_layers + 1)]
-    # Class names as model/gpt.py builds them (`type:<regex>` partitioning matches them).
-    if m.normalization == "RMSNorm":
-        costs.append(SpecCost("FinalRMSNormPipe", 4.0 * h, norm_parameters(m), False))
-    else:
-        costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, norm_parameters(m), False))
-    untied = m.untie_embeddings_and_output_weights
-    # Head matmul plus the softmax cross entropy over the vocabulary; a tied head adds no parameters.
-    costs.append(SpecCost("LMHeadPipe" if untied else "EmbeddingPipe", head_forward_flops(m) + 5.0 * v,
-                          per_spec[-1] if untied else 0, False))
-    if seconds is not None:
-        costs = [dataclasses.replace(c, seconds=float(t)) for c, t in zip(costs, seconds)]
-    return costs
-
-
-def stage_bounds(config: Config, seconds: Optional[Sequence[float]] = None, estimate: bool = False) -> List[int]:
-    """Spec boundaries of the pipeline stages: stage i holds specs[bounds[i]:bounds[i + 1]].
-
-    `profile` splits on measured `seconds`, known only once running; with `estimate=True`
-    (memory estimates, the planner) the FLOP cost stands in for them."""
-    p = config.parallel
-    method = p.pipeline_partition_method
-    if method == "profile" and seconds is None:
-        if not estimate:
-            raise ValueError("--pipeline-partition-method profile needs the measured seconds of every spec")
-        method = "cost"
-    require_vocab(config)
-    return list(_bounds(config.model, p.pipeline_model_parallel_size, method,
-                        None if seconds is None else tuple(seconds)))
-
-
-@functools.lru_cache(maxsize=256)
-def _bounds(model: ModelConfig, pp: int, method: str, seconds: Optional[Tuple[float, ...]]) -> Tuple[int, ...]:
-    # The partitioner's exact search is the slow part of a plan; the model config is immutable.
-    return tuple(partition(spec_costs(Config(model=model), seconds), pp, method))
-
-
-def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
-    """Parameters one rank of each stage holds (after the TP split); a stage that holds both the
-    embedding and the tied head holds one module."""
-    per_spec = spec_parameters(config)
-    tied = not config.model.untie_embeddings_and_output_weights
-    totals = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        total = sum(per_spec[a:b])
-        if tied and a == 0 and b == len(per_spec):
-            total -= per_spec[-1]
-        totals.append(total)
-    return totals
-
-
-def transformer_layers_per_stage(config: Config, bounds: Sequence[int]) -> List[int]:
-    """Transformer layers (specs 1..L) on each stage."""
-    return [len(numbers) for numbers in stage_layer_numbers(config, bounds)]
-
-
-def stage_layer_numbers(config: Config, bounds: Sequence[int]) -> List[range]:
-    """The transformer layers on each stage, numbered from 1 (spec k is layer k)."""
-    end = config.model.num_layers + 1
-    return [range(min(max(a, 1), end), max(min(b, end), 1)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def stage_expert_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
-    """The routed experts' parameters one rank of each stage holds (E/EP per MoE layer, after the TP split):
-    the part of `stage_parameters` that is reduced, and that ZeRO partitions, over expert-DP, not DP x CP."""
-    m, p = config.model, config.parallel
-    if m.num_experts is None:
-        return [0] * (len(bounds) - 1)
-    per_layer = sum(expert_tensors(m, p.tensor_model_parallel_size, p.expert_model_parallel_size))
-    return [per_layer * sum(is_moe_layer(m, n) for n in numbers) for numbers in stage_layer_numbers(config, bounds)]
-
-
-def stage_flops(config: Config, bounds: Sequence[int]) -> List[float]:
-    """Forward FLOPs per token of each stage (the cost partition's measure)."""
-    costs = spec_costs(config)
-    return [sum(c.flops for c in costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
+from megatron_lite.cost import activations, memory
+from megatron_lite.cost import moe_activations
 from megatron_lite.deepspeed_config import deepspeed_config
-from megatron_lite.model import activations, memory
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA
@@ -43,7 +44,7 @@ def _config(tp, dp, cp, ep, extra=()):
 
 def _layer_census(tp, dp, cp, ep, rows, balanced=True):
     from megatron_lite.parallel import state
-    from tests.model.activation_census import forced_routing, saved_bytes_per_layer
+    from tests.cost.activation_census import forced_routing, saved_bytes_per_layer
 
     state.initialize(tp, 1, context_parallel_size=cp, expert_model_parallel_size=ep)
     with forced_routing(balanced):
@@ -77,8 +78,8 @@ def test_one_moe_layers_activations_under_balanced_routing_match_the_estimate(la
 
 def _moe_layer_with(config, received):
     """The layer's estimate with `received` routed copies on this rank's experts instead of the balanced count."""
-    return (activations.stage_layer_bytes(config, 1, "cpu")[0] - activations.moe_mlp_bytes(config, "cpu")
-            + activations.moe_mlp_bytes(config, "cpu", received=received))
+    return (activations.stage_layer_bytes(config, 1, "cpu")[0] - moe_activations.moe_mlp_bytes(config, "cpu")
+            + moe_activations.moe_mlp_bytes(config, "cpu", received=received))
 
 
 def test_every_copy_on_one_ranks_experts_is_the_worst_case_the_estimate_bounds():
@@ -89,16 +90,16 @@ def test_every_copy_on_one_ranks_experts_is_the_worst_case_the_estimate_bounds()
     rows = [(), ROUTERS["capacity"]]
     ep2 = run_distributed(_layer_census, 2, 1, 2, 1, 2, rows, False)
     dropless, capped = _config(1, 2, 1, 2), _config(1, 2, 1, 2, ROUTERS["capacity"])
-    worst = activations.routed_copies(dropless, worst_case=True)[1]
-    assert worst == 2 * activations.routed_copies(dropless)[1] == 2 * 2 * 64
+    worst = moe_activations.routed_copies(dropless, worst_case=True)[1]
+    assert worst == 2 * moe_activations.routed_copies(dropless)[1] == 2 * 2 * 64
     assert [rank[0] for rank in ep2] == [_moe_layer_with(dropless, worst), _moe_layer_with(dropless, 0)]
-    assert ep2[0][1] <= _moe_layer_with(capped, activations.routed_copies(capped, worst_case=True)[1])
+    assert ep2[0][1] <= _moe_layer_with(capped, moe_activations.routed_copies(capped, worst_case=True)[1])
     ep1 = run_distributed(_layer_census, 1, 1, 1, 1, 1, [()], False)[0]
     assert ep1 == [activations.stage_layer_bytes(_config(1, 1, 1, 1), 1, "cpu")[0]]
 
 
 def _stage_census(extra):
-    from tests.model.activation_census import forced_routing, saved_bytes_per_stage
+    from tests.cost.activation_census import forced_routing, saved_bytes_per_stage
 
     with forced_routing():
         return saved_bytes_per_stage(tiny_config(1, 2, 1, MOE + tuple(extra)))
@@ -137,7 +138,7 @@ def test_model_states_of_an_engine_with_experts_over_ep_match_the_estimate(ep, e
     the model states (and the communication buffers, a few kB here); at fp32 ZeRO 1, stepping the expert group
     last, it also holds that group's fp32 gradient partition, the step's transient. Under --optimizer muon the
     matrices, the experts' included, keep one fp32 moment, not two."""
-    from tests.model.engine_census import engine_census
+    from tests.cost.engine_census import engine_census
 
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))

@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_lite.model.pipeline_efficiency import balance, bubble_efficiency, predicted_pipeline_efficiency
+from megatron_lite.cost.pipeline_efficiency import balance, bubble_efficiency, predicted_pipeline_efficiency
 
 
 @pytest.mark.parametrize("stages, gas, expected", [(1, 1, 1.0), (2, 16, 16 / 17), (4, 16, 16 / 19), (8, 32, 32 / 39)])

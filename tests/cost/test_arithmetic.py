@@ -1,9 +1,13 @@
-"""model/arithmetic.py against built models: parameters and stage splits at several TP x PP layouts,
+"""cost/arithmetic.py against built models: parameters and stage splits at several TP x PP layouts,
 and forward FLOPs against torch's own FLOP counter."""
 import pytest
 import torch
 
-from megatron_lite.model import arithmetic
+from megatron_lite.cost import arithmetic
+
+from megatron_lite.model import recompute_options
+
+from megatron_lite.cost import stages
 from megatron_lite.model.moe_options import is_moe_layer
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import tiny_config
@@ -25,13 +29,14 @@ def _built_stage(tp, pp, extra):
     import deepspeed
     import torch.distributed as dist
 
+    from megatron_lite.cost.stages import pipeline_split
     from megatron_lite.model.gpt import build
     from megatron_lite.parallel import state
 
     config = tiny_config(tp, pp, 1, extra)
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     state.initialize(tp, pp)
-    module = build(config, state.get_topology())
+    module = build(config, state.get_topology(), pipeline_split(config))
     parameters = sum(p.numel() for p in module.parameters())
     return (state.get_pipeline_model_parallel_rank(), state.get_tensor_model_parallel_rank(), parameters,
             list(module.parts), list(module.layers_per_stage))
@@ -43,11 +48,11 @@ def _built_stage(tp, pp, extra):
         (1, 2, "rope"), (1, 3, "uneven"), (2, 2, "llama"), (2, 1, "mqa_with_biases"), (4, 1, "mqa_with_biases")]])
 def test_stage_bounds_and_parameters_per_rank_match_the_built_pipeline(tp, pp, variant):
     config = tiny_config(tp, pp, 1, VARIANTS[variant])
-    bounds = arithmetic.stage_bounds(config)
-    expected = arithmetic.stage_parameters(config, bounds)
+    bounds = stages.stage_bounds(config)
+    expected = stages.stage_parameters(config, bounds)
     for stage, tp_rank, parameters, parts, layers in run_distributed(_built_stage, tp * pp, tp, pp, VARIANTS[variant]):
         assert parts == bounds, f"stage {stage}"
-        assert layers == arithmetic.transformer_layers_per_stage(config, bounds)
+        assert layers == stages.transformer_layers_per_stage(config, bounds)
         assert parameters == expected[stage], f"stage {stage} tp rank {tp_rank}: built {parameters}, counted {expected[stage]}"
 
 
@@ -107,9 +112,9 @@ def test_total_parameters_and_each_spec_match_the_dense_model(variant):
     # Tensor by tensor too (what ZeRO 3 partitions or keeps whole, memory.py).
     tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
     assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
-    assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
+    assert [c.parameters for c in stages.spec_costs(config)][:-1] == per_spec[:-1]
     # `type:<regex>` partitioning matches the costs' names against the built classes.
-    names = [c.name for c in arithmetic.spec_costs(config)]
+    names = [c.name for c in stages.spec_costs(config)]
     assert names[:len(model.layers)] == [type(layer).__name__ for layer in model.layers]
 
 
@@ -198,21 +203,21 @@ def test_block_recompute_counts_its_layers_on_every_pipeline_stage():
     m = config.model
     layer = arithmetic.layer_forward_flops(m, causal=False) - 2 * m.hidden_size * m.ffn_hidden_size
     assert arithmetic.recompute_forward_flops_per_token(m, [2, 2]) == pytest.approx(2 * layer)
-    assert arithmetic.recompute_chunks("uniform", 3, 4) == [(0, 3, True), (3, 4, True)]
-    assert arithmetic.recompute_chunks("block", 3, 4) == [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, False)]
-    assert arithmetic.recompute_chunks("block", 5, 2) == [(0, 1, True), (1, 2, True)]
+    assert recompute_options.recompute_chunks("uniform", 3, 4) == [(0, 3, True), (3, 4, True)]
+    assert recompute_options.recompute_chunks("block", 3, 4) == [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, False)]
+    assert recompute_options.recompute_chunks("block", 5, 2) == [(0, 1, True), (1, 2, True)]
 
 
 def test_profile_needs_measured_seconds_unless_estimating():
     config = tiny_config(1, 2, 1, ("--pipeline-partition-method", "profile"))
     with pytest.raises(ValueError, match="profile needs the measured seconds"):
-        arithmetic.stage_bounds(config)
-    assert arithmetic.stage_bounds(config, estimate=True) == arithmetic.stage_bounds(
+        stages.stage_bounds(config)
+    assert stages.stage_bounds(config, estimate=True) == stages.stage_bounds(
         config.replace(parallel__pipeline_partition_method="cost"))
     # Measured seconds that make the head expensive move layers off the last stage.
     seconds = [0.0] + [1.0] * config.model.num_layers + [0.0, 10.0]
-    assert arithmetic.stage_bounds(config, seconds) == [0, 4, 7]  # 3 layers, then 1 layer + head
-    assert arithmetic.stage_bounds(config.replace(parallel__pipeline_partition_method="uniform")) == [0, 3, 7]
+    assert stages.stage_bounds(config, seconds) == [0, 4, 7]  # 3 layers, then 1 layer + head
+    assert stages.stage_bounds(config.replace(parallel__pipeline_partition_method="uniform")) == [0, 3, 7]
 
 
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
@@ -278,7 +283,7 @@ def test_moe_parameters_per_layer_and_in_total_match_the_built_model(variant):
         per_spec if untied else per_spec[:-1])
     tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
     assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
-    assert [c.parameters for c in arithmetic.spec_costs(config)][:-1] == per_spec[:-1]
+    assert [c.parameters for c in stages.spec_costs(config)][:-1] == per_spec[:-1]
     assert len(_expert_modules(model)) == arithmetic.moe_layers(config.model)
 
 
@@ -294,7 +299,7 @@ def test_a_rank_holds_half_the_experts_at_ep2():
     built = [sum(p.numel() // (2 if id(p) in experts else 1) for p in layer.parameters()) for layer in model.layers]
     assert built == arithmetic.spec_parameters(config)
     # 3 MoE layers x 2 of 4 experts: (2 x 48 + 48) x 64 elements each (SwiGLU, no biases)
-    assert arithmetic.stage_expert_parameters(config, [0, 7]) == [3 * 2 * 3 * 48 * 64]
+    assert stages.stage_expert_parameters(config, [0, 7]) == [3 * 2 * 3 * 48 * 64]
     halves = sum(arithmetic.spec_parameters(config, ep=1)) - sum(arithmetic.spec_parameters(config))
     assert halves == 3 * 2 * 3 * 48 * 64
     assert arithmetic.total_parameters(config) == sum(p.numel() for p in model.parameters())  # all experts, once
@@ -398,12 +403,12 @@ def test_pipeline_stage_costs_use_each_moe_layers_own_cost():
     model = GPTModel(config).train()
     model_parallel_seed(config.training.seed, m.num_layers)
     x = torch.randn(1, m.seq_length, m.hidden_size)
-    costs = arithmetic.spec_costs(config)
+    costs = stages.spec_costs(config)
     for i in range(1, m.num_layers + 1):
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             model.layers[i](x)
         half_attention = 2 * m.seq_length * m.hidden_size
         assert costs[i].flops == pytest.approx(counter.get_total_flops() / m.seq_length - half_attention)
     assert costs[1].flops > 2 * costs[2].flops and costs[2].flops == costs[3].flops == costs[4].flops
-    assert arithmetic.stage_bounds(tiny_config(1, 2, 1, extra)) == [0, 2, 7]
-    assert arithmetic.stage_bounds(tiny_config(1, 2, 1)) == [0, 3, 7]
+    assert stages.stage_bounds(tiny_config(1, 2, 1, extra)) == [0, 2, 7]
+    assert stages.stage_bounds(tiny_config(1, 2, 1)) == [0, 3, 7]

@@ -8,7 +8,7 @@ def test_measured_seconds_are_positive_and_shared_by_specs_of_one_kind():
     import torch
 
     from megatron_lite.model.gpt import layer_specs, loss_fn
-    from megatron_lite.model.spec_profile import measure_spec_seconds
+    from megatron_lite.cost.spec_profile import measure_spec_seconds
     from megatron_lite.parallel.random import get_rng_tracker
 
     config = tiny_config(extra=PROFILE)

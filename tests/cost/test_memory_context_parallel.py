@@ -9,14 +9,15 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
+from megatron_lite.cost import activations, memory
+from megatron_lite.cost import model_state
 from megatron_lite.deepspeed_config import deepspeed_config
-from megatron_lite.model import activations, memory
+from tests.cost.activation_census import saved_bytes_per_stage
+from tests.cost.test_memory import QK_HEADS
 from tests.device import census_device
 from tests.harness import REPO_ROOT, run_distributed
-from tests.model.activation_census import saved_bytes_per_stage
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA
-from tests.model.test_memory import QK_HEADS
 
 GPT2_FUSED = ("--attention-backend", "fused", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
 """GPT-2's block, the fused softmax keeping its [b, heads, s, s] probabilities and dropout: the case the
@@ -78,7 +79,7 @@ def test_zero_partitions_the_optimizer_over_dp_x_cp():
     zero1 = ("--zero-stage", "1", "--bf16")
     cp2 = memory.estimate(_config(2, zero1, dp=2), deepspeed_config(_config(2, zero1, dp=2)))[0]
     dp4 = memory.estimate(_config(1, zero1, dp=4), deepspeed_config(_config(1, zero1, dp=4)))[0]
-    assert memory.zero_partitions(_config(2, zero1, dp=2)) == 4
+    assert model_state.zero_partitions(_config(2, zero1, dp=2)) == 4
     assert (cp2.weights, cp2.gradients, cp2.optimizer_states) == (dp4.weights, dp4.gradients, dp4.optimizer_states)
     assert cp2.step_transient == dp4.step_transient
     assert cp2.activations_per_micro_batch < dp4.activations_per_micro_batch
@@ -177,7 +178,7 @@ def test_a_real_engines_peak_at_seq_4096_is_within_10_percent_of_the_estimate(cp
     """A whole training step (DeepSpeed engine, flash SDPA, fp32) on every CP rank: the all-to-alls'
     short-lived buffers stay inside the margin the estimate has at CP 1 (measured: 5% at CP 1, 2 and 4)."""
     from tests.harness import shutdown_pools
-    from tests.model.peak_census import engine_peak
+    from tests.cost.peak_census import engine_peak
 
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 2000}}))

@@ -3,7 +3,7 @@ import contextlib
 
 import torch
 
-from megatron_lite.model.arithmetic import stage_bounds
+from megatron_lite.cost.stages import stage_bounds
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.parallel.random import checkpoint as random_checkpoint
@@ -101,7 +101,7 @@ def _keeping_checkpoint_inputs(keep):
     """Count what activation recompute keeps alive: the inputs of every checkpointed function (a chunk's
     input under full recompute; q, k and v, views of the QKV output, under selective). What the
     function saves inside is its own business (torch's checkpoint hooks, innermost, replace ours)."""
-    from megatron_lite.model import recompute, transformer
+    from megatron_lite.model import attention, recompute
 
     real = random_checkpoint
 
@@ -114,11 +114,11 @@ def _keeping_checkpoint_inputs(keep):
                     keep(t)
         return real(function, *args)
 
-    recompute.checkpoint, transformer.checkpoint = counted, counted
+    recompute.checkpoint, attention.checkpoint = counted, counted
     try:
         yield
     finally:
-        recompute.checkpoint, transformer.checkpoint = real, real
+        recompute.checkpoint, attention.checkpoint = real, real
 
 
 def saved_bytes_per_layer(config):
@@ -145,7 +145,7 @@ def saved_bytes_per_layer(config):
 def forced_routing(balanced: bool = True):
     """MoE routers choose their experts by rule, not by score (the weights still come from the scores).
     balanced: copy j of this rank's token t goes to expert (t k + j) mod E, so each expert gets T k / E copies
-    from every rank (when E divides T k): the routing the estimate books (model/activations.py
+    from every rank (when E divides T k): the routing the estimate books (cost/activations.py
     routed_copies). Otherwise every token goes to experts 0 .. k-1: all copies on the first EP rank, the
     worst case the estimate bounds."""
     from megatron_lite.model.router import TopKRouter

@@ -63,7 +63,7 @@ m < c); RoPE's tables (2 e S d, per layer) are its one term that does not shrink
 Under flash SDPA there is no s^2 term to drop: selective saves the log-sum-exp only, and still runs
 the attention core twice. Backward rebuilds one layer's attention core at a time (a transient).
 --recompute-granularity full keeps each recomputed chunk's input (e bsh / r) instead of its layers'
-activations (model/arithmetic.py `recompute_chunks`); backward rebuilds one chunk at a time: up to N
+activations (model/recompute_options.py `recompute_chunks`); backward rebuilds one chunk at a time: up to N
 layers' activations with --recompute-method uniform, one layer with block.
 
 First stage adds the embedding (this rank's s tokens): token and position ids (8 bs each), the
@@ -81,111 +81,20 @@ transient of e bsV/t when e < 4.
 A non-last stage also keeps its output (e bsh / r, this rank's part of the sequence) per micro-batch in
 flight for the send.
 
-An MoE layer (model/moe.py; `moe_mlp_bytes`) keeps, instead of the MLP's terms, with T = bs the tokens it
-dispatches (under sequence parallelism every TP rank gathers the whole s), T/r those it routes, E experts,
-K = --moe-router-topk, F the expert width, F_s the shared expert's, and N the routed copies this rank's
-experts receive (`routed_copies`: T K under balanced routing, each expert T K / E; fewer with a capacity):
-  router   (fp32 whatever the model's dtype) 16-bit: the input and the weight cast to fp32, 4 T h / r + 4 E h
-           scores: softmax (top-k of the logits, then softmax over k): the logits, which the top-k's gather
-             keeps, and the k weights, 4 (E + K) T / r; pre-softmax: the softmax, 4 E T / r; sigmoid: the
-             sigmoid, 4 E T / r, and for K > 1 the chosen scores and their sums, 4 (K + 1) T / r
-           the chosen experts (int64, kept by the gather)                   8 K T / r
-           the weights the combination multiplies by (the input's dtype, all T) e K T, unless they are the
-             softmax's own output (fp32, no scaling factor, no sequence parallelism)
-           aux loss: its softmax (sigmoid: sigmoid and sums) 4 E T / r (+ 4 T / r) and the token counts
-             4 E (seq_aux_loss: per sample, 4 b E); z-loss: the logits (unless kept above) and their
-             log-sum-exp, 4 (E + 1) T / r
-  dispatch the copies' order (int64; kept by the combination)        8 K T, and each sent copy's token 8 N
-           expert parallelism: the received rows' order and its inverse       16 N
-  experts  their input rows                                           e N h
-           GeLU: inner and activation, SwiGLU: [gate; up], silu, product      2 e N F / t, 4 e N F / t
-  combine  the experts' outputs (EP > 1: as they come back)           e N h
-           the [T, K, h] outputs in token order, kept by their weighting      e K T h
-  shared   the MLP at width F_s                                       2 e T F_s / t (SwiGLU: 4)
-           --moe-shared-expert-gate: the sigmoid and the shared output (e T + e T h) / r
-The input (the norm's output) is the norm's term, except at 16 bits without a shared expert: then only
-its fp32 copy is kept (- e T h / r). The gathered tokens are not kept (the dispatch keeps indices only).
-Measured: tests/model/test_memory_moe.py, on CPU with the per-expert loop (the grouped GEMM on CUDA keeps
-its own, not measured here); unbalanced routing: `routed_copies`.
+An MoE layer keeps, instead of the MLP's terms, what cost/moe_activations.py counts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron_lite.config import Config
-from megatron_lite.model.arithmetic import recompute_chunks
+from megatron_lite.cost.activation_dims import dims
+from megatron_lite.cost.moe_activations import moe_mlp_bytes
 from megatron_lite.model.attention_options import needs_document_ids
+from megatron_lite.model.recompute_options import recompute_chunks
 
 # The layer's own rules (transformer.py, parallel/qkv.py, parallel/context_parallel.py) are imported where
 # they are used: their modules import torch, and tools/estimate_memory.py checks its flags before torch starts.
-
-
-@dataclass(frozen=True)
-class Dims:
-    e: int
-    k: int
-    t: int
-    r: int
-    c: int
-    b: int
-    S: int
-    """The whole sequence (what attention sees)."""
-    h: int
-    f: int
-    a: int
-    g: int
-    d: int
-    """Head width (--kv-channels, h / a when not given)."""
-
-    @property
-    def s(self) -> int:
-        """Tokens of a sample this rank holds outside attention: S / c."""
-        return self.S // self.c
-
-    @property
-    def bs(self) -> int:
-        return self.b * self.s
-
-    @property
-    def bsh(self) -> int:
-        return self.b * self.s * self.h
-
-    @property
-    def head_dim(self) -> int:
-        return self.d
-
-    @property
-    def local_heads(self) -> int:
-        return self.a // self.t
-
-    @property
-    def local_groups(self) -> int:
-        from megatron_lite.parallel.qkv import local_query_groups
-
-        return local_query_groups(self.g, self.t)
-
-    @property
-    def attention_heads(self) -> int:
-        """n_c: query heads this rank attends with, over all S tokens."""
-        return self.local_heads // self.c
-
-    @property
-    def attention_groups(self) -> int:
-        """m_c: key/value groups this rank attends with (after the repeat to c groups when m < c)."""
-        from megatron_lite.parallel.context_parallel import context_parallel_groups
-
-        return context_parallel_groups(self.local_groups, self.c) // self.c
-
-
-def dims(config: Config, device: str) -> Dims:
-    m, p = config.model, config.parallel
-    e = 4 if config.precision.dtype_name == "fp32" else 2
-    t = p.tensor_model_parallel_size
-    return Dims(e=e, k=1 if device == "cuda" else e, t=t, r=t if p.sequence_parallel else 1,
-                c=p.context_parallel_size, b=config.batch.micro_batch_size, S=m.seq_length, h=m.hidden_size,
-                f=m.ffn_hidden_size, a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads,
-                d=m.head_dim)
 
 
 def attention_kernel(config: Config, device: str) -> str:
@@ -195,7 +104,7 @@ def attention_kernel(config: Config, device: str) -> str:
     the flash kernel (16-bit, grouped keys and values read in place) or the memory-efficient one
     (fp32), which cannot read grouped keys and values: fp32 with groups shared by several local
     heads takes the math path (torch's sdp_utils; not measured here)."""
-    from megatron_lite.model.transformer import resolve_attention_backend
+    from megatron_lite.model.attention import resolve_attention_backend
 
     m = config.model
     if resolve_attention_backend(m.attention_backend, device) != "sdpa":
@@ -215,7 +124,7 @@ def flash_attention(config: Config, device: str) -> bool:
 def attention_input_bytes(config: Config, device: str = "cuda", checkpointed: bool = False) -> int:
     """Bytes of the q, k, v storages the attention keeps (module docstring), or with `checkpointed`
     what selective recompute's checkpoint keeps of them: its inputs as given. Measured for every case
-    (tests/model/test_memory.py)."""
+    (tests/cost/test_memory.py)."""
     return _attention_inputs(config, device, checkpointed)[0]
 
 
@@ -317,7 +226,7 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
                 windowed layer's mask per document longer than the window (at most e b S^2); the s x s
                 terms of the fused and math paths shrink to the documents' own (the sum of their squared
                 lengths), counted at one document per sample, their most
-    Measured: tests/model/test_memory.py (exact for the mask, the bound for documents one by one)."""
+    Measured: tests/cost/test_memory.py (exact for the mask, the bound for documents one by one)."""
     m, d = config.model, dims(config, device)
     if m.window_size is None and not m.reset_attention_mask:
         return 0
@@ -329,66 +238,6 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
         windows = d.e * d.b * d.S * d.S if m.window_size is not None else 0
         by_path["segments"] = 0 if selective else outputs + windows
     return by_path[path] if path is not None else max(by_path.values())
-
-
-def routed_copies(config: Config, worst_case: bool = False) -> Tuple[int, int]:
-    """(sent, received): the routed copies of one micro-batch's tokens that a rank dispatches (within the
-    capacity) and those its experts receive, under balanced routing (each expert T K / E copies from every
-    rank; the census routes so). T = b s (the whole sequence under sequence parallelism, which gathers it).
-
-    The worst case (`worst_case`), unbalanced routing: dropless at EP 1, every copy on one expert still
-    totals T K rows on the rank, so the balanced count is the bound (capacity only lowers it: at most C =
-    ceil(T K / E x factor) per expert). Under EP a rank receives at most what every EP rank sends to its
-    E/EP experts: T K x EP dropless, EP x min(T K, E/EP x C) with a capacity. The estimate books the
-    balanced count; every term that scales with N (rows, expert inner activations, their orders) grows
-    with it."""
-    from megatron_lite.model.router import capacity
-
-    m, d = config.model, dims(config, "cuda")
-    experts, k, ep = m.num_experts, m.moe_router_topk, config.parallel.expert_model_parallel_size
-    copies = d.bs * k
-    limit = None if m.moe_expert_capacity_factor is None else capacity(d.bs, k, experts, m.moe_expert_capacity_factor)
-    sent = copies if limit is None else min(copies, experts * limit)
-    if not worst_case:
-        return sent, sent
-    per_source = copies if limit is None else min(copies, experts // ep * limit)
-    return sent, ep * per_source
-
-
-def moe_mlp_bytes(config: Config, device: str = "cuda", received: Optional[int] = None) -> int:
-    """What an MoE layer keeps instead of the MLP's terms (module docstring), with `received` routed copies
-    on this rank's experts (`routed_copies`: balanced routing unless given)."""
-    m, d, p = config.model, dims(config, device), config.parallel
-    e, h, T, Tr = d.e, d.h, d.bs, d.bs // d.r
-    E, K, ep = m.num_experts, m.moe_router_topk, p.expert_model_parallel_size
-    sent, balanced = routed_copies(config)
-    N = balanced if received is None else received
-    total = 4 * Tr * h + 4 * E * h if e < 4 else 0  # the router's fp32 input and weight
-    if e < 4 and m.moe_shared_expert_intermediate_size is None:
-        total -= e * Tr * h  # nothing keeps the norm's 16-bit output (norm_bytes books it) but the fp32 copy
-    default_softmax = m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax
-    if m.moe_router_score_function == "sigmoid":
-        total += 4 * Tr * E + (4 * Tr * (K + 1) if K > 1 else 0)
-    else:
-        total += 4 * Tr * E + (4 * Tr * K if default_softmax else 0)
-    total += 8 * Tr * K
-    if not (default_softmax and e == 4 and m.moe_router_topk_scaling_factor is None and d.r == 1):
-        total += e * T * K
-    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff > 0:
-        total += 4 * Tr * E + (4 * Tr if m.moe_router_score_function == "sigmoid" else 0)
-        total += 4 * E * (d.b if m.moe_router_load_balancing_type == "seq_aux_loss" else 1)
-    if m.moe_z_loss_coeff:
-        total += (0 if default_softmax else 4 * Tr * E) + 4 * Tr
-    total += 8 * T * K + 8 * sent + (16 * N if ep > 1 else 0)
-    from megatron_lite.model.moe_options import expert_ffn_hidden_size
-
-    total += e * N * h + (4 if m.swiglu else 2) * e * N * expert_ffn_hidden_size(m) // d.t
-    total += e * (sent if ep > 1 else N) * h + e * T * K * h
-    if m.moe_shared_expert_intermediate_size is not None:
-        total += (4 if m.swiglu else 2) * e * T * m.moe_shared_expert_intermediate_size // d.t
-        if m.moe_shared_expert_gate:
-            total += (e * T + e * T * h) // d.r
-    return total
 
 
 def _layer_bytes(config: Config, device: str, selective: bool, moe: bool = False) -> int:
@@ -503,3 +352,4 @@ def stage_output_bytes(config: Config) -> int:
     ids, also their int32 [b, S] (the whole sequence, model/attention_mask.py)."""
     d = dims(config, "cuda")
     return d.e * d.bsh // d.r + (4 * d.b * d.S if needs_document_ids(config.model) else 0)
+

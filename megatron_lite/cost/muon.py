@@ -1,4 +1,4 @@
-"""What --optimizer muon's step costs one rank, from the config alone: the temporaries it makes (model/memory.py
+"""What --optimizer muon's step costs one rank, from the config alone: the temporaries it makes (cost/memory.py
 books them) and its Newton-Schulz work and communication (tuning/throughput.py prices them).
 
 training/muon.py steps each Muon group (the dense matrices; an MoE model's experts are a group of their own)
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 from megatron_lite.config import Config
-from megatron_lite.model.arithmetic import HiddenMatrix
+from megatron_lite.cost.arithmetic import HiddenMatrix
 
 ASSEMBLY_ELEMENTS = 1 << 24
 """Values training/muon.py assembles over the partition's ranks per all-reduce (64 MiB of fp32): consecutive
@@ -128,7 +128,7 @@ class MuonWork:
 
 
 def stage_work(config: Config, matrices: Sequence[HiddenMatrix], partitions: int, expert_partitions: int) -> MuonWork:
-    """MuonWork of a stage's `matrices` (arithmetic.stage_matrices); partitions: N = DP x CP, expert_partitions:
+    """MuonWork of a stage's `matrices` (stages.stage_matrices); partitions: N = DP x CP, expert_partitions:
     N / EP (module docstring: the share each rank orthogonalises)."""
     tp, flat = config.parallel.tensor_model_parallel_size, flat_partitions(config)
     share = lambda x: 1.0 / (expert_partitions if x.expert else partitions) if flat else 1.0  # noqa: E731

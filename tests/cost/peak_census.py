@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tests.model.engine_census import collected_live_bytes, imports_frozen
+from tests.cost.engine_census import collected_live_bytes, imports_frozen
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
 
 
@@ -94,9 +94,9 @@ def _engine_peak(tp, pp, dp, extra, ds_json, free_last_stage_outputs, cp, phases
             phase_peaks[name] = max(phase_peaks.get(name, 0), alive[-1] + mark - start_of_step[0])
 
     if phases and engine.pipelined:
-        from megatron_lite import deepspeed_compat
+        from megatron_lite.deepspeed_compat import pipeline
 
-        deepspeed_compat.time_pipeline_instructions(engine.engine, record, lambda: None)
+        pipeline.time_pipeline_instructions(engine.engine, record, lambda: None)
     elif phases:  # ZeRO 2/3 at PP 1: DeepSpeed's plain engine, called forward, backward, step per micro-batch
         def after(name, method):
             def run(*args, **kwargs):
