@@ -34,6 +34,7 @@ from megatron_lite.model.rotary import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,
     LLAMA3_ORIGINAL_MAX_POSITIONS,
+    yarn_attention_factor,
 )
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -54,7 +55,8 @@ def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias
     missing = [flag for flag, ok in (("--swiglu", m.swiglu),
                                      ("--normalization RMSNorm", m.normalization == "RMSNorm"),
                                      ("--disable-bias-linear", not m.add_bias_linear),
-                                     ("--position-embedding-type rope", m.position_embedding_type == "rope"))
+                                     ("--position-embedding-type rope", m.position_embedding_type == "rope"),
+                                     ("--rotary-percent 1 (RoPE over whole heads)", m.rotary_percent == 1.0))
                if not ok]
     if missing:
         raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
@@ -158,7 +160,13 @@ def weights_of(hf: StateDict, m: ModelConfig) -> StateDict:
 
 
 def rope_scaling(m: ModelConfig) -> Optional[dict]:
-    """transformers' rope_scaling for Llama 3.1's frequency scaling (None without --use-rope-scaling)."""
+    """transformers' rope_scaling for Llama 3.1's frequency scaling or YaRN's (None for plain RoPE)."""
+    if m.rope_type == "yarn":
+        return {"rope_type": "yarn", "factor": float(m.rotary_scaling_factor),
+                "original_max_position_embeddings": m.yarn_original_max_position_embeddings or m.max_position_embeddings,
+                "beta_fast": float(m.yarn_beta_fast), "beta_slow": float(m.yarn_beta_slow),
+                "mscale": float(m.mscale), "mscale_all_dim": float(m.mscale_all_dim),
+                "truncate": bool(m.yarn_correction_range_round_to_int)}
     if not m.use_rope_scaling:
         return None
     return {"rope_type": "llama3", "factor": float(m.rope_scaling_factor),
@@ -199,9 +207,11 @@ def _rope(c: dict, where: str) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return {"rotary_base": int(theta), "use_rope_scaling": False}
+    if kind == "yarn":
+        return {"rotary_base": int(theta), "use_rope_scaling": False, **_yarn(c, scaling, where)}
     if kind != "llama3":
         raise _refuse(where, "rope_scaling.rope_type", kind, "is not supported: only the default rotary "
-                      "frequencies and Llama 3.1's (llama3) are")
+                      "frequencies, Llama 3.1's (llama3) and YaRN's (yarn) are")
     for key, ours in (("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR), ("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR),
                       ("original_max_position_embeddings", LLAMA3_ORIGINAL_MAX_POSITIONS)):
         if real(scaling, key, where, ours) != float(ours):
@@ -209,6 +219,26 @@ def _rope(c: dict, where: str) -> dict:
                           f"has Llama 3.1's {ours}")
     return {"rotary_base": int(theta), "use_rope_scaling": True,
             "rope_scaling_factor": real(scaling, "factor", where, minimum=1)}
+
+
+def _yarn(c: dict, scaling: dict, where: str) -> dict:
+    """Our YaRN fields from transformers' yarn rope parameters (`_compute_yarn_parameters`' reading of them)."""
+    original = whole(scaling, "original_max_position_embeddings", where)
+    factor = (real(scaling, "factor", where, minimum=1) if scaling.get("factor") is not None
+              else whole(c, "max_position_embeddings", where) / original)  # transformers' rule without a factor
+    fields = {"rope_type": "yarn", "rotary_scaling_factor": factor, "yarn_original_max_position_embeddings": original,
+              "yarn_beta_fast": real(scaling, "beta_fast", where, 32.0, above=0),
+              "yarn_beta_slow": real(scaling, "beta_slow", where, 1.0, above=0),
+              "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)),
+              "mscale": real(scaling, "mscale", where, 1.0, minimum=0) if scaling.get("mscale") else 1.0,
+              "mscale_all_dim": real(scaling, "mscale_all_dim", where, 0.0, minimum=0)
+              if scaling.get("mscale_all_dim") else 0.0}
+    given = scaling.get("attention_factor")
+    derived = yarn_attention_factor(factor, fields["mscale"], fields["mscale_all_dim"])
+    if given is not None and abs(float(given) - derived) > 1e-12 * derived:
+        raise _refuse(where, "rope_scaling.attention_factor", given, f"is not supported: YaRN's factor here is "
+                      f"derived from factor, mscale and mscale_all_dim ({derived:g})")
+    return fields
 
 
 def model_fields(c: dict, where: str) -> dict:

@@ -23,6 +23,11 @@ class ModelConfig(MoEConfig, AttentionKernelConfig, RecomputeConfig, RopeScaling
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE turns: --rotary-percent of the head width (all of it by default)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def qkv_bias(self) -> bool:
         """Whether the fused QKV linear has a bias: every linear's (no --disable-bias-linear), or --add-qkv-bias."""
         return self.add_bias_linear or self.add_qkv_bias

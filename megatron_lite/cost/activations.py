@@ -21,7 +21,7 @@ attention runs on (QKV = Q + 2K: the fused output, or with context parallelism t
                a copy otherwise), the normalised input cast back (the weight's gradient),
                output, fp32 rstd
   q, k, v: what the attention keeps of them (below)    `attention_input_bytes`
-  RoPE: its cos and signed sin tables (shared by q, k) 2 e S d
+  RoPE: its cos and signed sin tables (shared by q, k) 2 e S r (r = d, or --rotary-percent of it)
   g < t: the QKV weight multiplied with, its group's   e (n + 2) d h  (parallel/qkv.py; made per
          K/V rows gathered                                            micro-batch)
   attention context (the projection's input)           e b s n d (e bsh / t when a d = h)
@@ -59,7 +59,7 @@ repeating groups save none): its cost is the all-to-all output kept whole, and f
 as given, and its output is the projection's input (counted above); so sbh 34/t with TP + SP.
 Context parallelism divides every term by c: the sbh terms through the tokens (s = S/c), the attention
 core's through the heads (n_c = n/c), q, k, v through the heads (and grows K by the repeated groups when
-m < c); RoPE's tables (2 e S d, per layer) are its one term that does not shrink.
+m < c); RoPE's tables (2 e S r, per layer) are its one term that does not shrink.
 Under flash SDPA there is no s^2 term to drop: selective saves the log-sum-exp only, and still runs
 the attention core twice. Backward rebuilds one layer's attention core at a time (a transient).
 --recompute-granularity full keeps each recomputed chunk's input (e bsh / r) instead of its layers'
@@ -249,7 +249,7 @@ def _layer_bytes(config: Config, device: str, selective: bool, moe: bool = False
         total += attention_core_bytes(config, device)
     total += attention_mask_bytes(config, device, selective)
     if m.position_embedding_type == "rope":  # per sample when positions restart with each document
-        total += 2 * d.e * d.S * d.head_dim * (d.b if m.reset_position_ids and needs_document_ids(m) else 1)
+        total += 2 * d.e * d.S * m.rotary_dim * (d.b if m.reset_position_ids and needs_document_ids(m) else 1)
     if d.g < d.t:
         total += d.e * (d.local_heads + 2) * d.head_dim * d.h
     total += moe_mlp_bytes(config, device) if moe else (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t

@@ -93,9 +93,7 @@ class ParallelAttention(nn.Module):
         self.document_positions = config.reset_position_ids and config.position_embedding_type == "rope"
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.dropout_rng = layer_split_rng(layer_number)
-        self.rotary = (RotaryEmbedding(self.head_dim, config.rotary_base,
-                                       config.rope_scaling_factor if config.use_rope_scaling else None)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = RotaryEmbedding.of(config) if config.position_embedding_type == "rope" else None
         self.dense = RowParallelLinear(heads * self.head_dim, h, bias=config.add_bias_linear,
                                        input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),

@@ -71,6 +71,9 @@ def _block(m) -> str:
              f"heads of {m.kv_channels}" if m.kv_channels is not None else "", "QK-norm" if m.qk_layernorm else "",
              "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
              "" if m.add_bias_linear else "QKV biases only" if m.add_qkv_bias else "no biases",
-             f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else ""]
+             f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else "",
+             f"YaRN x{m.rotary_scaling_factor:g}" if m.rope_type == "yarn" else "",
+             f"RoPE on {m.rotary_dim} of {m.head_dim} dims" if m.position_embedding_type == "rope"
+             and m.rotary_dim != m.head_dim else ""]
     named = [p for p in parts if p]
     return f" ({', '.join(named)})" if named else ""

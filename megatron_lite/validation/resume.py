@@ -16,6 +16,7 @@ from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
+from megatron_lite.validation.positions import YARN_FIELDS
 
 # (section, field) of the model's shape and meaning; a resume must keep every one.
 MODEL_FIELDS = (
@@ -25,7 +26,8 @@ MODEL_FIELDS = (
     ("model", "normalization"), ("model", "swiglu"), ("model", "num_query_groups"), ("model", "add_bias_linear"),
     ("model", "use_rope_scaling"), ("model", "rope_scaling_factor"), ("model", "openai_gelu"),
     ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
-    ("model", "add_qkv_bias"),
+    ("model", "add_qkv_bias"), ("model", "rope_type"), ("model", "rotary_percent"),
+    *(("model", name) for name in YARN_FIELDS),
     # The experts and how they are chosen are the model's (Megatron-LM's load_args_from_checkpoint takes them too);
     # the router's losses, capacity and dispatch are the run's. Before these were here, --use-checkpoint-args
     # left an MoE checkpoint's run without --num-experts, and a resume could change the experts unchecked.
@@ -64,8 +66,10 @@ def _applies(field: str, saved: Config) -> bool:
     position = saved.model.position_embedding_type
     if field == "max_position_embeddings":
         return position == "learned_absolute"  # rotary positions have no table
-    if field in ("rotary_base", "use_rope_scaling"):
+    if field in ("rotary_base", "use_rope_scaling", "rope_type", "rotary_percent"):
         return position == "rope"
+    if field in YARN_FIELDS:
+        return position == "rope" and saved.model.rope_type == "yarn"
     if field == "rope_scaling_factor":
         return saved.model.use_rope_scaling
     if field == "window_attn_skip_freq":

@@ -14,8 +14,9 @@ from typing import List, Sequence, Tuple
 from megatron_lite import batching
 from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import check_partition_method, layers_per_stage_uniform
+from megatron_lite.validation.attention import check_attention_mask, check_qk_layernorm, query_groups
 from megatron_lite.validation.moe import check_moe
-
+from megatron_lite.validation.positions import check_positions
 
 
 def flag(name: str) -> str:
@@ -93,27 +94,17 @@ def model_rules(config: Config, notes: List[str]) -> Config:
             f"column-wise across TP ranks{gated}. Use --ffn-hidden-size "
             f"{batching.or_join(batching.nearest_multiples(ffn, tp))}", code="ffn_not_divisible_by_tp"
         )
-    groups = _query_groups(m, tp)
+    groups = query_groups(m, tp)
     if m.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization {m.normalization} is not one of {', '.join(NORMALIZATIONS)}")
     if m.openai_gelu and m.swiglu:
         raise ConfigError("--openai-gelu chooses GeLU's approximation, but --swiglu gates with SiLU and has no GeLU; "
                           "drop one of them")
-    if m.use_rope_scaling and m.position_embedding_type != "rope":
-        raise ConfigError("--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope; "
-                          f"got {m.position_embedding_type}")
+    m = check_positions(m)  # `--position-embedding-type yarn` comes back as rope with --rope-type yarn
+    config = config.replace(model__position_embedding_type=m.position_embedding_type, model__rope_type=m.rope_type)
     if m.attention_backend not in ("auto", "sdpa", "fused"):
         raise ConfigError(f"--attention-backend {m.attention_backend} is not auto, sdpa or fused")
-    if m.position_embedding_type not in ("learned_absolute", "rope"):
-        raise ConfigError(f"--position-embedding-type {m.position_embedding_type} is not learned_absolute or rope")
-    if m.position_embedding_type == "rope" and m.head_dim % 2:
-        width = (f"--kv-channels {m.kv_channels}" if m.kv_channels is not None else
-                 f"--hidden-size {hidden} / --num-attention-heads {heads} = {m.head_dim}")
-        raise ConfigError(
-            f"--position-embedding-type rope needs an even head dimension (RoPE turns pairs of it); {width}. "
-            f"Use --kv-channels {m.head_dim + 1}", code="odd_head_dim_with_rope"
-        )
-    _check_qk_layernorm(config)
+    check_qk_layernorm(config)
     max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else m.seq_length
     if m.seq_length > max_pos:
         raise ConfigError(
@@ -135,7 +126,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
         )
     _check_sequence_parallel(config)
     _check_context_parallel(config, groups)
-    _check_attention_mask(m, notes)
+    check_attention_mask(m, notes)
     check_moe(config.replace(model__ffn_hidden_size=ffn), notes)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,
@@ -148,53 +139,6 @@ def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
     if not swiglu:
         return 4 * hidden
     return max(64, int(4 * hidden * 2 / 3 / 64) * 64)
-
-
-def _query_groups(m, tp: int) -> int:
-    """Key/value heads: --num-query-groups under --group-query-attention, else one per head."""
-    heads = m.num_attention_heads
-    if not m.group_query_attention:
-        if m.num_query_groups not in (None, heads):
-            raise ConfigError(f"--num-query-groups {m.num_query_groups} needs --group-query-attention; add it, "
-                              f"or drop --num-query-groups for multi-head attention ({heads} groups)")
-        return heads
-    groups = m.num_query_groups
-    if groups is None:
-        raise ConfigError("--group-query-attention needs --num-query-groups N (key/value heads; 1 is multi-query "
-                          f"attention), N dividing --num-attention-heads {heads}, e.g. "
-                          f"{batching.or_join([g for g in (1, 2, 4, 8) if heads % g == 0][-2:])}")
-    if groups < 1 or heads % groups:
-        divisors = [g for g in range(1, heads + 1) if heads % g == 0 and (g % tp == 0 or tp % g == 0)]
-        near = sorted(divisors, key=lambda g: abs(g - groups))[:2]
-        raise ConfigError(f"--num-query-groups {groups} does not divide --num-attention-heads {heads}; every group "
-                          f"serves the same number of query heads. Use --num-query-groups "
-                          f"{batching.or_join(sorted(near))}", code="heads_not_divisible_by_groups")
-    if groups % tp and tp % groups:
-        divisors = [g for g in range(1, heads + 1) if heads % g == 0 and (g % tp == 0 or tp % g == 0)]
-        near = sorted(divisors, key=lambda g: abs(g - groups))[:2]
-        raise ConfigError(
-            f"--num-query-groups {groups} neither divides nor is divided by --tensor-model-parallel-size {tp}: "
-            f"each TP rank needs whole groups, or one group shared by TP/groups ranks. Use --num-query-groups "
-            f"{batching.or_join(sorted(near))}", code="groups_not_compatible_with_tp")
-    head_dim = m.head_dim
-    if groups < tp and (groups * head_dim) % tp:
-        raise ConfigError(
-            f"--num-query-groups {groups} at --tensor-model-parallel-size {tp}: each group's key/value rows "
-            f"({head_dim} per group) are kept in {tp // groups} pieces, one per rank sharing it, and "
-            f"{head_dim} is not divisible by {tp // groups}. Use --num-query-groups {tp} or a head dimension "
-            f"(--kv-channels) divisible by {tp // groups}", code="groups_not_compatible_with_tp")
-    return groups
-
-
-def _check_qk_layernorm(config: Config) -> None:
-    """QK-norm's weights are shared by every head: at TP > 1 each rank's gradient covers its own heads and is
-    summed over TP once per step inside the pipeline engine, which ZeRO 2/3 do not use."""
-    p = config.parallel
-    if config.model.qk_layernorm and p.tensor_model_parallel_size > 1 and p.zero_stage >= 2:
-        raise ConfigError(f"--qk-layernorm at --tensor-model-parallel-size {p.tensor_model_parallel_size} with "
-                          f"--zero-stage {p.zero_stage}: the QK-norm gradients, each TP rank's over its own heads, are "
-                          f"summed over TP once per step in the pipeline engine, which ZeRO 2/3 do not use; use "
-                          f"--zero-stage 1 (or 0), or --tensor-model-parallel-size 1", code="qk_layernorm_with_zero")
 
 
 def _check_sequence_parallel(config: Config) -> None:
@@ -215,31 +159,6 @@ def _check_sequence_parallel(config: Config) -> None:
                           f"(LayerNorms, row-parallel biases) are summed over TP once per step in the pipeline "
                           f"engine, which ZeRO 2/3 do not use; use --zero-stage 1 (or 0)",
                           code="sequence_parallel_with_zero")
-
-
-def _check_attention_mask(m, notes: List[str]) -> None:
-    """--window-size, --window-attn-skip-freq, --reset-attention-mask: values the masks can be built from,
-    and a note of the path attention takes with them (model/attention_mask.py)."""
-    if m.window_size is not None:
-        left, right = m.window_size
-        if left < 1:
-            raise ConfigError(f"--window-size {left},{right}: L, the earlier tokens a token sees, must be 1 or more; "
-                              f"e.g. --window-size 127,0 (a 128-token window)")
-        if right != 0:
-            raise ConfigError(f"--window-size {left},{right}: R, the later tokens a token sees, must be 0 in causal "
-                              f"training; use --window-size {left},0")
-        if left >= m.seq_length - 1:
-            notes.append(f"note: --window-size {left},0 covers every --seq-length {m.seq_length} sequence: windowed "
-                         f"layers attend as global ones (generation past {m.seq_length} tokens still uses the window)")
-    if m.window_attn_skip_freq is not None and m.window_size is None:
-        raise ConfigError(f"--window-attn-skip-freq {m.window_attn_skip_freq} chooses the global layers among "
-                          f"windowed ones; add --window-size L (e.g. 127) or drop it")
-    masked = [name for name, on in (("--reset-attention-mask", m.reset_attention_mask),
-                                    ("--window-size", m.window_size is not None)) if on]
-    if masked:
-        kernel = "the fused softmax's padding mask" if m.attention_backend == "fused" else "SDPA with a boolean mask"
-        notes.append(f"note: {' and '.join(masked)}: attention takes an explicit [micro, 1, seq, seq] mask "
-                     f"({kernel}; every block is computed, masked ones included)")
 
 
 def _check_context_parallel(config: Config, groups: int) -> None:
@@ -418,3 +337,4 @@ def split_rules(split: Sequence[float]) -> Tuple[float, float, float]:
         raise ConfigError(f"--split '{text}' must be up to three non-negative numbers with a positive sum, e.g. 969,30,1")
     total = sum(split)
     return tuple(w / total for w in split)
+

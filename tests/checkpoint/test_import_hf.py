@@ -212,6 +212,27 @@ def test_use_checkpoint_args_takes_qwen3s_head_width_and_qk_norm_and_a_run_witho
         parse_args(base, world_size=4)
 
 
+K2_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 512, "beta_fast": 1.0,
+           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+"""Kimi K2's rope_scaling (betas 1 and 1; its context 4096 scaled down with the tiny model): the betas Megatron-LM's
+own K2 recipe lost to the default 32, because its flag reached only non-MLA YaRN."""
+
+
+def test_kimi_k2s_yarn_betas_survive_the_import_the_checkpoint_and_use_checkpoint_args(tmp_path):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.config import ConfigError
+
+    save_llama(tmp_path / "hf", rope_scaling=dict(K2_YARN), max_position_embeddings=16384)
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    base = ["--load", str(tmp_path / "ckpt"), "--seq-length", "16", "--micro-batch-size", "1"]
+    m = parse_args(base + ["--use-checkpoint-args"], world_size=1)[0].model
+    assert (m.position_embedding_type, m.rope_type, m.rotary_scaling_factor) == ("rope", "yarn", 32.0)
+    assert (m.yarn_beta_fast, m.yarn_beta_slow, m.yarn_original_max_position_embeddings) == (1.0, 1.0, 512)
+    assert (m.mscale, m.mscale_all_dim, m.yarn_correction_range_round_to_int) == (1.0, 1.0, True)
+    with pytest.raises(ConfigError, match=r"--yarn-beta-fast: checkpoint 1.0, this run 32.0"):
+        parse_args(base + ["--use-checkpoint-args", "--yarn-beta-fast", "32"], world_size=1)
+
+
 class Payload:
     """Unpickling this runs os.system: what a malicious pytorch_model.bin does."""
 
@@ -280,9 +301,12 @@ REFUSALS = {
                        "lacks the tensor model.layers.1.mlp.up_proj.weight"),
     "shape": (lambda f, d: _edit_config(f, d, intermediate_size=96),
               "model.layers.0.mlp.gate_proj.weight is [64, 32], the config needs [96, 32]"),
-    "rope scaling": (lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "yarn", "factor": 4.0},
+    "rope scaling": (lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "dynamic", "factor": 4.0},
                                                rope_parameters=None),
-                     "rope_scaling.rope_type = 'yarn' is not supported"),
+                     "rope_scaling.rope_type = 'dynamic' is not supported"),
+    "yarn without its original context": (
+        lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
+        "original_max_position_embeddings"),
     "biases": (lambda f, d: _edit_config(f, d, attention_bias=True), "attention_bias = True is not supported"),
     "tied head": (lambda f, d: _edit_config(f, d, tie_word_embeddings=True),
                   "ties the output head to the embedding (tie_word_embeddings), but lm_head.weight differs"),

@@ -13,7 +13,7 @@ from tests.cost.activation_census import saved_bytes_per_stage
 from tests.device import census_device
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
-from tests.model.test_llama_parallel import LLAMA
+from tests.model.test_llama_parallel import LLAMA, YARN
 
 GIB = 2 ** 30
 
@@ -162,10 +162,10 @@ def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_a
 
 
 QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
-BLOCKS = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS}
+BLOCKS = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "yarn_half": YARN}
 """GPT-2's block, and the Llama block (SwiGLU, RMSNorm, 2 key/value groups for 4 heads: shared by two
 ranks at TP 4, no biases, RoPE, untied head); each with QK-norm (RMSNorm's, LayerNorm's) on heads of 24,
-not hidden / heads = 16."""
+not hidden / heads = 16; and the Llama block with YaRN turning half of each head (RoPE's tables are r wide)."""
 
 
 def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto", block="gpt2", micro=2, bf16=False):
@@ -239,7 +239,7 @@ def _assert_layer_census_equals_the_estimate(tp, rows):
 def _layer_cases():
     """GPT-2's block at TP 1 and 2 with the fused softmax, the Llama block at TP 4 (groups shared by two
     ranks) in the fast tier, each with QK-norm at TP 2 and 4; the rest in the full suite."""
-    fast_tps = {"gpt2": (1, 2), "llama": (4,), "qwen3": (4,), "gpt2_qk": (2,)}
+    fast_tps = {"gpt2": (1, 2), "llama": (4,), "qwen3": (4,), "gpt2_qk": (2,), "yarn_half": (2,)}
     for block in BLOCKS:
         for backend in ("fused", "sdpa"):
             for tp in (1, 2, 4):

@@ -97,6 +97,13 @@ def test_the_llama_block_under_context_parallelism_matches_the_dense_losses(tp, 
     assert_matches(run_layout(tp, cp, 1, 1, LLAMA + extra), dense_reference(LLAMA + kernel))
 
 
+def test_yarn_on_part_of_each_head_under_context_parallelism_matches_the_dense_losses():
+    """RoPE turns whole sequences after the all-to-all, YaRN's table as plain RoPE's."""
+    from tests.model.test_llama_parallel import YARN
+
+    assert_matches(run_layout(2, 2, 1, 1, YARN), dense_reference(YARN))
+
+
 QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")  # QK-norm before the all-to-all, heads of 24 (not 16)
 
 

@@ -9,7 +9,7 @@ from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.checkpoint.hf_llama import FLAGS, from_hf, hf_config, mapping, table, to_hf, with_qkv_biases
 from megatron_lite.model.gpt import GPTModel
-from megatron_lite.model.rotary import RotaryEmbedding
+from megatron_lite.model.rotary import rotary_frequencies
 from megatron_lite.parallel.random import model_parallel_seed
 from tests.model.gpt_layouts import tiny_config
 
@@ -129,10 +129,50 @@ def test_the_match_depends_on_llama3_rope_scaling():
     expected_unscaled, _ = logits_of_both(ours_unscaled, hf, tokens)
     assert relative_error(theirs, expected_unscaled[..., :VOCAB]) > 1e-3
 
-    hd = config.model.hidden_size // config.model.num_attention_heads
-    ours_inv_freq = RotaryEmbedding(hd, config.model.rotary_base, config.model.rope_scaling_factor).inv_freq
+    ours_inv_freq, factor = rotary_frequencies(config.model)
+    assert factor == 1.0
     torch.testing.assert_close(hf.model.rotary_emb.inv_freq, ours_inv_freq, rtol=1e-6, atol=0)
     assert not torch.allclose(hf_unscaled.model.rotary_emb.inv_freq, ours_inv_freq)
+
+
+YARN = ["--rotary-base", "10000", "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+        "--yarn-original-max-position-embeddings", "1000", "--yarn-beta-fast", "8", "--mscale", "1",
+        "--mscale-all-dim", "0.5"]
+"""YaRN whose ramp falls inside a head of 16 (it runs over 2 to 5 of its 8 frequencies) and whose factor on cos and sin
+takes both mscales, (0.1 ln 4 + 1) / (0.05 ln 4 + 1)."""
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hf_llama_with_yarn_gives_our_logits_and_its_config_gives_back_our_yarn(attention):
+    from megatron_lite.checkpoint.hf_llama import model_fields
+
+    config = tiny_config(extra=llama_flags(rope_scaling=False) + YARN)
+    m = config.model
+    ours = our_model(config)
+    hf = hf_model(hf_config(m), attention)
+    load_into_hf(hf, to_hf(ours.state_dict(), m))
+    expected, theirs = logits_of_both(ours, hf, random_tokens())
+    assert relative_error(theirs, expected[..., :VOCAB]) <= 1e-5
+
+    fields = model_fields(hf_config(m), "config.json")
+    for name in ("rope_type", "rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                 "yarn_beta_slow", "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim", "rotary_base"):
+        assert fields[name] == getattr(m, name), name
+    plain = hf_model(dict(hf_config(m), rope_scaling=None), attention)
+    load_into_hf(plain, to_hf(ours.state_dict(), m))
+    assert relative_error(logits_of_both(ours, plain, random_tokens())[1], expected[..., :VOCAB]) > 1e-3
+
+
+def test_a_yarn_attention_factor_of_its_own_or_a_partial_turn_is_refused_naming_the_field():
+    from megatron_lite.checkpoint.hf_llama import model_fields
+
+    m = tiny_config(extra=llama_flags(rope_scaling=False) + YARN).model
+    c = hf_config(m)
+    with pytest.raises(CheckpointError, match=r"rope_scaling.attention_factor = 2.0 is not supported"):
+        model_fields(dict(c, rope_scaling=dict(c["rope_scaling"], attention_factor=2.0)), "config.json")
+    partial = tiny_config(extra=llama_flags() + ["--rotary-percent", "0.5"]).model
+    with pytest.raises(CheckpointError, match=r"--rotary-percent 1"):
+        hf_config(partial)
 
 
 def test_hf_config_is_the_llama_3_1_shape():

@@ -21,6 +21,14 @@ QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
 """Every query and key head normalised before RoPE (--normalization's kind), heads of 24, not 64 / 4 = 16."""
 QWEN3 = LLAMA + QK_HEADS
 
+YARN = tuple(f for f in LLAMA if f != "--use-rope-scaling") + (
+    "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
+    "1000", "--yarn-beta-fast", "8", "--rotary-percent", "0.5", "--rotary-base", "100", "--init-method-std", "0.1")
+"""YaRN over the first half of each head (GLM-4.5's partial RoPE), s 4, cos and sin times 0.1 ln 4 + 1; base 100,
+an original context of 1000 and beta_fast 8 start the ramp inside the 4 frequencies of the 8 turned dimensions (it
+runs over 2 to 5: the first three kept, the fourth a third of the way to interpolated). Weights of std 0.1: attention
+far from uniform, so the positions move the losses well past the tolerance."""
+
 
 def with_groups(groups):
     flags = list(LLAMA)
@@ -76,6 +84,25 @@ def test_the_new_block_changes_the_losses(reference):
     # Guards against a flag that parses but is not used: the GPT-2 block's losses differ.
     gpt2 = dense_reference(())
     assert max(abs(a - b) for a, b in zip(gpt2, reference)) > 1e-3
+
+
+@pytest.mark.parametrize("tp, pp, dp, extra", [
+    (2, 1, 1, ("--sequence-parallel",)),
+    (2, 2, 1, ()),
+    pytest.param(1, 2, 2, ("--zero-stage", "1"), marks=pytest.mark.slow),
+])
+def test_yarn_on_part_of_each_head_matches_the_dense_losses(tp, pp, dp, extra):
+    assert_matches(run_layout(tp, pp, dp, extra=YARN + extra), dense_reference(YARN))
+
+
+def test_yarn_and_the_rotary_percent_change_the_losses(reference):
+    """The layouts above could not tell YaRN or a partial turn from plain RoPE otherwise."""
+    yarn = dense_reference(YARN)
+    whole_heads = dense_reference(tuple(f for f in YARN if f not in ("--rotary-percent", "0.5")))
+    plain = dense_reference(tuple(f for f in LLAMA if f != "--use-rope-scaling") + ("--rotary-base", "100",
+                                                                                     "--init-method-std", "0.1"))
+    for other in (whole_heads, plain):
+        assert max(abs(a - b) / b for a, b in zip(other, yarn)) > 1e-3
 
 
 @pytest.mark.parametrize("tp, pp, dp, extra", [
