@@ -215,7 +215,7 @@ def softmax(ctx: Context):
         first = rows[0].get("error") if rows else last_line(output)
         raise StepFailed(timed_out or f"every configuration failed: {first}")
     auto_now = json.loads(last_line(ctx.run([ctx.python, "-c", (
-        "import json; from megatron_lite.model.transformer import AUTO_ATTENTION_BACKEND as A; print(json.dumps(A))")],
+        "import json; from megatron_lite.model.attention import AUTO_ATTENTION_BACKEND as A; print(json.dumps(A))")],
         check=True).output))["cpu" if ctx.dry_run else "cuda"]
     # GPT training is causal: the backend that wins whole attention in most causal rows is what auto should take.
     causal = [r for r in good if r["mask"] == "causal"]
