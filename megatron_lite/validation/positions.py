@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_lite.config import ConfigError, ModelConfig
+from megatron_lite.config import ConfigError, ModelConfig, flag_for
 
 POSITION_TYPES = ("learned_absolute", "rope", "yarn")
 YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
@@ -22,11 +22,10 @@ def _defaults() -> dict:
 
 def _given(m: ModelConfig, field: str) -> str:
     """`field` as its flag says it, for a message."""
-    flag = dataclasses.fields(ModelConfig)[[f.name for f in dataclasses.fields(ModelConfig)].index(field)]
-    value = getattr(m, field)
+    flag, value = flag_for(field), getattr(m, field)
     if isinstance(value, bool):
-        return flag.metadata["flag"] if value else "--no-" + flag.metadata["flag"][2:]
-    return f"{flag.metadata['flag']} {value:g}" if isinstance(value, float) else f"{flag.metadata['flag']} {value}"
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 def check_positions(m: ModelConfig) -> ModelConfig:
