@@ -35,6 +35,7 @@ from megatron_lite.model.rotary import (
     LLAMA3_LOW_FREQ_FACTOR,
     LLAMA3_ORIGINAL_MAX_POSITIONS,
     yarn_attention_factor,
+    yarn_original_context,
 )
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -163,7 +164,7 @@ def rope_scaling(m: ModelConfig) -> Optional[dict]:
     """transformers' rope_scaling for Llama 3.1's frequency scaling or YaRN's (None for plain RoPE)."""
     if m.rope_type == "yarn":
         return {"rope_type": "yarn", "factor": float(m.rotary_scaling_factor),
-                "original_max_position_embeddings": m.yarn_original_max_position_embeddings or m.max_position_embeddings,
+                "original_max_position_embeddings": yarn_original_context(m),
                 "beta_fast": float(m.yarn_beta_fast), "beta_slow": float(m.yarn_beta_slow),
                 "mscale": float(m.mscale), "mscale_all_dim": float(m.mscale_all_dim),
                 "truncate": bool(m.yarn_correction_range_round_to_int)}

@@ -87,12 +87,17 @@ def yarn_frequencies(dim: int, base: float, scale: float, original: int, beta_fa
     return interpolated * ramp + kept * (1 - ramp)
 
 
+def yarn_original_context(model: ModelConfig) -> int:
+    """YaRN's L0: --yarn-original-max-position-embeddings, which validation requires at s > 1; at s = 1 (where L0
+    changes nothing) the model's positions stand in, so a config without it still names one."""
+    return model.yarn_original_max_position_embeddings or model.max_position_embeddings or model.seq_length
+
+
 def rotary_frequencies(model: ModelConfig) -> Tuple[torch.Tensor, float]:
     """(inv_freq [r/2], the factor on cos and sin) for this model's rotary positions."""
     r = model.rotary_dim
     if model.rope_type == "yarn":
-        original = model.yarn_original_max_position_embeddings or model.seq_length  # unused at s = 1
-        inv_freq = yarn_frequencies(r, model.rotary_base, model.rotary_scaling_factor, original,
+        inv_freq = yarn_frequencies(r, model.rotary_base, model.rotary_scaling_factor, yarn_original_context(model),
                                     model.yarn_beta_fast, model.yarn_beta_slow, model.yarn_correction_range_round_to_int)
         return inv_freq, yarn_attention_factor(model.rotary_scaling_factor, model.mscale, model.mscale_all_dim)
     inv_freq = inverse_frequencies(r, model.rotary_base)
