@@ -114,6 +114,12 @@ def test_moe_under_expert_parallelism_matches_the_dense_losses_norms_and_loads(t
     assert_matches(run_layout(tp, pp, dp, cp, ep, extra), reference)
 
 
+def test_yarn_on_part_of_each_head_with_experts_over_ep2_and_cp2_matches_the_dense_losses_norms_and_loads():
+    yarn = ("--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+            "--yarn-original-max-position-embeddings", "1000", "--rotary-percent", "0.5", "--rotary-base", "100")
+    assert_matches(run_layout(1, 1, 1, 2, 2, yarn), dense_reference(yarn))
+
+
 @pytest.mark.parametrize("zero", ["0", "1"])
 def test_expert_gradients_and_norms_do_not_depend_on_ep_under_zero(zero, reference):
     # DeepSpeed #6545 / #5259 (expert gradients divided by expert-DP, not DP) and Megatron-LM PR #5916 /
