@@ -60,7 +60,9 @@ def _time_steps(step, steps: int):
     return times
 
 
-def child_ours(steps: int):
+def time_our_steps(argv, vocab: int, steps: int):
+    """Seconds of each of `steps` training steps (forward, backward, our AdamW) of GPTModel built from `argv`, in
+    this process, on one fixed micro-batch of _tokens(vocab)."""
     import torch
 
     from megatron_lite.arguments import parse_args
@@ -69,20 +71,25 @@ def child_ours(steps: int):
     from megatron_lite.parallel.random import model_parallel_seed
     from megatron_lite.training.optimizer import build_optimizer
 
-    config = parse_args(OURS + ["--global-batch-size", str(MICRO)], world_size=1)[0]
+    config = parse_args(argv + ["--global-batch-size", str(MICRO)], world_size=1)[0]
     model = GPTModel(config).train()
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     optimizer = build_optimizer(model, config.optimizer)
     aux_loss.set_scale(1.0)
-    tokens = _tokens(VOCAB)
+    tokens = _tokens(vocab)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions, mask = torch.arange(SEQ).expand(MICRO, SEQ), torch.ones(MICRO, SEQ)
+    micro, seq = inputs.shape
+    positions, mask = torch.arange(seq).expand(micro, seq), torch.ones(micro, seq)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         model(inputs, positions, labels, mask).backward()
         optimizer.step()
     return _time_steps(step, steps)
+
+
+def child_ours(steps: int):
+    return time_our_steps(OURS, VOCAB, steps)
 
 
 def child_transformers(steps: int):
@@ -148,28 +155,40 @@ def child_gemm(steps: int):
 CHILDREN = {"ours": child_ours, "transformers": child_transformers, "gemm": child_gemm}
 
 
-def run_child(name: str, steps: int):
+def run_child_of(script: str, name: str, steps: int):
+    """`script --child name steps` in a fresh interpreter: what its child printed last, as JSON."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("BENCH_THREADS", "2"))
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, str(steps)], env=env, cwd=REPO,
+    out = subprocess.run([sys.executable, os.path.abspath(script), "--child", name, str(steps)], env=env, cwd=REPO,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def part_single(args) -> None:
+def run_child(name: str, steps: int):
+    return run_child_of(__file__, name, steps)
+
+
+def ours_against_transformers(script: str, rounds: int, steps: int, what: str) -> None:
+    """`script`'s children "ours" and "transformers", each in a fresh interpreter per round, rounds interleaved;
+    prints the median ms per step of each and transformers' time / ours per round, under the heading `what`."""
     seconds = {"ours": [], "transformers": []}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name in (("ours", "transformers") if r % 2 == 0 else ("transformers", "ours")):
-            seconds[name].append(statistics.median(run_child(name, args.steps)))
-        print(f"round {r + 1}/{args.rounds}: ours {seconds['ours'][-1] * 1e3:.0f} ms, transformers "
+            seconds[name].append(statistics.median(run_child_of(script, name, steps)))
+        print(f"round {r + 1}/{rounds}: ours {seconds['ours'][-1] * 1e3:.0f} ms, transformers "
               f"{seconds['transformers'][-1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
     ratios = [t / o for t, o in zip(seconds["transformers"], seconds["ours"])]
-    print(f"one training step, Mixtral-shaped ({LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts of {FFN}, "
-          f"top-{TOPK}), seq {SEQ}, micro batch {MICRO}, fp32, {args.rounds} interleaved rounds")
+    print(f"{what}, {rounds} interleaved rounds")
     print("| model | ms per step (median) |")
     print("|---|---|")
     for name in seconds:
         print(f"| {name} | {statistics.median(seconds[name]) * 1e3:.0f} |")
     print(f"transformers / ours: median {statistics.median(ratios):.3f}, rounds {min(ratios):.3f}..{max(ratios):.3f}")
+
+
+def part_single(args) -> None:
+    ours_against_transformers(__file__, args.rounds, args.steps,
+                              f"one training step, Mixtral-shaped ({LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts of "
+                              f"{FFN}, top-{TOPK}), seq {SEQ}, micro batch {MICRO}, fp32")
 
 
 def _ep_worker(rank, port, args, results):

@@ -61,7 +61,9 @@ def test_a_context_parallel_size_the_heads_do_not_split_into_exits_2_with_one_li
      "Use --kv-channels 24"),
     (["--qk-layernorm", "--tensor-model-parallel-size", "2", "--zero-stage", "2"], "2",
      "--qk-layernorm at --tensor-model-parallel-size 2 with --zero-stage 2"),
-], ids=["kv-channels-0", "odd-head-dim-with-rope", "qk-layernorm-at-tp2-zero2"])
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--group-query-attention",
+      "--num-query-groups", "2"], "1", "--multi-latent-attention with --group-query-attention, --num-query-groups 2"),
+], ids=["kv-channels-0", "odd-head-dim-with-rope", "qk-layernorm-at-tp2-zero2", "mla-with-gqa"])
 def test_a_head_width_or_qk_norm_that_cannot_work_exits_2_with_one_line_before_any_collective(argv, world, line):
     proc = _launch(argv, WORLD_SIZE=world)
     out, _ = proc.communicate(timeout=120)

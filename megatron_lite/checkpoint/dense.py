@@ -20,5 +20,5 @@ def load_dense_model(path: str, iteration: Optional[int] = None) -> Tuple[Config
     model = GPTModel(config)
     model.load_state_dict(state, strict=True)
     # Dropout runs inside the layers' tracked streams even in eval mode (where it draws nothing).
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     return config, model.eval()

@@ -163,9 +163,9 @@ def fused_weights(model: Dict[str, Any]) -> Dict[str, Any]:
     heads = model["num_attention_heads"]
     head_dim = model.get("kv_channels") or model["hidden_size"] // heads  # ModelConfig.head_dim
     groups = model.get("num_query_groups") or heads
-    layout = {"attention.query_key_value": {
+    layout = {} if model.get("multi_latent_attention") else {"attention.query_key_value": {
         "parts": ["query", "key", "value"], "rows": [heads * head_dim, groups * head_dim, groups * head_dim],
-        "query_heads_per_group": heads // groups}}
+        "query_heads_per_group": heads // groups}}  # MLA has no fused attention weight: whole heads per rank
     if model.get("swiglu"):
         ffn = model["ffn_hidden_size"]
         layout["mlp.dense_h_to_4h"] = {"parts": ["gate", "up"], "rows": [ffn, ffn]}

@@ -3,8 +3,13 @@ for GPT-2's block (mapping: checkpoint/hf_gpt2.py), a `LlamaForCausalLM` for the
 (checkpoint/hf_llama.py), a `Qwen3ForCausalLM` for the Llama-family block with --qk-layernorm
 (checkpoint/hf_qwen3.py); with experts, a `Qwen3MoeForCausalLM` under --qk-layernorm, a `Qwen2MoeForCausalLM`
 with a gated shared expert or --add-qkv-bias, else a `MixtralForCausalLM` (hf_qwen3_moe.py, hf_qwen2_moe.py,
-hf_mixtral.py), each expert written under save_pretrained's per-expert names. The TP and PP shards are merged first; the padded vocabulary rows are dropped
-(vocab_size = the tokenizer's). Tensors are written in --dtype (float32 by default: the trained masters).
+hf_mixtral.py), each expert written under save_pretrained's per-expert names; with Multi-head Latent Attention, a
+`DeepseekV3ForCausalLM` (hf_deepseek_v3.py; --mtp-num-layers depths as its multi-token prediction layers,
+hf_deepseek_v3_mtp.py); with DeepSeek-V3's experts (sigmoid router, selection bias, shared expert) and Llama's
+attention (partial RoPE, QK-norm, q/k/v biases optional), a `Glm4MoeForCausalLM` (hf_glm4_moe.py). The TP and PP
+shards are merged first; the padded vocabulary rows are dropped (vocab_size = the tokenizer's). Tensors are
+written in --dtype (float32 by default: the trained masters), but for those an architecture keeps in fp32 (its
+KEPT_IN_FP32: DeepSeek-V3's and GLM-4.5's selection bias).
 Writing needs `safetensors` (a dependency); reading it back, `transformers`.
 """
 from __future__ import annotations
@@ -16,7 +21,16 @@ from typing import Optional
 
 import torch
 
-from megatron_lite.checkpoint import hf_gpt2, hf_llama, hf_mixtral, hf_qwen2_moe, hf_qwen3, hf_qwen3_moe
+from megatron_lite.checkpoint import (
+    hf_deepseek_v3,
+    hf_glm4_moe,
+    hf_gpt2,
+    hf_llama,
+    hf_mixtral,
+    hf_qwen2_moe,
+    hf_qwen3,
+    hf_qwen3_moe,
+)
 from megatron_lite.checkpoint.merge import dense_state_dict
 from megatron_lite.checkpoint.preflight import refuse_filled_folder
 from megatron_lite.checkpoint.reader import CheckpointReader
@@ -39,7 +53,14 @@ def architecture_of(config: Config):
     """The module (hf_qwen3, hf_llama or hf_gpt2) whose architecture holds the model; refused with the reason
     when none."""
     m = config.model
+    if m.multi_latent_attention:  # with or without experts: DeepSeek-V3's router, or first_k_dense_replace = L
+        hf_deepseek_v3.check_deepseek_v3(m)
+        return hf_deepseek_v3
     if m.num_experts is not None:  # each check refuses, naming the flag, what its architecture cannot hold
+        if m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias \
+                and m.moe_shared_expert_intermediate_size:  # DeepSeek-V3's MoE block, with Llama's attention
+            hf_glm4_moe.check_glm4_moe(m)
+            return hf_glm4_moe
         if m.qk_layernorm:
             hf_qwen3_moe.check_qwen3_moe(m)
             return hf_qwen3_moe
@@ -81,7 +102,9 @@ def _tokenizer(config: Config, tokenizer_model: Optional[str], vocab_file: Optio
 def hf_tensors(config: Config, dense, dtype: torch.dtype):
     """(architecture module, Hugging Face state dict in dtype) of a dense model."""
     module = architecture_of(config)
-    return module, {k: v.to(dtype).contiguous() for k, v in module.to_hf(dense, config.model).items()}
+    kept = getattr(module, "KEPT_IN_FP32", ())
+    return module, {k: v.to(torch.float32 if k.endswith(kept) else dtype).contiguous()
+                    for k, v in module.to_hf(dense, config.model).items()}
 
 
 def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, tokenizer_model: Optional[str] = None,

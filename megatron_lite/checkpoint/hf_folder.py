@@ -28,7 +28,7 @@ SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.j
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}  # fp8: read dequantized (hf_fp8.py)
 
 
 def read_config(folder: str) -> dict:

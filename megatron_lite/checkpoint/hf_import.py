@@ -3,9 +3,12 @@
 `GPT2LMHeadModel` maps through checkpoint/hf_gpt2.py, `LlamaForCausalLM` and `MistralForCausalLM` through
 checkpoint/hf_llama.py, `Qwen3ForCausalLM` through checkpoint/hf_qwen3.py, the MoE models
 `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` through hf_mixtral.py, hf_qwen2_moe.py and
-hf_qwen3_moe.py (either spelling of their experts: checkpoint/hf_moe.py): the tables export uses, walked
-the other way. Our layer files hold every expert of a layer (by global index, whatever the EP), so the target
-EP (--target-expert-model-parallel-size) is the recorded layout's, checked against the expert count. config.json becomes our model flags (a field we cannot represent is refused by name,
+hf_qwen3_moe.py (either spelling of their experts: checkpoint/hf_moe.py), `DeepseekV3ForCausalLM` through
+hf_deepseek_v3.py (its multi-token prediction layers, when the folder holds them, as --mtp-num-layers depths),
+`Glm4MoeForCausalLM` through hf_glm4_moe.py (the same MTP layers):
+the tables export uses, walked the other way. Our layer files hold every expert of a layer (by global index,
+whatever the EP), so the target EP (--target-expert-model-parallel-size) is the recorded layout's, checked
+against the expert count. config.json becomes our model flags (a field we cannot represent is refused by name,
 before anything is written); the weights are read one tensor at a time (checkpoint/hf_folder.py), fused
 and padded to our vocabulary padding, cut into the target's TP slices and written per layer file and TP
 rank, so the importer holds one output file and the tensor being cut, not the model; a tensor split by
@@ -21,12 +24,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from megatron_lite.atomic import atomic_folder, torch_save
 from megatron_lite.checkpoint import (
+    hf_deepseek_v3,
+    hf_glm4_moe,
     hf_gpt2,
     hf_llama,
     hf_mapping,
@@ -48,6 +53,7 @@ from megatron_lite.checkpoint.format import (
 )
 from megatron_lite.checkpoint.hf_fields import whole
 from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
+from megatron_lite.checkpoint.hf_fp8 import BlockScaledWeights, block_size
 from megatron_lite.checkpoint.layout import ModelLayout, slice_shape
 from megatron_lite.checkpoint.layout_free import RunState
 from megatron_lite.checkpoint.preflight import refuse_existing
@@ -56,8 +62,11 @@ from megatron_lite.checkpoint.tokenizer import with_tokenizer
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.sidecar import tokenizer_sha256
 
-ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe)
+ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe,
+                                              hf_deepseek_v3, hf_glm4_moe)
                  for name in module.ARCHITECTURES}
+BUFFERS = (".router.expert_bias",)
+"""Tables' entries that are buffers (saved state, not parameters): not counted as parameters."""
 
 
 def architecture(hf: dict, where: str):
@@ -82,9 +91,11 @@ def _sliding_window(hf: dict, fields: dict, where: str, switched: bool = False) 
 
 
 def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Optional[str],
-                    seq_length: Optional[int], where: str, validate: Callable[[Config], Config], ep: int = 1):
+                    seq_length: Optional[int], where: str, validate: Callable[[Config], Config], ep: int = 1,
+                    names: Iterable[str] = ()):
     """(our Config at the target layout, notes) for a Hugging Face config.json; refusals name the field.
-    `validate` is training's validation (megatron_lite.validation, a layer above this one: the caller's)."""
+    `validate` is training's validation (megatron_lite.validation, a layer above this one: the caller's).
+    `names`: the folder's tensors, for the fields the weights decide (DeepSeek-V3's MTP layers: module.file_fields)."""
     try:
         fields = module.model_fields(hf, where)
     except KeyError as e:
@@ -93,6 +104,10 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
         raise CheckpointError(f"{where}: a model field has a value of the wrong kind ({e})") from None
     switched = getattr(module, "SLIDING_WINDOW_SWITCH", False)
     notes = [n for n in [_sliding_window(hf, fields, where, switched)] if n]
+    if hasattr(module, "file_fields"):
+        more, said = module.file_fields(hf, names, where)
+        fields.update(more)
+        notes += said
     positions = fields["max_position_embeddings"]
     if seq_length is not None and seq_length > positions:  # said here: validation would name a training flag
         raise CheckpointError(f"--seq-length {seq_length} is longer than the model's {positions} positions "
@@ -113,11 +128,11 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
     return config.replace(parallel__expert_model_parallel_size=ep), notes
 
 
-def _check_weights(files: WeightFiles, table, module, hf: dict) -> None:
-    """Every tensor the table needs is there and nothing else is (derived buffers aside); a tied model's
-    head, when the file has one, must be the embedding."""
+def _check_weights(files: WeightFiles, table, module, hf: dict, skipped=frozenset()) -> None:
+    """Every tensor the table needs is there and nothing else is (derived buffers and the `skipped` aside); a
+    tied model's head, when the file has one, must be the embedding."""
     wanted = {n for e in table for n in e.theirs}
-    have = {n for n in files.names() if not module.is_derived(n)}
+    have = {n for n in files.names() if not module.is_derived(n)} - set(skipped)
     head = "lm_head.weight"
     if head in have and head not in wanted:
         embedding = table[0].theirs[0]
@@ -188,14 +203,21 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
     hf = read_config(input_folder)
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
-    config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate, ep)
+    files = WeightFiles(input_folder, module.hf_name)  # its names (the headers): nothing read yet
+    block = block_size(hf, where)
+    files = BlockScaledWeights(files, block) if block else files  # fp8 weights read dequantized (hf_fp8.py)
+    config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate, ep,
+                                    files.names())
     config, note = with_tokenizer(config, tokenizer or {}, f"the model of {where}")
     notes.append(note)
-    files = WeightFiles(input_folder, module.hf_name)
-    # An MoE folder spells its experts one way or the other (hf_moe.py): the table follows the files.
-    fused = {"fused": hf_moe.fused_names(files.names())} if getattr(module, "EXPERTS", False) else {}
-    table = module.mapping(config.model, **fused)
-    _check_weights(files, table, module, hf)
+    # An MoE folder spells its experts one way or the other (hf_moe.py): the table follows the files, and
+    # config.json's options (DeepSeek-V3's rope_interleave).
+    options = {"fused": hf_moe.fused_names(files.names())} if getattr(module, "EXPERTS", False) else {}
+    options.update(module.table_options(hf) if hasattr(module, "table_options") else {})
+    table = module.mapping(config.model, **options)
+    # Tensors no entry maps that the model holds all the same (DeepSeek-V3's MTP copies of the embedding and head).
+    skipped = module.unmapped(files, config.model) if hasattr(module, "unmapped") else set()
+    _check_weights(files, table, module, hf, skipped)
     by_ours = {e.ours: e for e in table}
     layout = ModelLayout(config)
     bounds = layout.stage_bounds(pp, config.parallel.pipeline_partition_method)
@@ -224,6 +246,8 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
                         full = hf_mapping.ours_of(entry, read, module.FLAGS)
                         shard[info.name] = _owned_slice(full, info, tp, r)
                         del full  # the next tensor is read with this one freed
+                for buffer in layout.buffers[spec]:  # a router's expert bias: whole in every TP rank's file
+                    shard[buffer] = hf_mapping.ours_of(by_ours[f"layers.{spec}.{buffer}"], read, module.FLAGS)
                 torch_save(shard, os.path.join(tmp, layer_file(spec, r)))
                 del shard
             log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
@@ -243,5 +267,6 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
         write_latest(tmp_root, tag)
     m = config.model
     return {"tag": tag, "architecture": name, "target": (tp, pp, ep), "notes": notes, "config": config,
-            "parameters": sum(sum(e.rows) * math.prod(e.flat_shape[1:]) for e in table),  # theirs: no padding
+            "parameters": sum(sum(e.rows) * math.prod(e.flat_shape[1:]) for e in table  # theirs: no padding
+                              if not e.ours.endswith(BUFFERS)),
             "vocab": (m.vocab_size, m.padded_vocab_size), "largest_tensor_elements": largest}

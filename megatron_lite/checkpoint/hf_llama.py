@@ -50,14 +50,17 @@ def vocab_size(m: ModelConfig) -> int:
     return m.vocab_size or m.padded_vocab_size
 
 
-def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias: bool = False) -> None:
+def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias: bool = False,
+                partial_rotary: bool = False) -> None:
     """`architecture` (Llama's, or one built on it) holds our model only with the Llama-family block; say which
-    flags are missing. `qkv_bias`: the architecture has q/k/v biases alone (Qwen2-MoE's qkv_bias)."""
+    flags are missing. `qkv_bias`: the architecture has q/k/v biases alone (Qwen2-MoE's qkv_bias, GLM-4.5's
+    attention_bias); `partial_rotary`: it turns part of each head (GLM-4.5's partial_rotary_factor)."""
     missing = [flag for flag, ok in (("--swiglu", m.swiglu),
                                      ("--normalization RMSNorm", m.normalization == "RMSNorm"),
                                      ("--disable-bias-linear", not m.add_bias_linear),
                                      ("--position-embedding-type rope", m.position_embedding_type == "rope"),
-                                     ("--rotary-percent 1 (RoPE over whole heads)", m.rotary_percent == 1.0))
+                                     ("--rotary-percent 1 (RoPE over whole heads)",
+                                      partial_rotary or m.rotary_percent == 1.0))
                if not ok]
     if missing:
         raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
@@ -65,7 +68,8 @@ def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias
     if m.add_qkv_bias and not qkv_bias:
         raise CheckpointError(f"{architecture} has no bias on q_proj, k_proj and v_proj alone (its attention_bias "
                               f"adds one to o_proj too), but this model was built with --add-qkv-bias: Qwen2's "
-                              f"attention, which only Qwen2MoeForCausalLM (a model with experts) maps here")
+                              f"attention, which only Qwen2MoeForCausalLM and Glm4MoeForCausalLM (models with "
+                              f"experts) map here")
     if m.padded_vocab_size is None:
         raise CheckpointError("the model config has no vocabulary size; give --vocab-size N or a --tokenizer-model")
     if m.window_size is not None and m.window_attn_skip_freq is not None:
@@ -175,10 +179,11 @@ def rope_scaling(m: ModelConfig) -> Optional[dict]:
             "original_max_position_embeddings": LLAMA3_ORIGINAL_MAX_POSITIONS}
 
 
-def hf_config(m: ModelConfig, qkv_bias: bool = False) -> dict:
+def hf_config(m: ModelConfig, qkv_bias: bool = False, partial_rotary: bool = False) -> dict:
     """config.json of the LlamaForCausalLM that holds our model (the keys Llama 3.1's own config.json uses,
-    which transformers 4.x and 5.x both read). bos/eos token ids are left None: the tokenizer's, not the model's."""
-    check_llama(m, qkv_bias=qkv_bias)
+    which transformers 4.x and 5.x both read). bos/eos token ids are left None: the tokenizer's, not the model's.
+    `qkv_bias`, `partial_rotary`: as check_llama's, for the architectures built on these keys."""
+    check_llama(m, qkv_bias=qkv_bias, partial_rotary=partial_rotary)
     return {
         **_architecture(m),
         "vocab_size": vocab_size(m), "hidden_size": m.hidden_size, "intermediate_size": m.ffn_hidden_size,

@@ -7,6 +7,8 @@ the sum of theirs are vocabulary padding: dropped on the way out, zeros on the w
 stores linear weights as [in, out], ours as [out, in]: such entries are `transposed`. Our stacked expert
 weights ([E, R, C], every expert of an MoE layer) map to one Hugging Face tensor per expert and projection:
 such entries have `experts` E and stack theirs along the flattened [E R, C] (checkpoint/hf_moe.py).
+Rotary rows that Hugging Face keeps as interleaved pairs (DeepSeek-V3's rope_interleave) are ours in rotate-half
+order, [evens | odds]: such entries name their `rotary` rows, and each walk permutes them.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ class Mapped:
     """Theirs is stored [in, out] (GPT-2's Conv1D)."""
     experts: int = 0
     """Ours is [E, R, C...] and theirs stack along its flattened [E R, C...] (E per-expert tensors); else 0."""
+    rotary: Tuple[int, int] = (0, 0)
+    """(period, width): the last `width` rows of every `period` rows are rotary pairs, interleaved (x0, y0, x1, y1,
+    ..) in theirs and [x0, x1, .., y0, y1, ..] in ours, as RoPE turns them (model/rotary.py rotates halves;
+    transformers' apply_rotary_pos_emb_interleave is this permutation, then rotate-half). (0, 0): none. Only
+    for entries of one tensor of theirs, without padding."""
 
     @property
     def flat_shape(self) -> Tuple[int, ...]:
@@ -45,6 +52,18 @@ class Mapped:
     def their_shape(self, index: int) -> Tuple[int, ...]:
         shape = (self.rows[index],) + self.flat_shape[1:]
         return shape[::-1] if self.transposed else shape
+
+
+def their_rows(entry: Mapped, start: int, stop: int) -> torch.Tensor:
+    """[stop - start] the row of theirs each of our rows start..stop holds (int64)."""
+    rows = torch.arange(start, stop)
+    period, width = entry.rotary
+    if not width:
+        return rows
+    inside = rows % period - (period - width)  # the row's place among its block's rotary rows; < 0: not rotary
+    half = width // 2
+    paired = torch.where(inside < half, 2 * inside, 2 * (inside - half) + 1)  # x_j at 2j, y_j at 2j + 1
+    return torch.where(inside >= 0, rows - inside + paired, rows)
 
 
 def _some(names: List[str]) -> str:
@@ -70,6 +89,8 @@ def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str
     """Our dense tensor -> its Hugging Face tensors (padding dropped). Pieces of a split tensor are copies
     (safetensors refuses tensors that share memory); a whole tensor is a view."""
     check_shape(entry.ours, tensor.shape, entry.shape, flags)
+    if entry.rotary[1]:  # back to interleaved pairs: a new tensor, never a view of ours
+        tensor = torch.empty_like(tensor).index_copy_(0, their_rows(entry, 0, tensor.shape[0]), tensor)
     pieces = tensor.reshape(entry.flat_shape)[:sum(entry.rows)].split(entry.rows)
     out = []
     for name, piece in zip(entry.theirs, pieces):
@@ -90,6 +111,8 @@ def ours_of(entry: Mapped, read: Callable[[str], torch.Tensor], flags: str) -> t
     padding = entry.flat_shape[0] - sum(entry.rows)
     if padding:
         pieces.append(pieces[0].new_zeros((padding,) + entry.flat_shape[1:]))
+    if entry.rotary[1]:
+        return pieces[0].index_select(0, their_rows(entry, 0, entry.shape[0]))
     if len(pieces) == 1:
         return pieces[0].contiguous()
     return torch.cat(pieces).view(entry.shape)
@@ -100,6 +123,11 @@ def ours_rows(entry: Mapped, start: int, stop: int, shape_of: Callable[[str], Tu
     """Rows start..stop of our dense tensor, reading only those rows of the Hugging Face tensors (entries
     stored as ours are, not transposed); rows in the padding are zeros."""
     assert not entry.transposed, "a transposed tensor's rows are its columns: read it whole"
+    if entry.rotary[1]:  # the rows of theirs these permute: whole heads' rows keep to the heads' span
+        check_shape(entry.theirs[0], shape_of(entry.theirs[0]), entry.their_shape(0), flags)
+        rows = their_rows(entry, start, stop)
+        low = int(rows.min())
+        return read_rows(entry.theirs[0], low, int(rows.max()) + 1).index_select(0, rows - low)
     pieces, offset = [], 0
     for index, name in enumerate(entry.theirs):
         check_shape(name, shape_of(name), entry.their_shape(index), flags)

@@ -9,6 +9,9 @@ An MoE layer's MLP (model/moe.py; layer i is our module 1+i, theirs model.layers
     mlp.shared_expert.dense_h_to_4h    [2Fs, h]    -> mlp.shared_expert.gate_proj.weight, up_proj.weight [Fs, h]
     mlp.shared_expert.dense_4h_to_h    [h, Fs]     -> mlp.shared_expert.down_proj.weight
     mlp.shared_expert_gate             [1, h]      -> mlp.shared_expert_gate.weight
+    mlp.router.expert_bias (a buffer)  [E]         -> {block}.gate.e_score_correction_bias (DeepSeek-V3's)
+
+(DeepSeek-V3 names its shared expert mlp.shared_experts: `ExpertNames.shared`.)
 
 Two spellings of the experts exist. save_pretrained writes one tensor per expert and projection (Mixtral's
 {block} is block_sparse_moe with w1 = gate, w3 = up, w2 = down; the Qwen family's is mlp with
@@ -46,6 +49,8 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"
+    """The shared expert's module in the layer's mlp (DeepSeek-V3: shared_experts)."""
 
 
 def fused_names(names: Iterable[str]) -> bool:
@@ -59,6 +64,9 @@ def layer_entries(m: ModelConfig, i: int, names: ExpertNames, fused: bool) -> Li
     block = layer + ("mlp." if fused else names.block + ".")
     experts, ffn, h = m.num_experts, expert_ffn_hidden_size(m), m.hidden_size
     out = [Mapped(ours + "router.weight", (experts, h), (block + "gate.weight",), (experts,))]
+    if m.moe_router_enable_expert_bias:  # saved with the layer (model/router.py), as transformers saves its buffer
+        out.append(Mapped(ours + "router.expert_bias", (experts,), (block + "gate.e_score_correction_bias",),
+                          (experts,)))
     if fused:
         out += [Mapped(ours + "experts.weight1", (experts, 2 * ffn, h), (block + "experts.gate_up_proj",), (experts,)),
                 Mapped(ours + "experts.weight2", (experts, h, ffn), (block + "experts.down_proj",), (experts,))]
@@ -71,7 +79,7 @@ def layer_entries(m: ModelConfig, i: int, names: ExpertNames, fused: bool) -> Li
                        tuple(f"{per}{e}.{names.down}.weight" for e in range(experts)), (h,) * experts, experts=experts)]
     shared = m.moe_shared_expert_intermediate_size
     if shared:
-        theirs = layer + "mlp.shared_expert."
+        theirs = f"{layer}mlp.{names.shared}."
         out += [Mapped(ours + "shared_expert.dense_h_to_4h.weight", (2 * shared, h),
                        (theirs + "gate_proj.weight", theirs + "up_proj.weight"), (shared, shared)),
                 Mapped(ours + "shared_expert.dense_4h_to_h.weight", (h, shared), (theirs + "down_proj.weight",), (h,))]

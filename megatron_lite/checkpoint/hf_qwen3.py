@@ -42,8 +42,14 @@ def check_qwen3(m: ModelConfig) -> None:
 def mapping(m: ModelConfig) -> List[Mapped]:
     """Llama's table with each layer's q_norm and k_norm after its q/k/v projection (model order)."""
     check_qwen3(m)
+    return with_qk_norms(hf_llama.table(m), m)
+
+
+def with_qk_norms(table: List[Mapped], m: ModelConfig) -> List[Mapped]:
+    """A Llama-shaped table with each layer's q_norm and k_norm after its q/k/v projection (GLM-4.5's use_qk_norm
+    too: checkpoint/hf_glm4_moe.py)."""
     hd, out = m.head_dim, []
-    for entry in hf_llama.table(m):
+    for entry in table:
         out.append(entry)
         if entry.ours.endswith(".attention.query_key_value.weight"):
             ours = entry.ours[:-len("query_key_value.weight")]

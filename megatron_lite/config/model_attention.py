@@ -51,3 +51,24 @@ class AttentionKernelConfig:
     window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1)
     """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
     others through the window (gpt-oss: 2)."""
+
+
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2): queries and keys/values through low-rank latents,
+    plus one rotary key shared by every head (model/latent_attention.py). Defaults are Megatron-LM's flags'."""
+    multi_latent_attention: bool = option(False, "--multi-latent-attention")
+    """Multi-head Latent Attention instead of multi-head/grouped-query attention: needs rotary positions (rope or
+    yarn); --qk-layernorm gives the latents their RMSNorms (DeepSeek-V3's q_a_layernorm and kv_a_layernorm)."""
+    q_lora_rank: Optional[int] = option(None, "--q-lora-rank", minimum=1)
+    """MLA: width of the query latent (DeepSeek-V3: 1536); not given: one query projection from the hidden
+    state (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = option(32, "--kv-lora-rank", minimum=1)
+    """MLA: width of the key/value latent (DeepSeek-V3: 512; Megatron-LM's flag defaults to 32)."""
+    qk_head_dim: int = option(128, "--qk-head-dim", minimum=1)
+    """MLA: each head's query/key dimensions without position (qk_nope_head_dim in Hugging Face)."""
+    qk_pos_emb_head_dim: int = option(64, "--qk-pos-emb-head-dim", minimum=2)
+    """MLA: each head's rotary query dimensions, and the width of the one rotary key all heads share
+    (qk_rope_head_dim in Hugging Face); a query/key head is --qk-head-dim + this wide."""
+    v_head_dim: int = option(128, "--v-head-dim", minimum=1)
+    """MLA: each head's value dimensions (the output projection maps heads x this back to --hidden-size)."""

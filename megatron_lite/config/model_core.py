@@ -84,3 +84,16 @@ class RecomputeConfig:
     recompute_num_layers: Optional[int] = option(None, "--recompute-num-layers", minimum=1)
     """With --recompute-granularity full: layers per recomputed chunk (uniform) or recomputed layers per
     pipeline stage (block)."""
+
+
+@dataclass(frozen=True)
+class MultiTokenPredictionConfig:
+    """Multi-Token Prediction (DeepSeek-V3, GLM-4.5): depths after the model that predict tokens further ahead
+    (model/mtp.py)."""
+    mtp_num_layers: Optional[int] = option(None, "--mtp-num-layers", minimum=1)
+    """D depths of Multi-Token Prediction on the last pipeline stage: depth k predicts the token k + 1 ahead from
+    the embedding of the token k ahead and depth k-1's hidden state, through a decoder layer of the model's kind
+    (DeepSeek-V3: 1). Not given: none."""
+    mtp_loss_scaling_factor: float = option(0.1, "--mtp-loss-scaling-factor", minimum=0, maximum=1e6)
+    """The depths' losses join the language-model loss's gradient as factor / D x their sum (DeepSeek-V3: 0.3,
+    then 0.1); the logged loss stays the language model's, the depths' are logged apart."""

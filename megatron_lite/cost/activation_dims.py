@@ -22,7 +22,9 @@ class Dims:
     a: int
     g: int
     d: int
-    """Head width (--kv-channels, h / a when not given)."""
+    """Head width (--kv-channels, h / a when not given): queries' and keys' (d_n + d_r under MLA)."""
+    v: int
+    """Values' head width: d, or --v-head-dim under MLA."""
 
     @property
     def s(self) -> int:
@@ -71,4 +73,4 @@ def dims(config: Config, device: str) -> Dims:
     return Dims(e=e, k=1 if device == "cuda" else e, t=t, r=t if p.sequence_parallel else 1,
                 c=p.context_parallel_size, b=config.batch.micro_batch_size, S=m.seq_length, h=m.hidden_size,
                 f=m.ffn_hidden_size, a=m.num_attention_heads, g=m.num_query_groups or m.num_attention_heads,
-                d=m.head_dim)
+                d=m.head_dim, v=m.value_head_dim)

@@ -38,7 +38,8 @@ attention runs on (QKV = Q + 2K: the fused output, or with context parallelism t
             attention dropout (p > 0): mask + output   (k + e) n_c S^2 b
     flash   (SDPA) the fp32 log-sum-exp                4 n_c S b, no S^2 term
             c > 1: its output [b, n_c, S, d], which    e b S n_c d = e b s n d
-            the all-to-all copies into the projection's input (at c = 1 that input is the output's storage)
+            the all-to-all copies into the projection's input (at c = 1 that input is the output's storage,
+            but for queries made heads-major by partial RoPE's concatenation, which the output's layout follows)
     math    (SDPA's fallback: on CPU with dropout)     as fused, in fp32 whatever the inputs
   two hidden dropouts (p > 0): masks                   2 k bsh / r
   => Korthikanti et al. 2022, for e = 2, k = 1, f = 4h, GPT-2's block (LayerNorm statistics left out):
@@ -77,11 +78,20 @@ out-of-range mask (9 bs), and the loss mask with the count it divides by (4 bs +
 parallelism the loss weights, 4 bs, which hold the count: data/context_parallel.py). The cross
 entropy works in place on fp32 logits, so the softmax is the logits' own buffer. 16-bit logits live
 on while their fp32 copy is made, and backward turns the fp32 gradient into a 16-bit one: a
-transient of e bsV/t when e < 4.
+transient of e bsV/t when e < 4; 2 e bsV/t under the pipeline engine (ZeRO 0/1), whose buffer holds
+the last stage's output, the logits, until their backward has run (`head_transient_bytes`).
 A non-last stage also keeps its output (e bsh / r, this rank's part of the sequence) per micro-batch in
 flight for the send.
 
-An MoE layer keeps, instead of the MLP's terms, what cost/moe_activations.py counts.
+With Multi-Token Prediction's D depths the last stage keeps theirs (cost/mtp_activations.py), and the head
+works on 1 + D times the tokens (its input the stack of 1 + D final norms' outputs, e (1 + D) bsh / r, a copy:
+the main final norm's output is then kept by the first depth, not by the head); what crosses a stage also
+carries the depths' tokens, 8 b D s.
+
+An MoE layer keeps, instead of the MLP's terms, what cost/moe_activations.py counts. Multi-head Latent
+Attention keeps its latents and its own q, k, v (cost/latent_activations.py) instead of the QKV terms and
+QK-norm's; d is then its queries' and keys' width d_n + d_r, and the context, the values and what the core
+outputs are d_v wide (Dims.v; d everywhere else).
 """
 from __future__ import annotations
 
@@ -89,6 +99,7 @@ from typing import Optional, Tuple
 
 from megatron_lite.config import Config
 from megatron_lite.cost.activation_dims import dims
+from megatron_lite.cost.latent_activations import latent_attention_input_bytes, latent_bytes
 from megatron_lite.cost.moe_activations import moe_mlp_bytes
 from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.model.recompute_options import recompute_chunks
@@ -103,7 +114,8 @@ def attention_kernel(config: Config, device: str) -> str:
     SDPA on CPU takes its flash kernel without dropout and the math path with it (measured); on CUDA
     the flash kernel (16-bit, grouped keys and values read in place) or the memory-efficient one
     (fp32), which cannot read grouped keys and values: fp32 with groups shared by several local
-    heads takes the math path (torch's sdp_utils; not measured here)."""
+    heads takes the math path (torch's sdp_utils; not measured here). MLA's values narrower than its queries
+    and keys are padded to their width first (model/attention.py), so the same kernels take them."""
     from megatron_lite.model.attention import resolve_attention_backend
 
     m = config.model
@@ -131,6 +143,9 @@ def attention_input_bytes(config: Config, device: str = "cuda", checkpointed: bo
 def _attention_inputs(config: Config, device: str, checkpointed: bool) -> Tuple[int, bool]:
     """(attention_input_bytes, whether they include the whole QKV output, or under context parallelism the
     whole all-to-all output, that a view keeps)."""
+    kernel = "flash" if checkpointed else attention_kernel(config, device)
+    if config.model.multi_latent_attention:  # nothing of a QKV output to keep whole
+        return latent_attention_input_bytes(config, device, kernel, checkpointed), False
     d = dims(config, device)
     n, m = d.attention_heads, d.attention_groups
     q = d.e * d.b * d.S * n * d.head_dim
@@ -138,7 +153,6 @@ def _attention_inputs(config: Config, device: str, checkpointed: bool) -> Tuple[
     # q and k reach the attention as new tensors (RoPE's, or QK-norm's without an all-to-all after it), else
     # as views of the QKV output (of the all-to-all output under context parallelism)
     fresh = config.model.position_embedding_type == "rope" or (config.model.qk_layernorm and d.c == 1)
-    kernel = "flash" if checkpointed else attention_kernel(config, device)
     fold_is_view = d.b == 1 or m == 1  # [b, m, ., d] -> [b m, ., d] without a copy
     regroup_is_view = n == m or d.c > 1  # [b, n, S, d] -> [b, m, (n/m) S, d]: see the module docstring
     if kernel == "flash":  # as given
@@ -161,7 +175,7 @@ def qk_norm_bytes(config: Config, device: str = "cuda", checkpointed: bool = Fal
     (fp32 on CUDA, the input's dtype on CPU); RMSNorm its fp32 input (the input itself in fp32: a view; a
     copy otherwise), its fp32 rstd and the normalised input cast back. A view keeps the whole QKV output
     alive, counted here unless the attention keeps it already (`checkpointed` as attention_input_bytes)."""
-    if not config.model.qk_layernorm:
+    if not config.model.qk_layernorm or config.model.multi_latent_attention:  # MLA's: latent_bytes
         return 0
     d = dims(config, device)
     rows = d.b * d.s * (d.local_heads + d.local_groups)
@@ -183,8 +197,16 @@ def attention_core_bytes(config: Config, device: str = "cuda") -> int:
     kernel = attention_kernel(config, device)
     if kernel == "flash":
         # The fp32 log-sum-exp per query; with context parallelism also its output, no longer the
-        # storage the projection's input is.
-        output = d.e * d.b * d.S * d.attention_heads * d.head_dim if d.c > 1 else 0
+        # storage the projection's input is. Nor is it where the flash kernel gets queries made heads-major by
+        # a concatenation (partial RoPE's; MLA's always): it lays its output out as the queries, and the
+        # projection's input is a copy (measured on the CPU). Values narrower than queries and keys (MLA's)
+        # take CUDA's memory-efficient kernel, whose output is token-major as the projection reads it (not
+        # measured here).
+        m = config.model
+        concatenated = m.position_embedding_type == "rope" and m.rotary_dim < d.head_dim and d.v == d.head_dim
+        output = d.e * d.b * d.S * d.attention_heads * d.v if d.c > 1 or concatenated else 0
+        if d.v != d.head_dim:  # MLA's padded values: the output is as wide as queries and keys, and sliced
+            output = d.e * d.b * d.S * d.attention_heads * d.head_dim
         return 4 * scores // d.S + output
     # SDPA's math path works in fp32 whatever the inputs (its dropout mask: bool on CUDA, fp32 on CPU).
     e, k = (4, 1 if device == "cuda" else 4) if kernel == "math" else (d.e, d.k)
@@ -195,13 +217,15 @@ def attention_core_bytes(config: Config, device: str = "cuda") -> int:
 
 
 def context_parallel_all_to_all_bytes(config: Config) -> int:
-    """Bytes of one layer's two forward all-to-all tensors on a rank per micro-batch (its gradients in
-    backward are as large): q, k, v packed, [b, s, n + 2 m_e, d] = [b, n_c + 2 m_c, S, d] after it, and
-    the context [b, n_c, S, d] back; 0 without context parallelism. A rank sends (c-1)/c of each."""
+    """Bytes of one layer's forward all-to-all tensors on a rank per micro-batch (its gradients in backward
+    are as large): q, k, v packed, [b, s, n + 2 m_e, d] = [b, n_c + 2 m_c, S, d] after it (MLA: q and k
+    packed, v of d_v apart), and the context [b, n_c, S, d_v] back; 0 without context parallelism. A rank
+    sends (c-1)/c of each."""
     d = dims(config, "cuda")
     if d.c == 1:
         return 0
-    return d.e * d.b * d.S * (2 * d.attention_heads + 2 * d.attention_groups) * d.head_dim
+    n, m = d.attention_heads, d.attention_groups
+    return d.e * d.b * d.S * ((n + m) * d.head_dim + (m + n) * d.v)
 
 
 def norm_bytes(config: Config, device: str = "cuda") -> int:
@@ -234,7 +258,7 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
     masks = d.b * d.S * d.S if m.reset_attention_mask else d.S * d.S
     by_path = {"mask": masks if selective else d.e * masks if flash else 0}
     if m.reset_attention_mask:
-        outputs = 2 * d.e * d.b * d.S * d.attention_heads * d.head_dim
+        outputs = 2 * d.e * d.b * d.S * d.attention_heads * d.v
         windows = d.e * d.b * d.S * d.S if m.window_size is not None else 0
         by_path["segments"] = 0 if selective else outputs + windows
     return by_path[path] if path is not None else max(by_path.values())
@@ -243,8 +267,9 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
 def _layer_bytes(config: Config, device: str, selective: bool, moe: bool = False) -> int:
     m, d = config.model, dims(config, device)
     total = 2 * norm_bytes(config, device)
-    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.head_dim
+    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.v
     total += qk_norm_bytes(config, device, checkpointed=selective)
+    total += latent_bytes(config, device) if m.multi_latent_attention else 0
     if not selective:
         total += attention_core_bytes(config, device)
     total += attention_mask_bytes(config, device, selective)
@@ -332,24 +357,36 @@ def embedding_activation_bytes(config: Config, device: str = "cuda") -> int:
 
 
 def head_activation_bytes(config: Config, device: str = "cuda") -> int:
-    """The final norm, the head's input, the cross entropy's softmax and targets."""
+    """The final norm, the head's input, the cross entropy's softmax and targets; with Multi-Token Prediction's
+    D depths for 1 + D times the tokens (cost/mtp_activations.py counts the depths)."""
     d = dims(config, device)
-    bs = d.bs
-    # norm_bytes counts the norm's output, which is the head's input; the count the loss divides by
-    # (4 bytes) is gone under context parallelism, whose loss weights already hold it.
-    return (norm_bytes(config, device) + 4 * bs * config.model.padded_vocab_size // d.t + 13 * bs
-            + (4 if d.c == 1 else 0))
+    bs, heads = d.bs, 1 + (config.model.mtp_num_layers or 0)
+    # norm_bytes counts the norm's output, which is the head's input; with depths the head's input is the
+    # [(1 + D) b, s, h] stack of the final norms' outputs, a copy (the first depth's hnorm keeps the main
+    # one's output). Targets, their out-of-range mask and the loss mask per head (the depths' masks one
+    # [b, D, s] storage); the count each loss divides by (4 bytes) is gone under context parallelism,
+    # whose loss weights already hold it.
+    return (norm_bytes(config, device) + (heads - 1) * d.e * d.bsh // d.r
+            + heads * (4 * bs * config.model.padded_vocab_size // d.t + 13 * bs + (4 if d.c == 1 else 0)))
 
 
 def head_transient_bytes(config: Config) -> int:
+    """16-bit logits, beyond the fp32 softmax (module docstring): those of the main model and of each Multi-Token
+    Prediction depth, with their 16-bit gradient under the pipeline engine (ZeRO 0/1; measured at PP 2 with 0 and
+    2 depths, 2 e (1 + D) bsV/t: tests/cost/test_mtp_memory.py). None in fp32."""
     d = dims(config, "cuda")
-    return (d.e if d.e < 4 else 0) * d.bs * config.model.padded_vocab_size // d.t
+    heads = 1 + (config.model.mtp_num_layers or 0)
+    with_gradient = 2 if config.parallel.zero_stage < 2 else 1  # the engine's pipe buffer holds the logits
+    return (d.e * with_gradient if d.e < 4 else 0) * heads * d.bs * config.model.padded_vocab_size // d.t
 
 
 def stage_output_bytes(config: Config) -> int:
     """What crosses a pipeline stage boundary per micro-batch: [b, s, h] (this rank's s = S/c tokens), or
     [b, s/t, h] under sequence parallelism (also the size of each pipeline-engine buffer); with document
-    ids, also their int32 [b, S] (the whole sequence, model/attention_mask.py)."""
-    d = dims(config, "cuda")
-    return d.e * d.bsh // d.r + (4 * d.b * d.S if needs_document_ids(config.model) else 0)
+    ids, also their int32 [b, S] (the whole sequence, model/attention_mask.py); with Multi-Token Prediction's
+    D depths, their int64 tokens [b, D, s] (data/mtp.py, this rank's s, whole over TP) on their way to the
+    last stage."""
+    m, d = config.model, dims(config, "cuda")
+    return (d.e * d.bsh // d.r + (4 * d.b * d.S if needs_document_ids(m) else 0)
+            + 8 * d.bs * (m.mtp_num_layers or 0))
 

@@ -9,7 +9,9 @@ The GPT is a list of specs (model/gpt.py `layer_specs`):
     0            embedding: word [V, h] (split over TP) + learned positions [P, h] (whole)
     1 .. L       transformer layers
     L + 1        final norm (LayerNorm: weight and bias, 2h; RMSNorm: weight, h)
-    L + 2        head: the embedding again (tied; a full copy of the embedding module on a
+    L + 2, L + 3 with --mtp-num-layers D: the embedding again (tied: what the depths embed their tokens
+                 with; a full copy of the embedding module on a later stage), then the D depths
+    last         head: the embedding again (tied; a full copy of the embedding module on a
                  later stage) or its own [V, h] weight (untied)
 with V the padded vocabulary, h hidden, f FFN width, P max positions, t TP, a heads,
 g key/value groups (a without grouped-query attention), d the head width (--kv-channels, h / a when
@@ -25,6 +27,11 @@ One transformer layer (model/transformer.py), each weight [out, in]:
     two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
     QK-norm      --qk-layernorm: two norms of d (q and k; LayerNorm 2d each), whole on every rank
 
+Under --multi-latent-attention (model/latent_attention.py; d_qk = d_n + d_r, d_v, q_l, c its widths) the QKV
+and QK-norms are MLA's: q down [q_l, h] and kv down [c + d_r, h] with their biases (--add-bias-linear) and the
+latent norms (--qk-layernorm) whole on every rank (replicated: like a norm), q up [a d_qk, q_l] (no --q-lora-rank:
+q [a d_qk, h]) and kv up [a (d_n + d_v), c] split by heads; the projection is [h, a d_v] (`latent_attention_tensors`).
+
 An MoE layer (model/moe.py; which layers: model/moe_options.py) has the same attention and norms, and
 instead of the MLP, with E experts, k = --moe-router-topk, F the expert width, F_s the shared expert's,
 EP the expert-parallel degree:
@@ -36,13 +43,18 @@ EP the expert-parallel degree:
 A token passes through the router, k experts and the shared expert: `active_parameters` counts those,
 and the FLOPs (behind TFLOP/s and MFU) count k experts per token, never E.
 
---optimizer muon steps the layers' weight matrices (`layer_matrices`: QKV, projection, the MLPs' two, every
-routed expert's two); the router, the gate, norms, biases, embeddings and the head stay AdamW.
+Multi-Token Prediction (model/mtp.py, --mtp-num-layers D; `mtp_tensors`) adds D depths, each: enorm and hnorm
+(norms over h), eh_proj [h, 2h] whole on every TP rank, a decoder layer of the last layer's kind (numbered L + k:
+an MoE layer when the last layer is one, whose E - k unrouted experts `active_parameters` leaves out as in any
+MoE layer) and a final norm. A token passes through them in training, so they count as Megatron-LM counts them
+(training.py `num_floating_point_operations`): per depth its decoder layer, eh_proj (2 x 2h x h) and one more
+head GEMM over its tokens; Megatron-LM's 3h of norms per depth are not matmuls, and we count no norm.
+
+The weight matrices --optimizer muon steps: cost/matrices.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from megatron_lite.config import Config, ModelConfig, require_vocab
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, moe_layer_pattern
@@ -61,8 +73,23 @@ def qkv_width(model: ModelConfig) -> int:
 
 
 def attention_width(model: ModelConfig) -> int:
-    """a d: the attention's inner width, the projection's input (h unless --kv-channels says otherwise)."""
-    return model.num_attention_heads * model.head_dim
+    """a d_v: the attention's inner width, the projection's input (h unless --kv-channels says otherwise;
+    heads x --v-head-dim under MLA)."""
+    return model.num_attention_heads * model.value_head_dim
+
+
+def latent_attention_tensors(model: ModelConfig, tp: int = 1) -> List[int]:
+    """MLA's weights before the projection on one TP rank (module docstring): each down projection [out, h],
+    its bias and its latent's norm whole, each up projection split by heads."""
+    h, heads, q, c = model.hidden_size, model.num_attention_heads, model.q_lora_rank, model.kv_lora_rank
+
+    def down(out: int, latent: int) -> List[int]:
+        norm = norm_tensors(model, latent) if model.qk_layernorm else []
+        return [out * h] + ([out] if model.add_bias_linear else []) + norm
+
+    whole = (down(q, q) if q else []) + down(c + model.qk_pos_emb_head_dim, c)
+    split = [heads * model.head_dim * (q or h), heads * (model.qk_head_dim + model.v_head_dim) * c]
+    return whole + [n // tp for n in split]
 
 
 def norm_tensors(model: ModelConfig, size: Optional[int] = None) -> List[int]:
@@ -71,8 +98,10 @@ def norm_tensors(model: ModelConfig, size: Optional[int] = None) -> List[int]:
 
 
 def qk_norm_tensors(model: ModelConfig) -> List[int]:
-    """--qk-layernorm's two norms over one head's width d (query and key); none without it."""
-    return norm_tensors(model, model.head_dim) * 2 if model.qk_layernorm else []
+    """--qk-layernorm's two norms over one head's width d (query and key); none without it (nor under MLA,
+    whose latent norms `latent_attention_tensors` counts)."""
+    per_head = model.qk_layernorm and not model.multi_latent_attention
+    return norm_tensors(model, model.head_dim) * 2 if per_head else []
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -116,53 +145,13 @@ def layer_tensors(model: ModelConfig, tp: int = 1, layer_number: Optional[int] =
     (g < TP) holds a 1/TP piece of the K and V rows all the same (parallel/qkv.py). layer_number (from 1):
     an MoE layer (model/moe_options.py) has `moe_mlp_tensors`, E/EP experts at `ep`; None: a dense layer."""
     h, qkv = model.hidden_size, qkv_width(model)
-    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.qkv_bias else [])
-    whole = norm_tensors(model) * 2 + qk_norm_tensors(model) + ([h] if model.add_bias_linear else [])
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_mlp_tensors(model, tp, ep) if moe else mlp_tensors(model, tp)
+    whole = norm_tensors(model) * 2 + qk_norm_tensors(model) + ([h] if model.add_bias_linear else [])
+    if model.multi_latent_attention:
+        return latent_attention_tensors(model, tp) + [h * attention_width(model) // tp] + whole + mlp
+    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.qkv_bias else [])
     return [n // tp for n in split] + whole + mlp
-
-
-@dataclass(frozen=True)
-class HiddenMatrix:
-    """A weight Muon steps (parallel/layers.py tags it `hidden_matrix`): `copies` stacked [rows, cols] matrices
-    (a rank's E/EP experts, else 1), each whole over TP, which splits `partition_dim` (0: the rows of a
-    column-parallel weight, 1: the columns of a row-parallel one) section by section; `sections`: the lengths
-    along it of its fused parts (`fused` 'qkv': Q, K, V; 'gate_up': SwiGLU's halves), else the whole."""
-    rows: int
-    cols: int
-    partition_dim: int
-    sections: Tuple[int, ...]
-    copies: int = 1
-    fused: Optional[str] = None
-    expert: bool = False
-
-    def elements(self, tp: int = 1) -> int:
-        """Values one TP rank holds."""
-        return self.copies * self.rows * self.cols // tp
-
-
-def mlp_matrices(model: ModelConfig, ffn: Optional[int] = None, copies: int = 1, expert: bool = False
-                 ) -> List[HiddenMatrix]:
-    """The MLP's [f, h] ([2f, h] SwiGLU: gate and up) and [h, f] weights (`copies` stacked for experts)."""
-    h, f = model.hidden_size, ffn or model.ffn_hidden_size
-    first = (HiddenMatrix(2 * f, h, 0, (f, f), copies, "gate_up", expert) if model.swiglu
-             else HiddenMatrix(f, h, 0, (f,), copies, None, expert))
-    return [first, HiddenMatrix(h, f, 1, (f,), copies, None, expert)]
-
-
-def layer_matrices(model: ModelConfig, layer_number: Optional[int] = None, ep: int = 1) -> List[HiddenMatrix]:
-    """One transformer layer's weights that --optimizer muon steps, in the layer's parameter order: QKV
-    ((a + 2g) d x h, sections Q, K, V), the projection (h x a d), then the dense MLP's two, or an MoE layer's
-    E/EP experts' two (stacked) and the shared expert's two (`layer_tensors` holds them all)."""
-    h, q, kv = model.hidden_size, attention_width(model), (model.num_query_groups or model.num_attention_heads)
-    kv *= model.head_dim
-    attention = [HiddenMatrix(q + 2 * kv, h, 0, (q, kv, kv), fused="qkv"), HiddenMatrix(h, q, 1, (q,))]
-    if layer_number is None or not is_moe_layer(model, layer_number):
-        return attention + mlp_matrices(model)
-    shared = model.moe_shared_expert_intermediate_size
-    return (attention + mlp_matrices(model, expert_ffn_hidden_size(model), model.num_experts // ep, expert=True)
-            + (mlp_matrices(model, shared) if shared is not None else []))
 
 
 def layer_parameters(model: ModelConfig, tp: int = 1, layer_number: Optional[int] = None, ep: int = 1) -> int:
@@ -195,7 +184,27 @@ def spec_tensors(config: Config, tp: Optional[int] = None, ep: Optional[int] = N
     kinds = [is_moe_layer(m, i) for i in range(1, m.num_layers + 1)]
     per_kind = {moe: layer_tensors(m, t, kinds.index(moe) + 1, e) for moe in set(kinds)}
     layers = [list(per_kind[moe]) for moe in kinds]
-    return [embedding] + layers + [norm_tensors(m), head]
+    mtp = [embedding, mtp_tensors(m, t, e)] if m.mtp_num_layers else []  # its tied embedding copy, its depths
+    return [embedding] + layers + [norm_tensors(m)] + mtp + [head]
+
+
+def mtp_tensors(model: ModelConfig, tp: int = 1, ep: int = 1) -> List[int]:
+    """Multi-Token Prediction's depths (model/mtp.py) on one rank, in parameter order: each its enorm and hnorm,
+    eh_proj [h, 2h] (whole on every TP rank), a decoder layer of the last layer's kind (numbered L + k) and its
+    final norm."""
+    h = model.hidden_size
+    return [x for k in range(1, (model.mtp_num_layers or 0) + 1)
+            for x in (*norm_tensors(model), *norm_tensors(model), 2 * h * h,
+                      *layer_tensors(model, tp, model.num_layers + k, ep), *norm_tensors(model))]
+
+
+def embedding_specs(model: ModelConfig) -> List[int]:
+    """The specs that are the embedding module (TiedLayerSpecs of one key): the embedding, Multi-Token Prediction's
+    (L + 2) and the tied head (the last, but with --untie-embeddings-and-output-weights). A stage holding several
+    builds one module (DeepSpeed's tied layers; GPTModel likewise); each stage holding any holds a full copy."""
+    mtp = [model.num_layers + 2] if model.mtp_num_layers else []
+    head = [] if model.untie_embeddings_and_output_weights else [model.num_layers + 2 + 2 * len(mtp)]
+    return [0] + mtp + head
 
 
 def spec_parameters(config: Config, tp: Optional[int] = None, ep: Optional[int] = None) -> List[int]:
@@ -206,19 +215,24 @@ def spec_parameters(config: Config, tp: Optional[int] = None, ep: Optional[int] 
 def total_parameters(config: Config) -> int:
     """Parameters of the whole model (TP = EP = 1: every expert once), the tied embedding counted once."""
     per_spec = spec_parameters(config, tp=1, ep=1)
-    return sum(per_spec) - (0 if config.model.untie_embeddings_and_output_weights else per_spec[-1])
+    return sum(per_spec) - sum(per_spec[i] for i in embedding_specs(config.model)[1:])
+
+
+def mtp_moe_layers(model: ModelConfig) -> int:
+    """How many of the Multi-Token Prediction depths' decoder layers are MoE (all or none: the last layer's kind)."""
+    return sum(is_moe_layer(model, model.num_layers + k) for k in range(1, (model.mtp_num_layers or 0) + 1))
 
 
 def moe_layers(model: ModelConfig) -> int:
-    """How many layers are MoE (none without --num-experts)."""
-    return sum(moe_layer_pattern(model))
+    """How many decoder layers are MoE, the Multi-Token Prediction depths' included (none without --num-experts)."""
+    return sum(moe_layer_pattern(model)) + mtp_moe_layers(model)
 
 
 def active_parameters(config: Config) -> int:
-    """Parameters a token passes through: `total_parameters` less, in every MoE layer, the E - k routed
-    experts it is not sent to (the router, the shared expert and everything dense count whole). What
-    MoE papers quote as "active" and what the FLOPs per token follow; the dense model's total without
-    --num-experts."""
+    """Parameters a token passes through: `total_parameters` less, in every MoE layer (a Multi-Token Prediction
+    depth's too), the E - k routed experts it is not sent to (the router, the shared expert and everything dense
+    count whole). What MoE papers quote as "active" (DeepSeek-V3's 37B leave its MTP module out, which a
+    token passes through in training) and what the FLOPs per token follow; the total without --num-experts."""
     m = config.model
     if m.num_experts is None:
         return total_parameters(config)
@@ -258,22 +272,35 @@ def _last_matmul_flops(model: ModelConfig, layer_number: Optional[int]) -> float
     return 2.0 * model.hidden_size * shared
 
 
+def attention_projection_flops(model: ModelConfig) -> float:
+    """Forward FLOPs per token of the attention's linears, 2 per multiply-add: the QKV ((a + 2g) d outputs) and
+    the projection (a d -> h), or MLA's down, up and output projections. The MLA terms are Megatron-LM's
+    (training.py `num_floating_point_operations`, its multi_latent_attention branch: q_term, the kv lora and
+    rope terms, o proj) less its latent norms' q_l + c per token, which are not matmuls: we count no norm."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    if not model.multi_latent_attention:
+        return 2.0 * (qkv_width(model) + attention_width(model)) * h
+    q = model.q_lora_rank
+    query = q * (h + heads * model.head_dim) if q else h * heads * model.head_dim
+    kv = (model.kv_lora_rank * (h + heads * (model.qk_head_dim + model.v_head_dim))
+          + h * model.qk_pos_emb_head_dim)
+    return 2.0 * (query + kv + attention_width(model) * h)
+
+
 def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0,
                         layer_number: Optional[int] = None) -> float:
-    """Forward FLOPs per token of one transformer layer: the QKV ((a + 2g) d outputs: grouped keys and
-    values cost 2 g d h each, not 2h^2), projection (a d -> h) and MLP matmuls (two of h x f, three under
-    SwiGLU; 2 FLOPs per multiply-add; an MoE layer's: `moe_forward_flops`) plus the two attention matmuls
-    over s keys (every query head, so 2 s a d each whatever g); `causal` counts the s/2 keys a token
-    attends to on average, otherwise all s (Megatron-LM's accounting). Norms are not matmuls and not
-    counted (QK-norm neither). attention_share: the part of those attention matmuls computed (documents
-    attended one by one skip the blocks between them: model/attention_mask.py). layer_number (from 1)
-    says whether the layer is MoE; None: a dense layer."""
-    h, s = model.hidden_size, model.seq_length
-    inner = attention_width(model)
+    """Forward FLOPs per token of one transformer layer: the attention's linears (`attention_projection_flops`:
+    grouped keys and values cost 2 g d h each, not 2h^2) and MLP matmuls (two of h x f, three under SwiGLU;
+    2 FLOPs per multiply-add; an MoE layer's: `moe_forward_flops`) plus the two attention matmuls over s keys
+    (`attention_core_forward_flops`); `causal` counts the s/2 keys a token attends to on average (Megatron-LM's
+    accounting), otherwise all s (what the fused path computes, and what training_flops_per_token counts).
+    Norms are not matmuls and not counted (QK-norm and MLA's latent norms neither). attention_share: the part
+    of those attention matmuls computed (documents attended one by one skip the blocks between them:
+    model/attention_mask.py). layer_number (from 1) says whether the layer is MoE; None: a dense layer."""
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_forward_flops(model) if moe else mlp_forward_flops(model)
-    return (2 * (qkv_width(model) * h + inner * h) + mlp
-            + (2 if causal else 4) * s * inner * attention_share)
+    core = attention_core_forward_flops(model) * (0.5 if causal else 1.0)
+    return attention_projection_flops(model) + mlp + core * attention_share
 
 
 def head_forward_flops(model: ModelConfig) -> float:
@@ -281,28 +308,48 @@ def head_forward_flops(model: ModelConfig) -> float:
     return 2.0 * model.hidden_size * model.padded_vocab_size
 
 
+def mtp_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0) -> float:
+    """Forward FLOPs per token of the Multi-Token Prediction depths (model/mtp.py): each its eh_proj (2 x 2h x h)
+    and its decoder layer (numbered L + k: `layer_forward_flops`, `causal` and `attention_share` as there); their
+    head GEMMs (one `head_forward_flops` per depth) apart. No norm, no embedding lookup (not matmuls)."""
+    h, layers = model.hidden_size, model.num_layers
+    return sum(4.0 * h * h + layer_forward_flops(model, causal, attention_share, layers + k)
+               for k in range(1, (model.mtp_num_layers or 0) + 1))
+
+
+def attention_scores_forward_flops(model: ModelConfig) -> float:
+    """Forward FLOPs per token of the scores q k^T over all s keys: 2 s a d (d = d_n + d_r under MLA)."""
+    return 2.0 * model.seq_length * model.num_attention_heads * model.head_dim
+
+
 def attention_core_forward_flops(model: ModelConfig) -> float:
-    """Forward FLOPs per token of the attention core (scores and x V over all s keys of a heads of d)."""
-    return 4.0 * model.seq_length * attention_width(model)
+    """Forward FLOPs per token of the attention core over all s keys: the scores and x V (2 s a d_v; d_v = d
+    but under MLA)."""
+    return attention_scores_forward_flops(model) + 2.0 * model.seq_length * attention_width(model)
 
 
 def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
-                                      attention_share: float = 1.0, first_layer: int = 1) -> float:
+                                      attention_share: float = 1.0, first_layer: int = 1,
+                                      depths: Optional[int] = None) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
     recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
     default), so the last matmul of a recomputed region, whose output nothing keeps, is not run again:
-      selective  each layer's scores matmul (2sh; not x V)
+      selective  each layer's scores matmul (2 s a d; not x V)
       full       each recomputed chunk's layers but its last MLP matmul (2hf; MoE: `_last_matmul_flops`)
     layers_per_stage: transformer layers on each pipeline stage (default: one stage), which the chunks
     of --recompute-method count per stage, the first stage starting at layer `first_layer` (which
-    layers are MoE); attention_share: as training_flops_per_token's. Checked against torch's FLOP counter."""
+    layers are MoE); attention_share: as training_flops_per_token's. depths: the Multi-Token Prediction depths
+    among them (default: all the model's), whose layers selective recompute reruns as any; full recompute runs
+    the stages' transformer layers again, not the depths' (model/recompute.py). Checked against torch's FLOP
+    counter."""
     m = model
     stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
     if m.recompute_granularity == "selective":
         # The scores, not x V; documents attended one by one (a share below 1) rerun x V too, all but the
         # micro-batch's last document's (whose output nothing keeps): counted whole.
-        rerun = 0.5 if attention_share == 1.0 else 1.0
-        return sum(stages) * attention_core_forward_flops(m) * attention_share * rerun
+        rerun = attention_scores_forward_flops(m) if attention_share == 1.0 else attention_core_forward_flops(m)
+        mtp = (m.mtp_num_layers or 0) if depths is None else depths
+        return (sum(stages) + mtp) * rerun * attention_share
     if m.recompute_granularity != "full":
         return 0.0
     total, offset = 0.0, first_layer
@@ -322,9 +369,13 @@ def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequ
     plus what activation recompute runs again (recompute_forward_flops_per_token); attention counted
     over all s keys, times the share of it computed (attention_share: model/attention_mask.py
     AttentionWork, below 1 when documents are attended one by one). MoE layers count the k experts a
-    token is routed to (`moe_forward_flops`), so MFU follows active parameters, not total."""
+    token is routed to (`moe_forward_flops`), so MFU follows active parameters, not total. Multi-Token
+    Prediction's depths add their eh_proj and decoder layer (`mtp_forward_flops`) and a head GEMM each, as
+    Megatron-LM adds them; the cross entropy, like every elementwise op, is not counted."""
     v = model.padded_vocab_size or model.vocab_size or 0
     layers = 3 * sum(layer_forward_flops(model, False, attention_share, n) for n in range(1, model.num_layers + 1))
-    return (layers + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
-            + 3 * 2 * model.hidden_size * v)
+    heads = 1 + (model.mtp_num_layers or 0)
+    return (layers + 3 * mtp_forward_flops(model, False, attention_share)
+            + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
+            + 3 * 2 * model.hidden_size * v * heads)
 

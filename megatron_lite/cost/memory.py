@@ -3,12 +3,12 @@
 Bytes on one rank of stage i at its peak = weights + gradients + optimizer
 states (model states) + communication buffers + the largest of three phases:
   backward   activations (per micro-batch x micro-batches in flight) + the
-             largest short-lived peak (head logits / cross entropy and the head
-             weight's gradient before it is added to .grad, what
+             largest short-lived peak (the head's 16-bit logits and their
+             gradient, the head weight's gradient before it is added to .grad, what
              recompute rebuilds at once, or with fewer key/value groups than
              TP ranks the gathered K/V weight rows);
   reduction  the gradient reduction's temporary copy (below);
-  step       the optimizer's temporaries (below).
+  step       the optimizer's temporaries (cost/step_memory.py).
 The activations are gone before the reduction starts.
 
 Notation: P = this rank's parameters on the stage (after the TP split; cost/arithmetic.py
@@ -37,12 +37,7 @@ the experts' over expert-DP (engine.py `_reduce_expert_gradients`): the larger o
 measured).
 Gradients during a step (`step_gradient_bytes`): at ZeRO 0 and 1 every parameter's own .grad, in the
 weights' dtype, from the first backward to the end of the optimizer step, and not between steps.
-Optimizer step (torch's fused AdamW): on the CPU no temporaries of its own (measured with
-benchmarks/memory_census.py); the fp32 cast of BF16_Optimizer's bf16 gradient partition at ZeRO 0 and
-one fp32 partition-sized tensor of DeepSpeedZeroOptimizer at ZeRO 1 (4P/N); at ZeRO 3 the flattened
-gradient partition cast to fp32 (stage3.py `_prepare_fp32_grad_for_sub_group`: 4P/N at fp32, 2P/N + 4P/N
-in 16-bit; measured at DP 1: +4.23 MB at fp32, +6.34 MB at bf16, P = 1,063,680). On CUDA, not yet
-measured: one fp32 temporary of everything it steps is booked.
+Optimizer step: its temporaries (AdamW's, DeepSpeedZeroOptimizer's, Muon's): cost/step_memory.py.
 
 Pipeline engine buffers (PP > 1), activation-sized (e bsh each, s = S / CP this rank's part of
 the sequence; e bsh / TP with sequence parallelism) and kept between steps, counted tensor by tensor
@@ -65,22 +60,20 @@ parallelism, context parallelism and selective / full / partial recompute: cost/
 Micro-batches in flight under DeepSpeed's 1F1B (pipe/schedule.py
 TrainSchedule.num_pipe_buffers): stage i holds min(gas, PP - i); the ZeRO 2/3
 engine (PP = 1) runs one micro-batch at a time. Tied embedding and head are
-two full copies at PP > 1 (first and last stage) and one module at PP = 1.
+two full copies at PP > 1 (first and last stage) and one module at PP = 1; Multi-Token Prediction's
+tied embedding is that module again on the last stage (stages.stage_module_tensors).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional
 
 from megatron_lite.config import Config
 from megatron_lite.cost import activations
-from megatron_lite.cost import muon as muon_cost
-from megatron_lite.cost.arithmetic import HiddenMatrix, embedding_tensors, spec_tensors
+from megatron_lite.cost.arithmetic import embedding_tensors
 from megatron_lite.cost.model_state import (
     DEFAULT_PERSISTENCE,
-    expert_data_partitions,
     fp32_accumulation,
-    muon_matrices,
     muon_parameters,
     stage_model_state_bytes,
     uses_zero_optimizer,
@@ -88,13 +81,17 @@ from megatron_lite.cost.model_state import (
     zero3_persistent_parameters,
     zero_partitions,
 )
+from megatron_lite.cost.mtp_activations import mtp_activation_bytes
 from megatron_lite.cost.stages import (
     stage_bounds,
     stage_expert_parameters,
     stage_layer_numbers,
     stage_matrices,
+    stage_module_tensors,
+    stage_mtp_layer_numbers,
     stage_parameters,
 )
+from megatron_lite.cost.step_memory import step_transient_bytes
 from megatron_lite.deepspeed_config import sends_partitioned
 
 GIB = 1024 ** 3
@@ -208,68 +205,6 @@ def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partit
     return (4 if precision == "fp32" else 2) * parameters
 
 
-def muon_step_bytes(config: Config, matrices: Sequence[HiddenMatrix]) -> Tuple[int, int]:
-    """(dense group, experts' group): the peak temporaries of Muon's step of each (cost/muon.py)."""
-    chosen = muon_matrices(config, matrices)
-    return (muon_cost.group_step_bytes(config, [x for x in chosen if not x.expert], zero_partitions(config)),
-            muon_cost.group_step_bytes(config, [x for x in chosen if x.expert], expert_data_partitions(config)))
-
-
-def step_transient_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0,
-                         matrices: Sequence[HiddenMatrix] = ()) -> int:
-    """The optimizer step's temporaries (see above), beyond step_gradients; expert_parameters: the part of
-    `parameters` partitioned over expert-DP; matrices: the stage's weight matrices (stages.stage_matrices),
-    whose Muon step's temporaries come on top under --optimizer muon."""
-    p, precision = config.parallel, config.precision.dtype_name
-    if p.cpu_offload:
-        return 0  # the step runs on the CPU copy
-    muon = muon_step_bytes(config, matrices)
-    if device == "cpu" and uses_zero_optimizer(p.zero_stage, precision, False, fp32_accumulation(config)):
-        return _zero_optimizer_step_bytes(config, parameters, expert_parameters, matrices, muon)
-    return _adamw_step_bytes(config, parameters, device, expert_parameters) + max(muon)
-
-
-def _zero_optimizer_step_bytes(config: Config, parameters: int, expert_parameters: int,
-                               matrices: Sequence[HiddenMatrix], muon: Tuple[int, int]) -> int:
-    """DeepSpeedZeroOptimizer's step on the CPU (measured with benchmarks/memory_census.py): one fp32
-    partition-sized tensor per value of the partition at ZeRO 1 (its fp32 gradients), two at ZeRO 2. It steps
-    one parameter group at a time (stage_1_and_2.py step), freeing each group's before the next (measured with
-    experts: the dense groups', then the experts'): the largest of the groups' partitions, each Muon group's
-    with its temporaries (the AdamW groups booked together)."""
-    per_value = 4 if config.parallel.zero_stage == 1 else 8
-    dense_muon, expert_muon = muon_parameters(config, matrices)
-    n, n_experts = zero_partitions(config), expert_data_partitions(config)
-    groups = ((parameters - expert_parameters - dense_muon, n, 0), (dense_muon, n, muon[0]),
-              (expert_parameters - expert_muon, n_experts, 0), (expert_muon, n_experts, muon[1]))
-    return max(per_value * values // ranks + temporaries for values, ranks, temporaries in groups)
-
-
-def _adamw_step_bytes(config: Config, parameters: int, device: str, expert_parameters: int = 0) -> int:
-    """The AdamW step's temporaries (see above), but DeepSpeedZeroOptimizer's on the CPU."""
-    p, precision = config.parallel, config.precision.dtype_name
-
-    def partition(bytes_per_param: int) -> int:  # one rank's partitions: the dense part over N, the experts' over N/EP
-        return (bytes_per_param * (parameters - expert_parameters) // zero_partitions(config)
-                + bytes_per_param * expert_parameters // expert_data_partitions(config))
-
-    if device == "cpu":
-        # Measured (benchmarks/memory_census.py): torch's fused AdamW (training/optimizer.py) makes no
-        # temporaries; BF16_Optimizer with bf16 accumulators casts its gradient partition to fp32 for the
-        # step (4P/N); DeepSpeedZeroOptimizer: `_zero_optimizer_step_bytes`.
-        # At ZeRO 3 the flattened gradient partition, cast to fp32 (16-bit: the flat copy and its cast).
-        bf16_accumulators = precision == "bf16" and p.zero_stage == 0
-        zero_3 = 4 if precision == "fp32" or fp32_accumulation(config) else 6
-        return partition(4 if bf16_accumulators else zero_3 if p.zero_stage == 3 else 0)
-    # DeepSpeed's optimizers (ZeRO, bf16) hand torch one flat fp32 partition per parameter group.
-    flat = (uses_zero_optimizer(p.zero_stage, precision, p.cpu_offload, fp32_accumulation(config))
-            or p.zero_stage >= 2 or precision == "bf16")
-    # On CUDA (not yet measured there): one fp32 temporary of everything it steps.
-    if not flat:
-        return 4 * parameters
-    return 4 * ((parameters - expert_parameters) // zero_partitions(config)
-                + expert_parameters // expert_data_partitions(config))
-
-
 def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int) -> int:
     """Bytes of the pipeline engine's buffers kept between steps on a stage (see above): `boundary` is an
     activation's bytes, `partitions` the TP degree DeepSpeed cuts its sends into (1 when it sends whole)."""
@@ -319,19 +254,16 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     params = stage_parameters(config, bounds)
     experts = stage_expert_parameters(config, bounds)
     matrices = stage_matrices(config, bounds)
-    tensors = spec_tensors(config)
-    tied = not config.model.untie_embeddings_and_output_weights
+    stage_modules = stage_module_tensors(config, bounds)
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
     pp = par.pipeline_model_parallel_size
-    num_specs = len(tensors)
-    layer_numbers = stage_layer_numbers(config, bounds)
+    layer_numbers, depths = stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds)
     boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
     stages = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        layers, first, last = len(layer_numbers[i]), a == 0, b == num_specs
-        # One module per spec, the tied head being the embedding's when this stage holds both (PP 1).
-        modules = tensors[a:b - 1] if tied and first and last else tensors[a:b]
+        layers, first, last = len(layer_numbers[i]), a == 0, i == pp - 1
+        modules = stage_modules[i]  # one per spec, the embedding's once however many tied specs use it
         threshold = settings["persistence_threshold"]
         persistent = zero3_persistent_parameters([n for module in modules for n in module], threshold)
         states = stage_model_state_bytes(config, params[i], experts[i], par.cpu_offload, settings["offload_param"],
@@ -339,6 +271,8 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
         per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device, layer_numbers[i].start)
         if first:
             per_mb += activations.embedding_activation_bytes(config, device)
+        if depths[i]:
+            per_mb += mtp_activation_bytes(config, device)
         if last:
             per_mb += activations.head_activation_bytes(config, device)
         else:
@@ -350,8 +284,9 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
             communication_buffers=comm + pipeline_buffer_bytes(i, pp, boundary, pipe_partitions(config)),
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
             activations=per_mb * inflight,
-            transient=max(activations.head_transient_bytes(config) + head_gradient_bytes(config) if last else 0,
-                          rebuilt,
+            # The head's weight gradient comes once the 16-bit logits and their gradient are gone (measured).
+            transient=max(activations.head_transient_bytes(config) if last else 0,
+                          head_gradient_bytes(config) if last else 0, rebuilt,
                           activations.kv_gather_transient_bytes(config) if layers else 0),
             reduction_transient=reduction_transient_bytes(params[i], par.zero_stage, precision, par.cpu_offload,
                                                           fp32_accumulation(config), experts[i]),

@@ -42,13 +42,13 @@ fp16/fused_optimizer.py, zero/stage_1_and_2.py, zero/stage3.py):
   the head's backward freed), booked all the same.
 
 --optimizer muon (training/muon.py; its costs: cost/muon.py): the M of the P parameters that are
-the layers' weight matrices (arithmetic.layer_matrices) keep one fp32 moment (`exp_avg`, the momentum buffer),
+the layers' weight matrices (cost/matrices.py) keep one fp32 moment (`exp_avg`, the momentum buffer),
 not two, partitioned where AdamW's are: every row of the table books 4M (4M/N where it partitions) less
 optimizer state (fp32 ZeRO 0: 8(P - M) + 4M; bf16 optimizer: (12(P - M) + 8M)/N). The step's temporaries
-(`muon_step_bytes`: the look-ahead, the assembled and gathered matrix, Newton-Schulz's) come on top of the
-step's AdamW booking below, with DeepSpeedZeroOptimizer in the step of the group they belong to (it steps
-one group at a time). ZeRO 3 and optimizer offload (which validation refuses with Muon) get the moment
-saving and no temporaries.
+(cost/step_memory.py `muon_step_bytes`: the look-ahead, the assembled and gathered matrix, Newton-Schulz's)
+come on top of the step's AdamW booking below, with DeepSpeedZeroOptimizer in the step of the group they
+belong to (it steps one group at a time). ZeRO 3 and optimizer offload (which validation refuses with Muon)
+get the moment saving and no temporaries.
 
 Mixture of Experts: a rank's routed experts (E/EP per MoE layer: stages.stage_expert_parameters) are
 reduced over, and ZeRO 1 / the bf16 optimizer partition their states over, the N / EP ranks that hold the
@@ -61,7 +61,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_lite.config import Config
-from megatron_lite.cost.arithmetic import HiddenMatrix
+from megatron_lite.cost.matrices import HiddenMatrix
 
 DEFAULT_PERSISTENCE = int(1e5)  # DeepSpeed 0.19 zero/config.py stage3_param_persistence_threshold
 

@@ -4,7 +4,8 @@ books them) and its Newton-Schulz work and communication (tuning/throughput.py p
 training/muon.py steps each Muon group (the dense matrices; an MoE model's experts are a group of their own)
 tensor by tensor: a parameter at fp32 ZeRO 0, one flat fp32 partition under ZeRO 1/2 or DeepSpeed's bf16
 optimizer (`flat_partitions`). For the matrix W of S values on this TP rank (D = t S dense at
---muon-tp-mode duplicated and TP t > 1, else D = S), the fp32 tensors alive at once, in values:
+--muon-tp-mode duplicated and TP t > 1, else D = S; D = S too for a matrix whole on every TP rank, MLA's down
+projections and Multi-Token Prediction's eh_proj, which nothing gathers), the fp32 tensors alive at once, in values:
 
   U        the look-ahead (Nesterov: a new tensor) of what the optimizer holds: S, or the partition F
   batch    partitions only: the assembly buffer of the consecutive parameters W belongs to (at most
@@ -30,10 +31,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config
-from megatron_lite.cost.arithmetic import HiddenMatrix
+from megatron_lite.cost.matrices import HiddenMatrix
 
 ASSEMBLY_ELEMENTS = 1 << 24
 """Values training/muon.py assembles over the partition's ranks per all-reduce (64 MiB of fp32): consecutive
@@ -46,8 +47,12 @@ def flat_partitions(config: Config) -> bool:
     return config.parallel.zero_stage >= 1 or config.precision.dtype_name == "bf16"
 
 
-def _gathered(config: Config) -> bool:
-    return config.optimizer.muon_tp_mode == "duplicated" and config.parallel.tensor_model_parallel_size > 1
+def _gathered(config: Config, matrix: Optional[HiddenMatrix] = None) -> bool:
+    """Whether the duplicated mode gathers the TP shards (of `matrix`: not of one whole on every rank, which
+    training/muon.py orthogonalises as it is)."""
+    replicated = matrix is not None and matrix.replicated
+    return (config.optimizer.muon_tp_mode == "duplicated" and config.parallel.tensor_model_parallel_size > 1
+            and not replicated)
 
 
 def matrix_parts(config: Config, matrix: HiddenMatrix) -> List[Tuple[int, int]]:
@@ -56,6 +61,8 @@ def matrix_parts(config: Config, matrix: HiddenMatrix) -> List[Tuple[int, int]]:
     --muon-tp-mode blockwise and TP > 1 the shard's own."""
     opt, tp = config.optimizer, config.parallel.tensor_model_parallel_size
     split = {"qkv": opt.muon_split_qkv, "gate_up": opt.muon_split_gate_up}.get(matrix.fused, False)
+    if matrix.replicated:
+        return [(matrix.rows, matrix.cols)]
     cut = 1 if _gathered(config) else tp  # blockwise: each rank's shard
     lengths = [n // cut for n in matrix.sections] if split else [sum(matrix.sections) // cut]
     return [(n, matrix.cols) if matrix.partition_dim == 0 else (matrix.rows, n) for n in lengths]
@@ -74,7 +81,7 @@ def _orthogonalise_bytes(config: Config, matrix: HiddenMatrix) -> int:
     shard = matrix.elements(tp)
     ns = 2 if config.optimizer.muon_fp32_matmul_prec == "medium" else 4
     newton_schulz = max(ns * (2 * min(r, c) * max(r, c) + 2 * min(r, c) ** 2) for r, c in matrix_parts(config, matrix))
-    if not _gathered(config):
+    if not _gathered(config, matrix):
         return 4 * shard + newton_schulz
     dense = 4 * shard * tp
     return max(3 * dense, 2 * dense + newton_schulz, 2 * dense + 4 * shard)
@@ -139,6 +146,6 @@ def stage_work(config: Config, matrices: Sequence[HiddenMatrix], partitions: int
         values = sum(x.elements(tp) for x in matrices if x.expert == expert)
         if flat and values and ranks > 1:
             reduces.append((4 * values, ranks))
-    gathered = sum(share(x) * 4 * x.elements(tp) * tp for x in matrices) if _gathered(config) else 0
-    count = sum(share(x) for x in matrices) if _gathered(config) else 0
+    gathered = sum(share(x) * 4 * x.elements(tp) * tp for x in matrices if _gathered(config, x))
+    count = sum(share(x) for x in matrices if _gathered(config, x))
     return MuonWork(flops, rows, tuple(reduces), int(gathered), math.ceil(count))

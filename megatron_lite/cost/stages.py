@@ -13,23 +13,27 @@ from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite.config import Config, ModelConfig, require_vocab
 from megatron_lite.cost.arithmetic import (
-    HiddenMatrix,
+    embedding_specs,
     expert_tensors,
     head_forward_flops,
     layer_forward_flops,
-    layer_matrices,
+    mtp_forward_flops,
     norm_parameters,
     spec_parameters,
+    spec_tensors,
 )
+from megatron_lite.cost.matrices import HiddenMatrix, layer_matrices, mtp_matrices
 from megatron_lite.cost.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.model.partition import PipelineSplit, SpecCost, partition
 
 
 def stage_matrices(config: Config, bounds: Sequence[int]) -> List[List[HiddenMatrix]]:
-    """The weights --optimizer muon steps on each stage (`layer_matrices` of its layers, in order)."""
+    """The weights --optimizer muon steps on each stage (`layer_matrices` of its layers, in order; on the stage
+    holding Multi-Token Prediction's depths, theirs after them: `mtp_matrices`)."""
     m, ep = config.model, config.parallel.expert_model_parallel_size
-    return [[x for n in numbers for x in layer_matrices(m, n, ep)] for numbers in stage_layer_numbers(config, bounds)]
+    return [[x for n in numbers for x in layer_matrices(m, n, ep)] + (mtp_matrices(m, ep) if depths else [])
+            for numbers, depths in zip(stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds))]
 
 
 def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> List[SpecCost]:
@@ -43,14 +47,19 @@ def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> Lis
     costs += [SpecCost("TransformerLayerPipe", float(layer_forward_flops(m, causal=True, layer_number=i)),
                        per_spec[i], True) for i in range(1, m.num_layers + 1)]
     # Class names as model/gpt.py builds them (`type:<regex>` partitioning matches them).
-    if m.normalization == "RMSNorm":
-        costs.append(SpecCost("FinalRMSNormPipe", 4.0 * h, norm_parameters(m), False))
-    else:
-        costs.append(SpecCost("FinalLayerNormPipe", 5.0 * h, norm_parameters(m), False))
+    rms = m.normalization == "RMSNorm"
+    norm = 4.0 * h if rms else 5.0 * h
+    costs.append(SpecCost("FinalRMSNormPipe" if rms else "FinalLayerNormPipe", norm, norm_parameters(m), False))
+    depths = m.mtp_num_layers or 0
+    if depths:  # Multi-Token Prediction: the tokens ahead embedded (tied), then the depths with their three norms
+        costs += [SpecCost("EmbeddingPipe", 4.0 * h * depths, 0, False),
+                  SpecCost("MultiTokenPredictionPipe", mtp_forward_flops(m, causal=True) + 3 * depths * norm,
+                           per_spec[m.num_layers + 3], False)]
     untied = m.untie_embeddings_and_output_weights
-    # Head matmul plus the softmax cross entropy over the vocabulary; a tied head adds no parameters.
-    costs.append(SpecCost("LMHeadPipe" if untied else "EmbeddingPipe", head_forward_flops(m) + 5.0 * v,
-                          per_spec[-1] if untied else 0, False))
+    # Head matmul plus the softmax cross entropy over the vocabulary, for the main model and each depth; a tied
+    # head adds no parameters.
+    costs.append(SpecCost("LMHeadPipe" if untied else "EmbeddingPipe",
+                          (1 + depths) * (head_forward_flops(m) + 5.0 * v), per_spec[-1] if untied else 0, False))
     if seconds is not None:
         costs = [dataclasses.replace(c, seconds=float(t)) for c, t in zip(costs, seconds)]
     return costs
@@ -78,18 +87,21 @@ def _bounds(model: ModelConfig, pp: int, method: str, seconds: Optional[Tuple[fl
     return tuple(partition(spec_costs(Config(model=model), seconds), pp, method))
 
 
-def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
-    """Parameters one rank of each stage holds (after the TP split); a stage that holds both the
-    embedding and the tied head holds one module."""
-    per_spec = spec_parameters(config)
-    tied = not config.model.untie_embeddings_and_output_weights
-    totals = []
+def stage_module_tensors(config: Config, bounds: Sequence[int]) -> List[List[List[int]]]:
+    """Each stage's modules' parameter tensors on one rank (`spec_tensors`, spec by spec), the embedding module
+    once however many of its tied specs the stage holds (arithmetic.embedding_specs: with the tied head, and
+    Multi-Token Prediction's on the last stage)."""
+    tensors, tied = spec_tensors(config), embedding_specs(config.model)
+    stages = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        total = sum(per_spec[a:b])
-        if tied and a == 0 and b == len(per_spec):
-            total -= per_spec[-1]
-        totals.append(total)
-    return totals
+        again = [i for i in tied if a <= i < b][1:]
+        stages.append([tensors[i] for i in range(a, b) if i not in again])
+    return stages
+
+
+def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
+    """Parameters one rank of each stage holds (after the TP split): `stage_module_tensors`, summed."""
+    return [sum(map(sum, modules)) for modules in stage_module_tensors(config, bounds)]
 
 
 def transformer_layers_per_stage(config: Config, bounds: Sequence[int]) -> List[int]:
@@ -103,14 +115,25 @@ def stage_layer_numbers(config: Config, bounds: Sequence[int]) -> List[range]:
     return [range(min(max(a, 1), end), max(min(b, end), 1)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def stage_mtp_layer_numbers(config: Config, bounds: Sequence[int]) -> List[range]:
+    """The Multi-Token Prediction depths' decoder layers (numbered L + 1 .. L + D) on each stage: all on the stage
+    holding their spec, L + 3 (the last: every stage holds a transformer layer, and none follows); empty elsewhere
+    and without --mtp-num-layers."""
+    m = config.model
+    spec, depths = m.num_layers + 3, range(m.num_layers + 1, m.num_layers + 1 + (m.mtp_num_layers or 0))
+    return [depths if depths and a <= spec < b else range(0) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def stage_expert_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
-    """The routed experts' parameters one rank of each stage holds (E/EP per MoE layer, after the TP split):
-    the part of `stage_parameters` that is reduced, and that ZeRO partitions, over expert-DP, not DP x CP."""
+    """The routed experts' parameters one rank of each stage holds (E/EP per MoE layer, after the TP split; the
+    Multi-Token Prediction depths' too): the part of `stage_parameters` that is reduced, and that ZeRO
+    partitions, over expert-DP, not DP x CP."""
     m, p = config.model, config.parallel
     if m.num_experts is None:
         return [0] * (len(bounds) - 1)
     per_layer = sum(expert_tensors(m, p.tensor_model_parallel_size, p.expert_model_parallel_size))
-    return [per_layer * sum(is_moe_layer(m, n) for n in numbers) for numbers in stage_layer_numbers(config, bounds)]
+    return [per_layer * sum(is_moe_layer(m, n) for n in (*numbers, *depths))
+            for numbers, depths in zip(stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds))]
 
 
 def stage_flops(config: Config, bounds: Sequence[int]) -> List[float]:

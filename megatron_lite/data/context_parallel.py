@@ -33,3 +33,18 @@ def context_parallel_part(arrays: Sequence, rank: int, size: int) -> Tuple:
     weights = loss_mask[:, window] * (size / unmasked)
     weights = weights.astype(np.float32) if isinstance(weights, np.ndarray) else weights.float()
     return tokens[:, window], position_ids[:, window], labels[:, window], weights
+
+
+def mtp_context_parallel_part(mtp: Sequence, rank: int, size: int) -> Tuple:
+    """Multi-Token Prediction's (tokens, labels, loss mask), each [micro, D, seq] (data/mtp.py) -> this CP rank's
+    [micro, D, seq/C] of each, each depth's mask replaced by its loss weights over the whole micro-batch (as
+    above, per depth: a rank whose part of a depth is all masked, a document ending at its boundary, weighs 0
+    and never divides by its own zero count: Megatron-LM PR #3396's NaN)."""
+    tokens, labels, loss_mask = mtp
+    part = tokens.shape[-1] // size
+    window = slice(rank * part, (rank + 1) * part)
+    unmasked = loss_mask.sum(axis=(0, 2)) if isinstance(loss_mask, np.ndarray) else loss_mask.sum(dim=(0, 2))
+    unmasked = unmasked.clip(1.0, None) if isinstance(unmasked, np.ndarray) else unmasked.clamp(min=1.0)
+    weights = loss_mask[:, :, window] * (size / unmasked[None, :, None])
+    weights = weights.astype(np.float32) if isinstance(weights, np.ndarray) else weights.float()
+    return tokens[:, :, window], labels[:, :, window], weights

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from megatron_lite.data import workers
-from megatron_lite.data.context_parallel import context_parallel_part
+from megatron_lite.data.context_parallel import context_parallel_part, mtp_context_parallel_part
+from megatron_lite.data.mtp import mtp_arrays
 
 
 class PretrainingSampler:
@@ -57,22 +58,32 @@ def collate_arrays(samples: Sequence[Dict[str, np.ndarray]]) -> Tuple[np.ndarray
     return tuple(np.stack([s[key] for s in samples]) for key in keys)
 
 
-def as_batch(arrays: Sequence[np.ndarray], context_parallel: Tuple[int, int] = (0, 1)):
+def as_batch(arrays: Sequence[np.ndarray], context_parallel: Tuple[int, int] = (0, 1), mtp_depths: int = 0):
     """The four arrays -> ((tokens, position_ids), (labels, loss_mask)), as DeepSpeed's pipeline engine
     takes them (tensors sharing the arrays' memory); with document ids, ((tokens, position_ids,
     document_ids), (labels, loss_mask)). context_parallel (rank, size) with size > 1: that CP rank's part
-    of the sequence, the mask as loss weights (data/context_parallel.py); the document ids stay whole."""
+    of the sequence, the mask as loss weights (data/context_parallel.py); the document ids stay whole.
+    mtp_depths D > 0 (--mtp-num-layers): Multi-Token Prediction's tokens [micro, D, seq] join the inputs, last,
+    and its labels and mask the labels (data/mtp.py), made before the CP split."""
     arrays, documents = tuple(arrays[:4]), tuple(arrays[4:])
+    mtp = mtp_arrays(arrays[0], arrays[2], arrays[3], documents[0] if documents else None, mtp_depths) \
+        if mtp_depths else ()
     if context_parallel[1] > 1:
         arrays = context_parallel_part(arrays, *context_parallel)
-    tokens, position_ids, labels, loss_mask, *documents = (torch.from_numpy(np.ascontiguousarray(a))
-                                                           for a in arrays + documents)
+        mtp = mtp_context_parallel_part(mtp, *context_parallel) if mtp else ()
+    tokens, position_ids, labels, loss_mask, *rest = (torch.from_numpy(np.ascontiguousarray(a))
+                                                      for a in arrays + documents + tuple(mtp))
+    documents, mtp = rest[:len(documents)], rest[len(documents):]
+    if mtp:
+        return (tokens, position_ids, *documents, mtp[0]), (labels, loss_mask, *mtp[1:])
     return (tokens, position_ids, *documents), (labels, loss_mask)
 
 
-def collate(samples: Sequence[Dict[str, np.ndarray]], context_parallel: Tuple[int, int] = (0, 1)):
-    """Dataset items -> ((tokens, position_ids[, document_ids]), (labels, loss_mask))."""
-    return as_batch(collate_arrays(samples), context_parallel)
+def collate(samples: Sequence[Dict[str, np.ndarray]], context_parallel: Tuple[int, int] = (0, 1),
+            mtp_depths: int = 0):
+    """Dataset items -> ((tokens, position_ids[, document_ids][, mtp tokens]), (labels, loss_mask[, mtp labels,
+    mtp mask]))."""
+    return as_batch(collate_arrays(samples), context_parallel, mtp_depths)
 
 
 class _ArrayBatches:
@@ -80,15 +91,16 @@ class _ArrayBatches:
     leave as tensors. Every other attribute, read or set, is the DataLoader iterator's (its
     worker shutdown, which tests and the exit hook of data/workers.py rely on)."""
 
-    def __init__(self, iterator, context_parallel: Tuple[int, int] = (0, 1)) -> None:
+    def __init__(self, iterator, context_parallel: Tuple[int, int] = (0, 1), mtp_depths: int = 0) -> None:
         object.__setattr__(self, "_iterator", iterator)
         object.__setattr__(self, "_context_parallel", context_parallel)
+        object.__setattr__(self, "_mtp_depths", mtp_depths)
 
     def __iter__(self) -> "_ArrayBatches":
         return self
 
     def __next__(self):
-        return as_batch(next(self._iterator), self._context_parallel)
+        return as_batch(next(self._iterator), self._context_parallel, self._mtp_depths)
 
     def __getattr__(self, name: str):
         return getattr(self._iterator, name)
@@ -99,9 +111,10 @@ class _ArrayBatches:
 
 def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, data_parallel_rank: int,
                         data_parallel_size: int, num_workers: int = 0,
-                        context_parallel: Tuple[int, int] = (0, 1)) -> Optional[Iterator]:
+                        context_parallel: Tuple[int, int] = (0, 1), mtp_depths: int = 0) -> Optional[Iterator]:
     """Iterator of this DP rank's micro-batches from consumed_samples on (with context_parallel
-    (rank, size): that CP rank's part of each); None for no dataset."""
+    (rank, size): that CP rank's part of each; with mtp_depths, Multi-Token Prediction's arrays: as_batch);
+    None for no dataset."""
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, data_parallel_rank,
@@ -116,10 +129,10 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # 2.5-3 ms per micro-batch against 0.5 ms; benchmarks/bench_single_peers.py).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate_arrays if num_workers else
-                                         functools.partial(collate, context_parallel=context_parallel),
+                                         functools.partial(collate, context_parallel=context_parallel, mtp_depths=mtp_depths),
                                          persistent_workers=num_workers > 0,
                                          generator=torch.Generator().manual_seed(data_parallel_rank),
                                          **(workers.loader_options() if num_workers else {}))
     if not num_workers:
         return iter(loader)
-    return _ArrayBatches(workers.start_workers(loader), context_parallel)
+    return _ArrayBatches(workers.start_workers(loader), context_parallel, mtp_depths)

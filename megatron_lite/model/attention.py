@@ -66,18 +66,11 @@ class ParallelAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
-        groups = config.num_query_groups or heads
-        self.head_dim = config.head_dim
-        # The master weight is [Q; K; V] with `groups` key/value heads; each rank takes whole query heads
-        # and the key/value groups they use (parallel/qkv.py). Its bias may stand alone (--add-qkv-bias: Qwen2).
-        self.query_key_value = QKVParallelLinear(h, heads, groups, self.head_dim, config.qkv_bias,
-                                                 normal_init(config.init_method_std), sequence_parallel)
-        # QK-norm: one [hd] norm for every query head, one for every key head (Megatron-LM's names).
-        self.q_layernorm = build_head_norm(config) if config.qk_layernorm else None
-        self.k_layernorm = build_head_norm(config) if config.qk_layernorm else None
+        self.head_dim = config.head_dim  # queries' and keys' width
+        self.value_dim = config.value_head_dim
         self.local_heads = heads // tp_world_size()
-        self.local_groups = self.query_key_value.local_groups
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self._build_projections(config, sequence_parallel)
+        self.scale = self._softmax_scale(config)
         self.backend = resolve_attention_backend(config.attention_backend)
         self.softmax = FusedScaleMaskSoftmax(
             attn_mask_type="causal", scale=self.scale,
@@ -94,21 +87,33 @@ class ParallelAttention(nn.Module):
         self.attention_dropout = nn.Dropout(config.attention_dropout)
         self.dropout_rng = layer_split_rng(layer_number)
         self.rotary = RotaryEmbedding.of(config) if config.position_embedding_type == "rope" else None
-        self.dense = RowParallelLinear(heads * self.head_dim, h, bias=config.add_bias_linear,
+        self.dense = RowParallelLinear(heads * self.value_dim, h, bias=config.add_bias_linear,
                                        input_is_parallel=True,
                                        init_method=scaled_normal_init(config.init_method_std, config.num_layers),
                                        sequence_parallel=sequence_parallel)
         self.recompute_core = config.recompute_granularity == "selective"
         self.context_parallel = cp_world_size()
 
-    def forward(self, x: torch.Tensor, kv_cache=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """kv_cache (generation only): an object with `offset` (tokens already cached) and
-        `append(k, v) -> (all keys, all values)`; x then holds the tokens after those. documents: [b, s]
-        each token's document in the whole sequence (data/documents.py), with --reset-attention-mask or
-        --reset-position-ids."""
-        offset = 0 if kv_cache is None else kv_cache.offset
-        # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, (np + 2 ng) hd], np heads and ng groups here
-        qkv = self.query_key_value(x)
+    def _build_projections(self, config: ModelConfig, sequence_parallel: bool) -> None:
+        """The layers that make q, k and v from the hidden state; sets local_groups (key/value heads here)."""
+        heads = config.num_attention_heads
+        # The master weight is [Q; K; V] with `groups` key/value heads; each rank takes whole query heads
+        # and the key/value groups they use (parallel/qkv.py). Its bias may stand alone (--add-qkv-bias: Qwen2).
+        self.query_key_value = QKVParallelLinear(config.hidden_size, heads, config.num_query_groups or heads,
+                                                 self.head_dim, config.qkv_bias,
+                                                 normal_init(config.init_method_std), sequence_parallel)
+        # QK-norm: one [hd] norm for every query head, one for every key head (Megatron-LM's names).
+        self.q_layernorm = build_head_norm(config) if config.qk_layernorm else None
+        self.k_layernorm = build_head_norm(config) if config.qk_layernorm else None
+        self.local_groups = self.query_key_value.local_groups
+
+    def _softmax_scale(self, config: ModelConfig) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def _project(self, x: torch.Tensor):
+        """[b, s, h] (sequence parallel: [b, s/tp, h]) -> q [b, np, s, hd], k and v [b, ng, s, hd] (np heads and
+        ng groups on this rank), before positions."""
+        qkv = self.query_key_value(x)  # [b, s, (np + 2 ng) hd]
         b, s, _ = qkv.shape
         hd = self.head_dim
         q, k, v = qkv.split((self.local_heads * hd, self.local_groups * hd, self.local_groups * hd), dim=-1)
@@ -119,8 +124,17 @@ class ParallelAttention(nn.Module):
             # (LayerNorm) keeps the layout the context's reshape after the core can view
             return (t if norm is None else norm(t)).transpose(1, 2)
 
-        q, k = heads(q, self.local_heads, self.q_layernorm), heads(k, self.local_groups, self.k_layernorm)
-        v = heads(v, self.local_groups)
+        return (heads(q, self.local_heads, self.q_layernorm), heads(k, self.local_groups, self.k_layernorm),
+                heads(v, self.local_groups))
+
+    def forward(self, x: torch.Tensor, kv_cache=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """kv_cache (generation only): an object with `offset` (tokens already cached) and
+        `append(k, v) -> (all keys, all values)`; x then holds the tokens after those. documents: [b, s]
+        each token's document in the whole sequence (data/documents.py), with --reset-attention-mask or
+        --reset-position-ids."""
+        offset = 0 if kv_cache is None else kv_cache.offset
+        q, k, v = self._project(x)
+        b, s = q.shape[0], q.shape[2]
         if self.context_parallel > 1:
             q, k, v = self._whole_sequences(q, k, v)
         if self.rotary is not None:
@@ -144,22 +158,30 @@ class ParallelAttention(nn.Module):
         else:
             context = core(q, k, v, offset, mask)
         context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
-        context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, np hd]
+        context = context.transpose(1, 2).reshape(b, s, self.local_heads * self.value_dim)  # [b, s, np hd_v]
         return self.dense(context)  # [b, s, h] reduced over TP (sequence parallel: [b, s/tp, h])
 
     def _whole_sequences(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """q [b, np, s/C, hd], k and v [b, ng, s/C, hd] -> every token of this CP rank's 1/C of the heads:
-        [b, np/C, s, hd] and [b, max(ng, C)/C, s, hd], by one all-to-all of the three packed together.
+        [b, np/C, s, hd] and [b, max(ng, C)/C, s, hd], by one all-to-all of the three packed together (two
+        where values are narrower than queries and keys: MLA).
         With fewer key/value groups than CP ranks each group is repeated for the ranks whose query heads
         use it (validation allows ng dividing C), as the heads' order keeps a group's queries adjacent."""
         b, heads, s, hd = q.shape
         c, groups = self.context_parallel, context_parallel_groups(k.shape[1], self.context_parallel)
         if groups > k.shape[1]:
             k, v = (t.repeat_interleave(groups // k.shape[1], dim=1) for t in (k, v))
-        # Chunk j of every tensor (its heads j*n/C..) goes to CP rank j in one message.
-        packed = torch.cat([t.reshape(b, c, t.shape[1] // c, s, hd) for t in (q, k, v)], dim=2)
-        whole = heads_to_sequence(packed.view(b, heads + 2 * groups, s, hd))
-        return whole.split((heads // c, groups // c, groups // c), dim=1)
+
+        def exchange(*tensors):
+            # Chunk j of every tensor (its heads j*n/C..) goes to CP rank j in one message.
+            width = tensors[0].shape[-1]
+            packed = torch.cat([t.reshape(b, c, t.shape[1] // c, s, width) for t in tensors], dim=2)
+            whole = heads_to_sequence(packed.view(b, sum(t.shape[1] for t in tensors), s, width))
+            return whole.split([t.shape[1] // c for t in tensors], dim=1)
+
+        if v.shape[-1] == hd:
+            return exchange(q, k, v)
+        return (*exchange(q, k), *exchange(v))
 
     def _by_document(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, mask, segments):
         """The attention core document by document (segments: per sample, its documents' token ranges):
@@ -178,7 +200,8 @@ class ParallelAttention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0,
               mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Scores, causal softmax, dropout, x V: q [b, np, s, hd], k and v [b, ng, s', hd] -> [b, np, s, hd].
+        """Scores, causal softmax, dropout, x V: q [b, np, s, hd], k [b, ng, s', hd] and v [b, ng, s', hd_v]
+        -> [b, np, s, hd_v].
         mask: bool [b or 1, 1, s, s], True where a query may attend a key (documents, window), else causal.
 
         A group's np/ng query heads are adjacent, so viewing q as [b, ng, (np/ng) s, hd] multiplies each
@@ -190,9 +213,16 @@ class ParallelAttention(nn.Module):
             if self.backend == "sdpa" and not offset:
                 # One kernel for scores, causal softmax, dropout and values (grouped keys and values
                 # read per group); its dropout draws from the stream forked above like nn.Dropout would.
+                # Values narrower than queries and keys (MLA) are padded to their width, as transformers' FA2
+                # path and Megatron-LM's packed-sequence path do: CPU's flash kernel refuses them otherwise
+                # and the math path keeps [b, np, s, s] (benchmarks/bench_mla.py --part core).
                 p = self.attention_dropout.p if self.training else 0.0
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                      scale=self.scale, enable_gqa=groups != heads)
+                width = v.shape[-1]
+                if width != hd:
+                    v = F.pad(v, (0, hd - width))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                     scale=self.scale, enable_gqa=groups != heads)
+                return out if width == hd else out[..., :width]
             grouped_q = q.reshape(b, groups, heads // groups * s, hd)
             scores = torch.matmul(grouped_q, k.transpose(-2, -1)).view(b, heads, s, -1)  # [b, np, s, s']
             if offset:
@@ -203,8 +233,8 @@ class ParallelAttention(nn.Module):
                 probs = self.attention_dropout(self.masked_softmax(scores, ~mask))
             else:
                 probs = self.attention_dropout(self.softmax(scores))
-            context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd]
-            return context.view(b, heads, s, hd)
+            context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd_v]
+            return context.view(b, heads, s, v.shape[-1])
 
     def _softmax_after_cache(self, scores: torch.Tensor, offset: int) -> torch.Tensor:
         """Causal softmax for queries at positions offset.. over keys 0..offset+s-1 (not square, so
@@ -213,5 +243,5 @@ class ParallelAttention(nn.Module):
         future = torch.ones(s, keys, dtype=torch.bool, device=scores.device).triu(offset + 1)
         if self.window is not None:
             future |= torch.ones(s, keys, dtype=torch.bool, device=scores.device).tril(offset - self.window - 1)
-        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")) / math.sqrt(self.head_dim), dim=-1)
+        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")) * self.scale, dim=-1)
         return probs.to(scores.dtype)

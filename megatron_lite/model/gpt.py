@@ -23,7 +23,6 @@ stages), and the head gathers the sequence back for the vocab-parallel cross ent
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import List, Optional, Tuple
 
@@ -35,6 +34,7 @@ from megatron_lite.config import Config, ModelConfig, require_vocab
 from megatron_lite.deepspeed_compat import startup
 from megatron_lite.deepspeed_compat.pipeline import OwnPartitionPipelineModule
 from megatron_lite.model.mlp import normal_init
+from megatron_lite.model.mtp import MultiTokenPredictionPipe, carries_depth_tokens, embed_depth_tokens, mtp_loss
 from megatron_lite.model.norms import RMSNorm
 from megatron_lite.model.partition import PipelineSplit
 from megatron_lite.model.recompute import run_stage
@@ -48,17 +48,9 @@ from megatron_lite.parallel.layers import (
     set_sequence_parallel_parameters,
 )
 from megatron_lite.parallel.mappings import scatter_to_sequence_parallel_region
-from megatron_lite.parallel.random import EMBEDDING_RNG, MODEL_PARALLEL_RNG, get_rng_tracker
+from megatron_lite.parallel.random import EMBEDDING_RNG, MODEL_PARALLEL_RNG, get_rng_tracker, seeded
 
 EMBEDDING_KEY = "embedding"
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """Initialise under a private seed without disturbing the caller's generators."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 class EmbeddingPipe(nn.Module):
@@ -68,7 +60,7 @@ class EmbeddingPipe(nn.Module):
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__()
         self.sequence_parallel = sequence_parallel
-        with _seeded(init_seed):
+        with seeded(init_seed):
             self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
                                                           init_method=normal_init(config.init_method_std))
             self.position_embeddings = None
@@ -78,9 +70,9 @@ class EmbeddingPipe(nn.Module):
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, inputs: Tuple[torch.Tensor, ...]):
-        tokens, position_ids, *documents = inputs
+        tokens, position_ids, *rest = inputs  # rest: [document ids], [Multi-Token Prediction's tokens]
         x = self._embed(tokens, position_ids)
-        return (x, documents[0]) if documents else x
+        return (x, *rest) if rest else x
 
     def _embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(tokens)  # [b, s] -> [b, s, h]
@@ -107,23 +99,27 @@ def _tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.
 
 class TransformerLayerPipe(TransformerLayer):
     def __init__(self, config: ModelConfig, init_seed: int, layer_number: int, sequence_parallel: bool = False):
-        with _seeded(init_seed):
+        with seeded(init_seed):
             super().__init__(config, layer_number, sequence_parallel)
 
 
-def _hidden(x):
-    """The hidden states of what a stage passes on (the document ids end with the last layer)."""
-    return x[0] if isinstance(x, tuple) else x
+def _final_norm(norm, x, model: ModelConfig):
+    """The final norm of the hidden states a stage passes on; the document ids end with the last layer, unless
+    Multi-Token Prediction's depths follow (they take the normed states, the ids and their tokens on)."""
+    if not isinstance(x, tuple):
+        return norm(x)
+    return (norm(x[0]), *x[1:]) if carries_depth_tokens(x, model) else norm(x[0])
 
 
 class FinalLayerNormPipe(nn.LayerNorm):
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__(config.hidden_size, eps=config.norm_epsilon)
+        self.model_config = config
         if sequence_parallel:  # it normalises this rank's sequence shard
             set_sequence_parallel_parameters(self)
 
-    def forward(self, x) -> torch.Tensor:
-        return super().forward(_hidden(x))
+    def forward(self, x):
+        return _final_norm(super().forward, x, self.model_config)
 
 
 class FinalRMSNormPipe(RMSNorm):
@@ -132,11 +128,12 @@ class FinalRMSNormPipe(RMSNorm):
 
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__(config.hidden_size, config.norm_epsilon)
+        self.model_config = config
         if sequence_parallel:
             set_sequence_parallel_parameters(self)
 
-    def forward(self, x) -> torch.Tensor:
-        return super().forward(_hidden(x))
+    def forward(self, x):
+        return _final_norm(super().forward, x, self.model_config)
 
 
 def final_norm_class(config: ModelConfig):
@@ -148,7 +145,7 @@ class LMHeadPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, init_seed: int, sequence_parallel: bool = False):
         super().__init__()
-        with _seeded(init_seed):
+        with seeded(init_seed):
             self.output = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size, bias=False,
                                                init_method=normal_init(config.init_method_std),
                                                sequence_parallel=sequence_parallel)
@@ -158,21 +155,35 @@ class LMHeadPipe(nn.Module):
         return self.output(hidden)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp]
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Cross entropy per token [b, s]; logits stay split over TP, and the padded vocabulary columns (from
+    vocab_size on) are out of the softmax."""
+    return vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)
+
+
+def reduce_losses(losses: torch.Tensor, loss_mask: torch.Tensor, weighted: bool = False) -> torch.Tensor:
+    """Mean over the unmasked tokens of a micro-batch; weighted (context parallelism): the mask holds loss
+    weights, and this rank's share of the loss is their weighted sum."""
+    return weighted_sum(losses, loss_mask) if weighted else masked_mean(losses, loss_mask)
+
+
 def loss_fn(logits: torch.Tensor, labels_and_mask: Tuple[torch.Tensor, torch.Tensor],
             vocab_size: Optional[int] = None, weighted: bool = False) -> torch.Tensor:
-    """Mean cross entropy over the unmasked tokens of a micro-batch; logits stay split over TP, and the
-    padded vocabulary columns (from vocab_size on) are out of the softmax. weighted (context
-    parallelism): the mask holds loss weights, and this rank's share of the loss is their weighted sum."""
+    """Mean cross entropy over the unmasked tokens of a micro-batch (token_losses, reduce_losses)."""
     labels, loss_mask = labels_and_mask
-    losses = vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)  # [b, s] (CP: [b, s/C])
-    return weighted_sum(losses, loss_mask) if weighted else masked_mean(losses, loss_mask)
+    return reduce_losses(token_losses(logits, labels, vocab_size), loss_mask, weighted)  # [b, s] (CP: [b, s/C])
 
 
 def model_loss_fn(config: Config):
     """The loss DeepSpeed's pipeline calls with (logits, (labels, loss mask)) for this model's vocabulary
-    (under context parallelism, with loss weights)."""
-    return functools.partial(loss_fn, vocab_size=config.model.vocab_size,
-                             weighted=config.parallel.context_parallel_size > 1)
+    (under context parallelism, with loss weights); with --mtp-num-layers, (logits of the main model and of each
+    depth, (labels, loss mask, the depths' labels and masks)) (model/mtp.py)."""
+    vocab, weighted = config.model.vocab_size, config.parallel.context_parallel_size > 1
+    if not config.model.mtp_num_layers:
+        return functools.partial(loss_fn, vocab_size=vocab, weighted=weighted)
+    return functools.partial(mtp_loss, token_losses=functools.partial(token_losses, vocab_size=vocab),
+                             reduce=functools.partial(reduce_losses, weighted=weighted),
+                             factor=config.model.mtp_loss_scaling_factor)
 
 
 def layer_specs(config: Config) -> List[LayerSpec]:
@@ -184,6 +195,10 @@ def layer_specs(config: Config) -> List[LayerSpec]:
     ]
     specs += [LayerSpec(TransformerLayerPipe, model, seed + 1 + i, 1 + i, sp) for i in range(model.num_layers)]
     specs.append(LayerSpec(final_norm_class(model), model, seed + 1 + model.num_layers, sp))
+    if model.mtp_num_layers:  # on the last stage, reading the embedding it shares with stage 0 (model/mtp.py)
+        specs.append(TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, forward_fn=embed_depth_tokens,
+                                   tied_weight_attr=["word_embeddings.weight"]))
+        specs.append(LayerSpec(MultiTokenPredictionPipe, model, seed + 3 + model.num_layers, sp))
     if model.untie_embeddings_and_output_weights:
         specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers, sp))
     else:
@@ -242,6 +257,8 @@ class GPTModel(nn.Module):
                 if spec.key not in tied:  # built once, as DeepSpeed does; later specs reuse it
                     tied[spec.key] = spec.build()
                     self.layers.append(tied[spec.key])
+                else:  # a placeholder without parameters, so `layers.N` is spec N as in the layer files
+                    self.layers.append(nn.Identity())
                 module = tied[spec.key]
                 fn = module if spec.forward_fn is None else (lambda x, m=module, f=spec.forward_fn: f(m, x))
             else:
@@ -251,11 +268,14 @@ class GPTModel(nn.Module):
             self._forward_fns.append(fn)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, labels=None, loss_mask=None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, mtp: Optional[Tuple[torch.Tensor, ...]] = None):
         """Logits [b, s, V/tp]; or, given labels and loss_mask, the micro-batch loss. document_ids [b, s]
-        (whole sequence): with --reset-attention-mask / --reset-position-ids (data/documents.py)."""
-        inputs = (tokens, position_ids) + ((document_ids,) if document_ids is not None else ())
+        (whole sequence): with --reset-attention-mask / --reset-position-ids (data/documents.py). mtp: Multi-Token
+        Prediction's (tokens, labels, loss mask), each [b, D, s] (data/mtp.py); the logits are then the main
+        model's and each depth's, stacked along the batch."""
+        inputs = (tokens, position_ids) + ((document_ids,) if document_ids is not None else ()) + \
+            ((mtp[0],) if mtp is not None else ())
         x = run_stage(self._forward_fns, inputs, self.model_config)
         if labels is None:
             return x
-        return self.loss(x, (labels, loss_mask))
+        return self.loss(x, (labels, loss_mask) + (tuple(mtp[1:]) if mtp is not None else ()))

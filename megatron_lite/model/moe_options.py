@@ -19,8 +19,9 @@ def moe_layer_pattern(model: ModelConfig) -> Tuple[bool, ...]:
 
 
 def is_moe_layer(model: ModelConfig, layer_number: int) -> bool:
-    """Layer `layer_number` (counted from 1) has routed experts instead of the dense MLP."""
-    return moe_layer_pattern(model)[layer_number - 1]
+    """Layer `layer_number` (counted from 1) has routed experts instead of the dense MLP; a Multi-Token Prediction
+    depth's layer (numbered after --num-layers) is of the last layer's kind, as DeepSeek-V3's."""
+    return moe_layer_pattern(model)[min(layer_number, model.num_layers) - 1]
 
 
 def expert_ffn_hidden_size(model: ModelConfig) -> int:

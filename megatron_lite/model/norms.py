@@ -49,3 +49,12 @@ def build_head_norm(config: ModelConfig) -> nn.Module:
     norm = _norm(config, config.head_dim)
     set_head_shared_parameters(norm)
     return norm
+
+
+def build_latent_norm(config: ModelConfig, size: int, sequence_parallel: bool) -> nn.Module:
+    """MLA's norm of a query or key/value latent (--qk-layernorm): replicated, like the down projection before it;
+    tagged under sequence parallelism, where it sees this rank's shard (model/latent_attention.py)."""
+    norm = _norm(config, size)
+    if sequence_parallel:
+        set_sequence_parallel_parameters(norm)
+    return norm

@@ -93,6 +93,15 @@ def yarn_original_context(model: ModelConfig) -> int:
     return model.yarn_original_max_position_embeddings or model.max_position_embeddings or model.seq_length
 
 
+def mla_softmax_mscale(model: ModelConfig) -> float:
+    """m in Multi-head Latent Attention's softmax scale m^2 / sqrt(d_qk): YaRN's m(s, --mscale-all-dim) under
+    --rope-type yarn with a non-zero --mscale-all-dim, else 1 (transformers' yarn_apply_mscale; Megatron-LM
+    #1429 took --mscale here). It scales every query/key dimension, the unrotated ones too."""
+    if model.rope_type != "yarn" or not model.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(model.rotary_scaling_factor, model.mscale_all_dim)
+
+
 def rotary_frequencies(model: ModelConfig) -> Tuple[torch.Tensor, float]:
     """(inv_freq [r/2], the factor on cos and sin) for this model's rotary positions."""
     r = model.rotary_dim

@@ -1,8 +1,8 @@
 """Pre-norm GPT transformer layer on tensor-parallel building blocks: GPT-2's block (LayerNorm, GeLU
 MLP, biases, multi-head attention) or the Llama family's (RMSNorm, SwiGLU, grouped-query attention, no
 biases, or Qwen2's on the QKV linear alone, RoPE with Llama 3.1 scaling), as the model flags say.
-The attention: model/attention.py (positions: model/rotary.py); the MLP: model/mlp.py, or an MoE layer
-(model/moe.py) where model/moe_options.py says.
+The attention: model/attention.py, or model/latent_attention.py (MLA) (positions: model/rotary.py); the MLP:
+model/mlp.py, or an MoE layer (model/moe.py) where model/moe_options.py says.
 
 Activations are [b, s, h] (batch first). Heads and the MLP's inner width are
 split across TP ranks by the Column/Row parallel layers; this file calls no
@@ -25,6 +25,8 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import ParallelAttention
+from megatron_lite.model.attention_options import needs_document_ids
+from megatron_lite.model.latent_attention import MultiLatentAttention
 from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe import MoELayer
 from megatron_lite.model.moe_options import is_moe_layer
@@ -41,8 +43,10 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, sequence_parallel: bool = False):
         super().__init__()
         self.layer_number = layer_number
+        self.with_documents = needs_document_ids(config)
         self.input_layernorm = build_norm(config, sequence_parallel)
-        self.attention = ParallelAttention(config, layer_number, sequence_parallel)
+        attention = MultiLatentAttention if config.multi_latent_attention else ParallelAttention
+        self.attention = attention(config, layer_number, sequence_parallel)
         self.post_attention_layernorm = build_norm(config, sequence_parallel)
         self.mlp = (MoELayer(config, sequence_parallel, layer_number) if is_moe_layer(config, layer_number)
                     else ParallelMLP(config, sequence_parallel))
@@ -56,11 +60,13 @@ class TransformerLayer(nn.Module):
             return x + self.hidden_dropout(branch)
 
     def forward(self, x, kv_cache=None):
-        """x: hidden states [b, s, h]; or, when samples carry documents, (hidden states, document ids
-        [b, s]), which the layer passes on to the next (what crosses pipeline stages)."""
+        """x: hidden states [b, s, h]; or (hidden states, [document ids [b, s]], [Multi-Token Prediction's tokens
+        [b, D, s]]) when samples carry them, which the layer passes on to the next (what crosses pipeline
+        stages; the document ids are there when the model needs them: model/attention_options.py)."""
         if isinstance(x, tuple):
-            hidden, documents = x
-            return self._layer(hidden, kv_cache, documents), documents
+            hidden, *rest = x
+            documents = rest[0] if self.with_documents else None
+            return (self._layer(hidden, kv_cache, documents), *rest)
         return self._layer(x, kv_cache)
 
     def _layer(self, x: torch.Tensor, kv_cache=None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:

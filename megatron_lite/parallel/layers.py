@@ -6,6 +6,7 @@ master on every rank), keeps its slice, and the mappings put the collectives
 where the math needs them.
 
     ColumnParallelLinear  weight [out/tp, in]   y_r = x A_r^T          (x replicated)
+    ReplicatedLinear      weight [out, in]      y = x A^T on every rank (what a column-parallel layer reads)
     RowParallelLinear     weight [out, in/tp]   y = sum_r x_r A_r^T + b
     VocabParallelEmbedding weight [V/tp, h]     rows outside this rank's range give 0, then sum
 
@@ -212,6 +213,34 @@ class ColumnParallelLinear(nn.Module):
         x = copy_to_tensor_model_parallel_region(x)
         y = F.linear(x, weight, bias)  # [..., in] -> [..., out/tp]
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x A^T + b with the whole A on every TP rank (MLA's down projections: model/latent_attention.py).
+
+    Every rank builds the same master with the caller's RNG. Its output feeds column-parallel layers, whose
+    input mapping sums the gradient over TP, so without sequence parallelism each rank's weight gradient is
+    already the whole one; with it (sequence_parallel=True) the layer sees this rank's [b, s/tp, in] shard
+    only, and its parameters are tagged `sequence_parallel`, their gradients summed over TP once per step."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        if torch.empty(0).is_meta:
+            master = torch.empty((output_size, input_size), dtype=torch.float32, device="meta")
+        else:
+            master = torch.empty((output_size, input_size), dtype=torch.float32, device="cpu")
+            (init_method or default_init_method)(master)
+        self.weight = _parameter((output_size, input_size), params_dtype, master, False)
+        set_matrix_attributes(self.weight)
+        self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None
+        if sequence_parallel:
+            set_sequence_parallel_parameters(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

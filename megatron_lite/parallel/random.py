@@ -115,6 +115,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _RNG_TRACKER
 
 
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Initialise under a private seed without disturbing the caller's generators (each layer spec's weights)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
 def layer_rng(layer_number: int) -> str:
     """Stream of layer `layer_number`'s dropout on replicated activations (the residual stream)."""
     return f"layer-{layer_number}"

@@ -67,13 +67,18 @@ def _gradients(config: Config) -> str:
 def _block(m) -> str:
     """The block's departures from GPT-2's, as the flags name them ('' for GPT-2's block)."""
     groups = m.num_query_groups or m.num_attention_heads
-    parts = [f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
-             f"heads of {m.kv_channels}" if m.kv_channels is not None else "", "QK-norm" if m.qk_layernorm else "",
+    mla = m.multi_latent_attention
+    latents = f"q latent {m.q_lora_rank}, " if m.q_lora_rank else ""
+    parts = [f"MLA: {latents}kv latent {m.kv_lora_rank}{', normed' if m.qk_layernorm else ''}, heads of "
+             f"{m.qk_head_dim} + {m.qk_pos_emb_head_dim} rotary, values {m.v_head_dim}" if mla else "",
+             f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
+             f"heads of {m.kv_channels}" if m.kv_channels is not None else "",
+             "QK-norm" if m.qk_layernorm and not mla else "",
              "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
              "" if m.add_bias_linear else "QKV biases only" if m.add_qkv_bias else "no biases",
              f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else "",
              f"YaRN x{m.rotary_scaling_factor:g}" if m.rope_type == "yarn" else "",
              f"RoPE on {m.rotary_dim} of {m.head_dim} dims" if m.position_embedding_type == "rope"
-             and m.rotary_dim != m.head_dim else ""]
+             and m.rotary_dim != m.head_dim and not mla else ""]
     named = [p for p in parts if p]
     return f" ({', '.join(named)})" if named else ""

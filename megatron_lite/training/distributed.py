@@ -122,3 +122,13 @@ def gather_problems(problem, group=None):
     problems = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     return [p for p in problems if p is not None]
+
+
+def agree_over_ranks(flags, device) -> list:
+    """Element-wise max over all ranks of a few booleans."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]

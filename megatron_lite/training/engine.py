@@ -14,7 +14,7 @@ micro-batches itself here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import deepspeed
 import torch
@@ -27,7 +27,7 @@ from megatron_lite.deepspeed_compat.experts import (engine_finds_experts, expert
                                                     experts_only_in_gradient_reduction, mark_expert_parameters,
                                                     register_expert_groups)
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
-from megatron_lite.model import aux_loss
+from megatron_lite.model import aux_loss, mtp
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.moe import GroupedExperts, MoELayer
 from megatron_lite.parallel import state
@@ -52,6 +52,8 @@ class StepStats:
     """fp16 loss scale after the step; None without loss scaling."""
     skipped: bool
     """The optimizer skipped this step (fp16 overflow)."""
+    mtp_losses: Optional[List[float]] = None
+    """With --mtp-num-layers: each depth's loss, averaged as the loss is (the same on every rank)."""
 
 
 class Engine:
@@ -67,7 +69,7 @@ class Engine:
             self.module = GPTModel(config)
             mpu = state.ModelParallelUnit()
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
-        model_parallel_seed(config.training.seed, config.model.num_layers)
+        model_parallel_seed(config.training.seed, config.model.numbered_layers)
         self.experts = config.model.num_experts is not None
         if self.experts:  # expert parameters are reduced over expert-DP (deepspeed_compat.experts says how)
             register_expert_groups(
@@ -129,12 +131,27 @@ class Engine:
                                * self.config.parallel.context_parallel_size
                                / self.engine.gradient_accumulation_steps())
         skipped_before = optimizer_state.skipped_steps(self.engine)
+        mtp.take_losses()  # what evaluation recorded
         loss = self._train_batch(data_iter)
         return StepStats(
             loss=loss, lr=lr, grad_norm=self._grad_norm(),
             loss_scale=optimizer_state.loss_scale(self.optimizer) if self.config.precision.fp16 else None,
             skipped=optimizer_state.skipped_steps(self.engine) > skipped_before,
+            mtp_losses=self._mtp_losses() if self.config.model.mtp_num_layers else None,
         )
+
+    def _mtp_losses(self) -> List[float]:
+        """The depths' losses of this step, averaged over micro-batches and the last stage's ranks, as DeepSpeed
+        averages the loss (a CP rank records its share, C x its part of the mean: data/context_parallel.py; TP ranks
+        record the same). A collective of D + 1 numbers over every rank: the other stages add zeros and no count."""
+        recorded = mtp.take_losses()
+        depths = self.config.model.mtp_num_layers
+        mine = torch.zeros(depths + 1, dtype=torch.float64, device=self.device)
+        if recorded:
+            mine[:depths] = torch.tensor(recorded, dtype=torch.float64).mean(dim=0).to(self.device)
+            mine[depths] = 1.0
+        dist.all_reduce(mine)
+        return (mine[:depths] / mine[depths]).tolist()
 
     def _train_batch(self, data_iter: Iterator) -> float:
         """Loss averaged over micro-batches and DP ranks, on every rank (the pipeline
@@ -191,10 +208,15 @@ class Engine:
         return path
 
     def _next_on_device(self, data_iter: Iterator):
-        """(tokens, position_ids, labels, loss_mask[, document_ids]) of the next micro-batch, where the
-        model is: GPTModel.forward's arguments. (The pipeline engine moves its micro-batches itself.)"""
-        (tokens, position_ids, *documents), (labels, loss_mask) = next(data_iter)
-        return [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask, *documents)]
+        """(tokens, position_ids, labels, loss_mask[, document_ids][, Multi-Token Prediction's arrays]) of the
+        next micro-batch, where the model is: GPTModel.forward's arguments. (The pipeline engine moves its
+        micro-batches itself.)"""
+        (tokens, position_ids, *rest), (labels, loss_mask, *mtp_targets) = next(data_iter)
+        documents = rest[:len(rest) - bool(mtp_targets)]
+        args = [t.to(self.device) for t in (tokens, position_ids, labels, loss_mask, *documents)]
+        if mtp_targets:
+            args += [None] * (5 - len(args)) + [tuple(t.to(self.device) for t in (rest[-1], *mtp_targets))]
+        return args
 
     def _grad_norm(self) -> Optional[float]:
         inner = optimizer_state.inner_optimizer(self.optimizer)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,78 +23,35 @@ from megatron_lite.data import workers
 from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_train_valid_test_datasets
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
-from megatron_lite.data.workers import TRAINER_SIGNALS
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.model.attention_mask import ATTENTION_WORK
 from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.parallel import state
 from megatron_lite.training import checkpointing, stage_timing
 from megatron_lite.training.console import configure_logging, layout_summary
-from megatron_lite.training.distributed import collective_timeout, init_distributed, is_rank_zero_from_environment
+from megatron_lite.training.distributed import agree_over_ranks, collective_timeout, init_distributed
+from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.training.engine import Engine, StepStats
+from megatron_lite.training.exit_signal import ExitSignal
 from megatron_lite.training.expert_balance import moe_scalars
+from megatron_lite.training.interval import Interval
 from megatron_lite.training.metrics import (
     IntervalStats,
     TensorBoardWriter,
     format_line,
     format_moe_line,
+    format_mtp_line,
     interval_scalars,
     peak_memory_bytes,
 )
 from megatron_lite.training.records import RecordWriter, records_directory
 from megatron_lite.training.stage_timing import StageTimer
-from megatron_lite.validation.outputs import check_output_folders
+from megatron_lite.validation.training_inputs import check_training_inputs
 
 
 def print_rank0(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)
-
-
-class ExitSignal:
-    """SIGTERM / SIGUSR1 (what Slurm sends before a time limit) -> save at the next step boundary."""
-
-    def __init__(self, enabled: bool):
-        self.received = False
-        self.enabled = enabled
-        if enabled:
-            for sig in TRAINER_SIGNALS:
-                signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        self.received = True
-
-    def release(self) -> None:
-        """Ignore TERM/USR1 from here on: the run has stopped, so a late one has nothing left to ask.
-        Left to a Python handler, a signal that lands while the interpreter exits kills the process,
-        because Python's finalization puts back the default action of every signal it handled (but
-        not of ignored ones): Slurm delivers a step's signal to each node on its own, so a rank can
-        get it after the others agreed to stop, and its task then ends 'User defined signal 1' though
-        the checkpoint was saved."""
-        if self.enabled:
-            for sig in TRAINER_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-
-
-@dataclass
-class Interval:
-    """What happened since the last log line."""
-    seconds: float = 0.0
-    """Time spent in training steps (evaluation and saving excluded)."""
-    iterations: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    skipped: int = 0
-    global_batch_size: int = 0
-    """The last step's global batch (it grows during ramp-up)."""
-
-    def add(self, stats: StepStats, samples: int, seconds: float) -> None:
-        self.seconds += seconds
-        self.iterations += 1
-        self.samples += samples
-        self.loss_sum += stats.loss
-        self.skipped += int(stats.skipped)
-        self.global_batch_size = samples
 
 
 @dataclass
@@ -140,7 +96,7 @@ def train(run: Run, start: float) -> int:
     exit_code, status = 0, "stopped"
     while run.iteration < t.train_iters:
         stats = train_step(run)
-        stop_signal, nonfinite = _agree([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
+        stop_signal, nonfinite = agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
         if nonfinite and not config.precision.fp16:
             print_rank0(f"error: loss is {stats.loss} at iteration {run.iteration}; stopping. The last good checkpoint "
                         f"({checkpointing.latest_tag(t.save) if t.save else 'none'}) is kept; lower --lr or raise "
@@ -223,7 +179,8 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
     )
     train_iter = build_data_iterator(train_ds, consumed, config.batch.micro_batch_size,
                                      state.get_data_parallel_rank(), config.parallel.data_parallel_size,
-                                     num_workers=config.data.num_workers, context_parallel=_context_parallel_place())
+                                     num_workers=config.data.num_workers, context_parallel=_context_parallel_place(),
+                                     mtp_depths=config.model.mtp_num_layers or 0)
     rank0 = dist.get_rank() == 0
     records = RecordWriter(records_directory(config.logging.tensorboard_dir, t.save) if rank0 else None)
     records.write("start", iteration=iteration, train_iters=t.train_iters, layout=summary, config=config.to_dict())
@@ -270,9 +227,12 @@ def maybe_log(run: Run, stats: StepStats) -> None:
     if config.model.num_experts is not None:  # every stage's MoE layers, on rank 0 (a collective)
         for _, layers in stage_timing.gather_stages(moe_scalars(run.engine.module)):
             scalars.update(layers)
+    scalars.update(interval.mtp_scalars())
     print_rank0(format_line(run.iteration, config.training.train_iters, scalars))
     if config.model.num_experts is not None:
         print_rank0(format_moe_line(scalars))
+    if interval.mtp_sums is not None:
+        print_rank0(format_mtp_line(scalars))
     run.tb.write("train", scalars, run.iteration)
     run.records.write("interval", iteration=run.iteration, iterations=interval.iterations, seconds=interval.seconds,
                       **scalars)
@@ -363,7 +323,7 @@ def evaluate(engine: Engine, dataset, config: Config) -> Optional[float]:
         return None
     it = build_data_iterator(dataset, 0, config.batch.micro_batch_size, state.get_data_parallel_rank(),
                              config.parallel.data_parallel_size, num_workers=0,
-                             context_parallel=_context_parallel_place())
+                             context_parallel=_context_parallel_place(), mtp_depths=config.model.mtp_num_layers or 0)
     losses = [engine.eval_step(it) for _ in range(config.training.eval_iters)]
     return sum(losses) / len(losses)
 
@@ -398,32 +358,6 @@ def summarize(run: Run, status: str, seconds: float) -> None:
     if run.records.path:
         parts.append(f"metrics in {run.records.path}")
     print_rank0(", ".join(parts))
-
-
-def _agree(flags, device) -> list:
-    """Element-wise max over all ranks of a few booleans."""
-    t = torch.tensor([float(f) for f in flags], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
-def check_training_inputs(config: Config) -> None:
-    """What training needs beyond a consistent config (the flags parse without data, for tools, and
-    a config is planned for devices other than this one), checked before any process group exists."""
-    if not config.data.data_path:
-        raise ConfigError(
-            "--data-path is required to train: the prefix of a .bin/.idx pair written by "
-            "tools/preprocess_data.py, e.g. --data-path data/corpus_text_document (see scripts/quickstart.sh)"
-        )
-    check_output_folders(config)
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    if config.precision.fp16 and not accelerator.is_fp16_supported():
-        raise ConfigError(f"--fp16: this {accelerator.device_name()} device has no fp16 kernels (DeepSpeed refuses "
-                          f"fp16 here); use --bf16, or train in fp32 without either flag")
-    if config.precision.bf16 and not accelerator.is_bf16_supported():
-        raise ConfigError(f"--bf16: this {accelerator.device_name()} device has no bf16 support; use --fp16 or fp32")
 
 
 def main(config: Config) -> None:

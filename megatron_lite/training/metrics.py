@@ -156,3 +156,11 @@ class TensorBoardWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def format_mtp_line(scalars: Dict[str, float]) -> str:
+    """The Multi-Token Prediction depths' losses over the interval, one line (the logged loss is the language
+    model's alone)."""
+    depths = sorted((int(name[len("mtp/depth"):-len("_loss")]), value) for name, value in scalars.items()
+                    if name.startswith("mtp/depth"))
+    return "mtp | " + " | ".join(f"depth {k} loss {value:.4f}" for k, value in depths)

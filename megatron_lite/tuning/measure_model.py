@@ -155,18 +155,22 @@ def smooth(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def random_batches(config, seed: int = 0, cp_rank: int = 0):
     """Endless random micro-batches ((tokens, positions), (labels, loss mask)) of the config's shape; under
     context parallelism the CP rank's part of each, as the training data loader hands it over."""
-    from megatron_lite.data.context_parallel import context_parallel_part
+    from megatron_lite.data.context_parallel import context_parallel_part, mtp_context_parallel_part
+    from megatron_lite.data.mtp import mtp_arrays
 
     g = torch.Generator().manual_seed(seed)
     micro, seq, cp = config.batch.micro_batch_size, config.model.seq_length, config.parallel.context_parallel_size
+    depths = config.model.mtp_num_layers or 0
     positions = torch.arange(seq).expand(micro, seq).contiguous()
     while True:
         sample = torch.randint(0, config.model.vocab_size, (micro, seq + 1), generator=g)
         arrays = (sample[:, :-1].contiguous(), positions, sample[:, 1:].contiguous(), torch.ones(micro, seq))
+        mtp = mtp_arrays(arrays[0], arrays[2], arrays[3], None, depths) if depths else ()  # the depths' inputs too
         if cp > 1:
             arrays = tuple(a.contiguous() for a in context_parallel_part(arrays, cp_rank, cp))
+            mtp = tuple(a.contiguous() for a in mtp_context_parallel_part(mtp, cp_rank, cp)) if mtp else ()
         tokens, position_ids, labels, mask = arrays
-        yield (tokens, position_ids), (labels, mask)
+        yield (tokens, position_ids, *mtp[:1]), (labels, mask, *mtp[1:])
 
 
 def _timed_parts(engine, data, reps: int) -> Dict[str, float]:

@@ -15,7 +15,7 @@ from megatron_lite.cost.moe_activations import routed_copies
 from megatron_lite.cost.muon import MuonWork, stage_work
 from megatron_lite.cost.pipeline_efficiency import predicted_pipeline_efficiency
 from megatron_lite.cost.stages import (stage_bounds, stage_expert_parameters, stage_flops, stage_layer_numbers,
-                                       stage_matrices, transformer_layers_per_stage)
+                                       stage_matrices, stage_mtp_layer_numbers)
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer
 from megatron_lite.model.recompute_options import recompute_chunks
 from megatron_lite.tuning.calibration import Profile
@@ -26,10 +26,13 @@ from megatron_lite.tuning.throughput import Experts, Hardware, predict_from_mode
 def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profile] = None) -> None:
     m = config.model
     bounds = stage_bounds(config, estimate=True)
-    flops, layers = stage_flops(config, bounds), transformer_layers_per_stage(config, bounds)
-    numbers = stage_layer_numbers(config, bounds)
+    numbers, depths = stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds)
+    # A Multi-Token Prediction depth's decoder layer communicates (TP, CP) and runs as any layer of its stage.
+    flops = stage_flops(config, bounds)
+    layers = [len(n) + len(d) for n, d in zip(numbers, depths)]
     params = [st["parameters"] for st in c.stage_memory]
-    again = [recompute_forward_flops_per_token(m, [len(n)], first_layer=n.start) for n in numbers]
+    again = [recompute_forward_flops_per_token(m, [len(n)], first_layer=n.start, depths=len(d))
+             for n, d in zip(numbers, depths)]
     redone = [len(_recomputed_layer_numbers(m, n)) for n in numbers]
     bytes_per_value = 2 if config.precision.dtype_name != "fp32" else 4
     experts = expert_costs(config, bounds, bytes_per_value)
@@ -109,16 +112,17 @@ def _recomputed_layer_numbers(m, numbers: range) -> List[int]:
 
 def expert_costs(config: Config, bounds: Sequence[int], bytes_per_value: int) -> Optional[Experts]:
     """What the routed experts of a validated MoE config cost the step (tuning/throughput.py `Experts`): per
-    stage its MoE layers, those full recompute runs again and the experts' parameters on a rank; the bytes of
-    one dispatch all-to-all on a rank (the routed copies it sends, within the capacity, of h values); an MoE
-    layer's k expert MLPs' FLOPs per token, and the rows each local expert's GEMM gets. None for a dense model."""
+    stage its MoE layers (a Multi-Token Prediction depth's included), those full recompute runs again and the
+    experts' parameters on a rank; the bytes of one dispatch all-to-all on a rank (the routed copies it sends,
+    within the capacity, of h values); an MoE layer's k expert MLPs' FLOPs per token, and the rows each local
+    expert's GEMM gets. None for a dense model."""
     m, ep = config.model, config.parallel.expert_model_parallel_size
     if m.num_experts is None:
         return None
-    numbers = stage_layer_numbers(config, bounds)
+    numbers, depths = stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds)
     sent, _ = routed_copies(config)
     return Experts(
-        ep=ep, stage_moe_layers=[sum(is_moe_layer(m, n) for n in stage) for stage in numbers],
+        ep=ep, stage_moe_layers=[sum(is_moe_layer(m, n) for n in (*stage, *d)) for stage, d in zip(numbers, depths)],
         stage_recomputed_moe_layers=[sum(is_moe_layer(m, n) for n in _recomputed_layer_numbers(m, stage))
                                      for stage in numbers],
         all_to_all_bytes=sent * m.hidden_size * bytes_per_value,

@@ -48,7 +48,9 @@ def check_qk_layernorm(config: Config) -> None:
     """QK-norm's weights are shared by every head: at TP > 1 each rank's gradient covers its own heads and is
     summed over TP once per step inside the pipeline engine, which ZeRO 2/3 do not use."""
     p = config.parallel
-    if config.model.qk_layernorm and p.tensor_model_parallel_size > 1 and p.zero_stage >= 2:
+    # MLA's latent norms are not per head: replicated before the up projections, whole gradients without SP
+    if (config.model.qk_layernorm and not config.model.multi_latent_attention and p.tensor_model_parallel_size > 1
+            and p.zero_stage >= 2):
         raise ConfigError(f"--qk-layernorm at --tensor-model-parallel-size {p.tensor_model_parallel_size} with "
                           f"--zero-stage {p.zero_stage}: the QK-norm gradients, each TP rank's over its own heads, are "
                           f"summed over TP once per step in the pipeline engine, which ZeRO 2/3 do not use; use "

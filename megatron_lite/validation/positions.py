@@ -63,6 +63,8 @@ def check_positions(m: ModelConfig) -> ModelConfig:
 
 
 def _check_rotary_width(m: ModelConfig) -> None:
+    if m.multi_latent_attention:
+        return  # the rotary width is --qk-pos-emb-head-dim (validation/latent_attention.py)
     width = (f"--kv-channels {m.kv_channels}" if m.kv_channels is not None else
              f"--hidden-size {m.hidden_size} / --num-attention-heads {m.num_attention_heads} = {m.head_dim}")
     if m.rotary_percent == 1.0 and m.head_dim % 2:

@@ -16,6 +16,7 @@ from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
+from megatron_lite.validation.latent_attention import MLA_FIELDS
 from megatron_lite.validation.positions import YARN_FIELDS
 
 # (section, field) of the model's shape and meaning; a resume must keep every one.
@@ -28,6 +29,7 @@ MODEL_FIELDS = (
     ("model", "window_size"), ("model", "window_attn_skip_freq"), ("model", "kv_channels"), ("model", "qk_layernorm"),
     ("model", "add_qkv_bias"), ("model", "rope_type"), ("model", "rotary_percent"),
     *(("model", name) for name in YARN_FIELDS),
+    ("model", "multi_latent_attention"), *(("model", name) for name in MLA_FIELDS),
     # The experts and how they are chosen are the model's (Megatron-LM's load_args_from_checkpoint takes them too);
     # the router's losses, capacity and dispatch are the run's. Before these were here, --use-checkpoint-args
     # left an MoE checkpoint's run without --num-experts, and a resume could change the experts unchecked.
@@ -36,6 +38,9 @@ MODEL_FIELDS = (
     ("model", "moe_router_topk_scaling_factor"), ("model", "moe_router_num_groups"),
     ("model", "moe_router_group_topk"), ("model", "moe_router_enable_expert_bias"),
     ("model", "moe_shared_expert_intermediate_size"), ("model", "moe_shared_expert_gate"),
+    # The depths are weights of the model (layer files of their own). --mtp-loss-scaling-factor is not: how much
+    # their loss weighs is the run's choice, which DeepSeek-V3 changed mid-training (0.3, then 0.1).
+    ("model", "mtp_num_layers"),
 )
 # Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
 # (Megatron-LM lets a resumed run change them); the window is the model's own.

@@ -15,6 +15,8 @@ from megatron_lite import batching
 from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import check_partition_method, layers_per_stage_uniform
 from megatron_lite.validation.attention import check_attention_mask, check_qk_layernorm, query_groups
+from megatron_lite.validation.latent_attention import check_latent_attention
+from megatron_lite.validation.mtp import check_mtp
 from megatron_lite.validation.moe import check_moe
 from megatron_lite.validation.positions import check_positions
 
@@ -71,7 +73,8 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     m, tp, pp = config.model, config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     hidden, heads = m.hidden_size, m.num_attention_heads
     ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.swiglu)
-    if hidden % heads and m.kv_channels is None:
+    check_latent_attention(m)
+    if hidden % heads and m.kv_channels is None and not m.multi_latent_attention:
         divisors = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % tp == 0]
         near = sorted(divisors, key=lambda h: abs(h - heads))[:2]
         raise ConfigError(
@@ -127,6 +130,7 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     _check_sequence_parallel(config)
     _check_context_parallel(config, groups)
     check_attention_mask(m, notes)
+    check_mtp(config)
     check_moe(config.replace(model__ffn_hidden_size=ffn), notes)
     granularity = _recompute_granularity(m, notes)
     return config.replace(model__ffn_hidden_size=ffn, model__max_position_embeddings=max_pos,

@@ -139,3 +139,54 @@ def save_qwen3_moe(folder, seed=33, **overrides):
                   num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=True,
                   rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False)
     return _save_moe(folder, transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, seed, fields, overrides)
+
+
+def save_deepseek_v3(folder, seed=34, **overrides):
+    """A DeepseekV3ForCausalLM: Multi-head Latent Attention (query latent 16, key/value latent 16, heads of 8 + 8
+    rotary dimensions, values of 8) with its rotary rows interleaved (rope_interleave) and YaRN (factor 4, mscale
+    0.8, mscale_all_dim 1.0); the first of its 4 layers dense, then 8 routed experts of width 16, top 2 of the best
+    of 2 groups, sigmoid scores chosen with a selection bias (perturbed from its zeros), a shared expert, scaling
+    2.5; an untied head. save_pretrained writes num_nextn_predict_layers 1 and no MTP weights, as transformers
+    builds none."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=8, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                  norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 1024, "mscale": 0.8, "mscale_all_dim": 1.0})
+    return _save_deepseek_moe(folder, transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, seed, fields,
+                              overrides)
+
+
+def save_glm4_moe(folder, seed=35, **overrides):
+    """A Glm4MoeForCausalLM (GLM-4.5's shape): 4 heads in 2 key/value groups of width 16 (not hidden 32 / 4 heads),
+    RoPE over the first half of each head (partial_rotary_factor 0.5), QK-norm, q/k/v biases (perturbed from their
+    zeros); the first of its 4 layers dense, then 8 routed experts of width 16, top 2 of the best of 2 groups, sigmoid
+    scores chosen with a selection bias (perturbed from its zeros), a shared expert, scaling 2.5; an untied head.
+    save_pretrained writes num_nextn_predict_layers 1 and no MTP weights, as transformers builds none."""
+    import transformers
+
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                  first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                  n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False)
+    return _save_deepseek_moe(folder, transformers.Glm4MoeForCausalLM, transformers.Glm4MoeConfig, seed, fields,
+                              overrides)
+
+
+def _save_deepseek_moe(folder, model_class, config_class, seed, fields, overrides):
+    """_save_moe's, with the routers spread and DeepSeek-V3's selection bias perturbed from its zeros."""
+    torch.manual_seed(seed)
+    fields.update(overrides)
+    model = moe_router_spread(_perturb(model_class(config_class(**fields)), seed)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, bias in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                bias.copy_(0.1 * torch.rand(bias.shape, generator=g))
+    model.save_pretrained(str(folder))
+    return model

@@ -61,6 +61,22 @@ def _layer_files(ckpt):
             if n.startswith("layer_")}
 
 
+def back_and_merged_bit_for_bit(ckpt, tmp_path):
+    """ckpt (TP 2), resharded to tmp_path/tp4, resharded back to TP 2 bit for bit; both merge to the same dense
+    weights, which are returned."""
+    _reshard(str(tmp_path / "tp4"), str(tmp_path / "back"), 2)
+    original, back = _layer_files(ckpt), _layer_files(str(tmp_path / "back"))
+    assert original.keys() == back.keys()
+    for name in original:
+        for key in original[name]:
+            assert torch.equal(original[name][key], back[name][key]), (name, key)
+    dense2, dense4 = _merged(ckpt, str(tmp_path / "m2.pt")), _merged(str(tmp_path / "tp4"), str(tmp_path / "m4.pt"))
+    assert dense2.keys() == dense4.keys()
+    for key in dense2:
+        assert torch.equal(dense2[key], dense4[key]), key
+    return dense2
+
+
 def test_reshard_tp2_to_tp4_with_two_groups_and_back_is_bit_identical_and_merges_to_the_dense_weights(tp2_run,
                                                                                                        tmp_path):
     from megatron_lite.config import Config
@@ -73,17 +89,7 @@ def test_reshard_tp2_to_tp4_with_two_groups_and_back_is_bit_identical_and_merges
     four = _layer_files(str(tmp_path / "tp4"))
     hd, h = 16, 64  # 4 heads of 16, 2 groups: rank r holds 1 query head and half of each group's K and V rows
     assert four["layer_01-model_03-model_states.pt"]["attention.query_key_value.weight"].shape == (hd + 2 * hd // 2, h)
-    _reshard(str(tmp_path / "tp4"), str(tmp_path / "back"), 2)
-    original, back = _layer_files(ckpt), _layer_files(str(tmp_path / "back"))
-    assert original.keys() == back.keys()
-    for name in original:
-        for key in original[name]:
-            assert torch.equal(original[name][key], back[name][key]), (name, key)
-
-    dense2, dense4 = _merged(ckpt, str(tmp_path / "m2.pt")), _merged(str(tmp_path / "tp4"), str(tmp_path / "m4.pt"))
-    assert dense2.keys() == dense4.keys()
-    for key in dense2:
-        assert torch.equal(dense2[key], dense4[key]), key
+    dense2 = back_and_merged_bit_for_bit(ckpt, tmp_path)
     assert dense2["layers.1.attention.query_key_value.weight"].shape == ((4 + 2 * 2) * hd, h)
     assert dense2["layers.1.mlp.dense_h_to_4h.weight"].shape == (2 * 96, h)
     assert not any(k.endswith(".bias") for k in dense2)  # --disable-bias-linear, RMSNorm

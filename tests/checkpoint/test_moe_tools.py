@@ -196,14 +196,15 @@ def test_a_zero0_moe_checkpoint_resumes_at_ep2_through_its_universal_form_with_t
     assert note.startswith("resharded TP 1 x PP 1 x DP 2 (ZeRO 0, fp32) -> TP 1 x PP 1 x DP 2 (EP 2) (ZeRO 1"), note
 
 
-def test_export_hf_refuses_an_moe_checkpoint_whose_router_no_hugging_face_architecture_holds(moe_run, tmp_path):
-    """This run's router scores by sigmoid with an expert bias (DeepSeek-V3's), which none of Mixtral, Qwen2-MoE
-    and Qwen3-MoE has: refused naming the flag, nothing written (tests/checkpoint/test_import_hf_moe.py exports
-    the ones they hold)."""
+def test_export_hf_refuses_an_moe_checkpoint_no_hugging_face_architecture_holds(moe_run, tmp_path):
+    """This run's router scores by sigmoid with an expert bias beside a shared expert (DeepSeek-V3's, on
+    grouped-query attention: GLM-4.5's), but its shared expert (64) is not a whole number of experts (48), which
+    Glm4MoeForCausalLM's n_shared_experts x moe_intermediate_size needs: refused naming the flag, nothing written
+    (tests/checkpoint/test_import_hf_moe.py and test_import_hf_glm4_moe.py export the ones they hold)."""
     result = run_tool("tools/convert_checkpoint.py", "export-hf", "--load", moe_run["ckpt"], "--output",
                       str(tmp_path / "hf"), check=False)
     line = error_line(result)
-    assert "scores experts by softmax" in line and "--moe-router-score-function sigmoid" in line, line
+    assert "Glm4MoeForCausalLM" in line and "--moe-shared-expert-intermediate-size 64" in line, line
     assert not (tmp_path / "hf").exists()
 
 

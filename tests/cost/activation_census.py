@@ -7,15 +7,17 @@ from megatron_lite.cost.stages import stage_bounds
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.parallel.random import checkpoint as random_checkpoint
+from tests.model.gpt_layouts import mtp_of
 
 
 def _model_and_batch(config):
     """The whole GPT of the config on this TP and CP rank (groups made if none exist) in the config's
     precision, the storages of its parameters (never counted as activations), and one random
-    micro-batch: (tokens, positions) and (labels, loss mask), under context parallelism this CP rank's
-    part of the sequence with the mask as loss weights, each in a storage of its own (as the sampler
-    hands them over)."""
-    from megatron_lite.data.context_parallel import context_parallel_part
+    micro-batch: (tokens, positions[, document ids][, the depths' tokens]) and (labels, loss mask[, the
+    depths' labels and masks]) (with --mtp-num-layers: data/mtp.py's arrays), under context parallelism this
+    CP rank's part of the sequence with the masks as loss weights, each in a storage of its own (as the
+    sampler hands them over)."""
+    from megatron_lite.data.context_parallel import context_parallel_part, mtp_context_parallel_part
     from megatron_lite.parallel import state
     from megatron_lite.parallel.context_parallel import cp_rank
     from megatron_lite.parallel.random import model_parallel_seed
@@ -27,14 +29,17 @@ def _model_and_batch(config):
     model = GPTModel(config).train()
     if config.precision.dtype_name != "fp32":  # as the engine casts it
         model = model.to(torch.bfloat16 if config.precision.bf16 else torch.float16)
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s))
     arrays = (tokens, torch.arange(s).expand(b, s).contiguous(), tokens, torch.ones(b, s))
+    ids = documents(config, b, s)
+    mtp = mtp_of(config, arrays, ids[0] if ids else None)  # the depths' (tokens, labels, mask) [b, D, s], or ()
     if cp > 1:
         arrays = tuple(t.clone() for t in context_parallel_part(arrays, cp_rank(), cp))
-    return model, params, arrays[:2] + documents(config, b, s), arrays[2:]
+        mtp = tuple(t.clone() for t in mtp_context_parallel_part(mtp, cp_rank(), cp)) if mtp else ()
+    return model, params, arrays[:2] + ids + mtp[:1], arrays[2:] + mtp[1:]
 
 
 DOCUMENTS_PER_SAMPLE = 8

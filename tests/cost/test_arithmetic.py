@@ -24,6 +24,14 @@ VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "r
             "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "qwen2": QWEN2}
 
 
+def as_built(config, per_spec, placeholder=0):
+    """`per_spec` (parameters, or tensors with placeholder []) as GPTModel's `layers` hold them (spec N is
+    layers.N): the embedding module once, each later spec of it (the tied head, Multi-Token Prediction's
+    embedding) a placeholder without parameters."""
+    again = set(arithmetic.embedding_specs(config.model)[1:])
+    return [placeholder if i in again else n for i, n in enumerate(per_spec)]
+
+
 def _built_stage(tp, pp, extra):
     """This rank's stage of the pipeline module: (pp rank, tp rank, parameters, parts, layers per stage)."""
     import deepspeed
@@ -107,15 +115,16 @@ def test_total_parameters_and_each_spec_match_the_dense_model(variant):
     assert sum(p.numel() for p in model.parameters()) == arithmetic.total_parameters(config)
     built = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     per_spec = arithmetic.spec_parameters(config)
-    # model.layers holds the tied embedding once: every spec but a tied head has its own module.
-    assert built == (per_spec if "--untie-embeddings-and-output-weights" in VARIANTS[variant] else per_spec[:-1])
+    # model.layers holds the tied embedding once: a tied head is a placeholder without parameters.
+    tied = "--untie-embeddings-and-output-weights" not in VARIANTS[variant]
+    assert built == as_built(config, per_spec)
     # Tensor by tensor too (what ZeRO 3 partitions or keeps whole, memory.py).
-    tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
-    assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
+    tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers][:len(model.layers) - tied]
+    assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers) - tied]
     assert [c.parameters for c in stages.spec_costs(config)][:-1] == per_spec[:-1]
     # `type:<regex>` partitioning matches the costs' names against the built classes.
     names = [c.name for c in stages.spec_costs(config)]
-    assert names[:len(model.layers)] == [type(layer).__name__ for layer in model.layers]
+    assert names[:len(model.layers) - tied] == [type(layer).__name__ for layer in model.layers][:len(model.layers) - tied]
 
 
 def _dense_parameters_at_tp(tp, variant):
@@ -135,10 +144,8 @@ def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_sha
     """TP 4 with 2 (or 1) key/value groups: each rank holds a 1/4 piece of the K and V rows (parallel/qkv.py)."""
     config = tiny_config(4, 1, 1, VARIANTS[variant])
     per_spec = arithmetic.spec_parameters(config)
-    # model.layers holds the tied embedding once: every spec but a tied head has its own module.
-    expected = per_spec if config.model.untie_embeddings_and_output_weights else per_spec[:-1]
     for built in run_distributed(_dense_parameters_at_tp, 4, 4, variant):
-        assert built == expected
+        assert built == as_built(config, per_spec)
 
 
 @pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases", "qwen3"])
@@ -269,21 +276,25 @@ def _expert_modules(model):
     return [module for module in model.modules() if isinstance(module, GroupedExperts)]
 
 
-@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
-def test_moe_parameters_per_layer_and_in_total_match_the_built_model(variant):
-    """Router, all E experts, shared expert and gate, layer by layer and tensor by tensor, at EP 1."""
+def assert_counts_match_the_built_model(config):
+    """The whole model's parameters, each spec's and each spec's tensors equal the dense GPTModel's; the model."""
     from megatron_lite.model.gpt import GPTModel
 
-    config = tiny_config(1, 1, 1, MOE_VARIANTS[variant])
     model = GPTModel(config)
     assert sum(p.numel() for p in model.parameters()) == arithmetic.total_parameters(config)
     per_spec = arithmetic.spec_parameters(config)
-    untied = config.model.untie_embeddings_and_output_weights
-    assert [sum(p.numel() for p in layer.parameters()) for layer in model.layers] == (
-        per_spec if untied else per_spec[:-1])
+    assert [sum(p.numel() for p in layer.parameters()) for layer in model.layers] == as_built(config, per_spec)
     tensors = [sorted(p.numel() for p in layer.parameters()) for layer in model.layers]
-    assert tensors == [sorted(t) for t in arithmetic.spec_tensors(config)][:len(model.layers)]
-    assert [c.parameters for c in stages.spec_costs(config)][:-1] == per_spec[:-1]
+    assert tensors == as_built(config, [sorted(t) for t in arithmetic.spec_tensors(config)], [])
+    return model
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_moe_parameters_per_layer_and_in_total_match_the_built_model(variant):
+    """Router, all E experts, shared expert and gate, layer by layer and tensor by tensor, at EP 1."""
+    config = tiny_config(1, 1, 1, MOE_VARIANTS[variant])
+    model = assert_counts_match_the_built_model(config)
+    assert [c.parameters for c in stages.spec_costs(config)][:-1] == arithmetic.spec_parameters(config)[:-1]
     assert len(_expert_modules(model)) == arithmetic.moe_layers(config.model)
 
 
@@ -318,9 +329,9 @@ def _built_at_ep(extra):
 
 def test_each_specs_parameters_per_rank_match_the_model_built_at_ep2():
     extra = MOE_VARIANTS["gelu_gated_shared"] + ("--expert-model-parallel-size", "2")
-    per_spec = arithmetic.spec_parameters(tiny_config(1, 1, 2, extra))
+    config = tiny_config(1, 1, 2, extra)
     for rank, built in run_distributed(_built_at_ep, 2, extra):
-        assert built == per_spec[:-1], f"rank {rank}"  # the tied head is the embedding module
+        assert built == as_built(config, arithmetic.spec_parameters(config)), f"rank {rank}"
 
 
 @pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))

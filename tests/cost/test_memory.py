@@ -262,6 +262,15 @@ def test_llama_layers_activations_in_bf16_at_micro_batch_1_match_the_estimate(tp
     _assert_layer_census_equals_the_estimate(tp, _layer_rows(tp, "sdpa", "llama", micro=1, bf16=True))
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_partial_rope_under_flash_keeps_sdpas_output_apart_from_the_projections_input(tp):
+    """YaRN on half of each head without dropout (SDPA's flash kernel on the CPU too): RoPE's concatenation makes
+    q heads-major, the kernel lays its output out as q, and the projection's input is a copy of it."""
+    rows = [(sp, recompute, _activation_config(tp, 1, recompute, False, sp, "sdpa", "yarn_half"))
+            for sp, recompute in CENSUS_ROWS if tp > 1 or not sp]
+    _assert_layer_census_equals_the_estimate(tp, rows)
+
+
 def test_first_stage_holds_more_micro_batches_than_the_last():
     config = tiny_config(1, 4, 1, ["--global-batch-size", "16"])
     stages = memory.estimate(config, deepspeed_config(config))

@@ -45,7 +45,7 @@ def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=N
     context-parallel rank (cp = (rank, size)) its part of their sequences. loss_mask(labels) -> mask
     (default: every token counts). eod: the end-of-document token, for --reset-attention-mask and
     --reset-position-ids (the document ids stay whole under CP, as data/sampler.py keeps them)."""
-    from megatron_lite.data.context_parallel import context_parallel_part
+    from megatron_lite.data.context_parallel import context_parallel_part, mtp_context_parallel_part
 
     micro = config.batch.micro_batch_size
     seq = config.model.seq_length
@@ -57,9 +57,21 @@ def micro_batches(config, batches, dp_rank, dp, cp=(0, 1), loss_mask=None, eod=N
             tokens = sample[:, :-1].contiguous()
             positions, documents = documents_of(config, tokens, eod)
             arrays = (tokens, positions, labels, torch.ones(micro, seq) if loss_mask is None else loss_mask(labels))
+            mtp = mtp_of(config, arrays, documents)
             if cp[1] > 1:
                 arrays = context_parallel_part(arrays, *cp)
-            yield (arrays[0], arrays[1], *([] if documents is None else [documents])), (arrays[2], arrays[3])
+                mtp = mtp_context_parallel_part(mtp, *cp) if mtp else ()
+            yield ((arrays[0], arrays[1], *([] if documents is None else [documents]), *mtp[:1]),
+                   (arrays[2], arrays[3], *mtp[1:]))
+
+
+def mtp_of(config, arrays, documents):
+    """Multi-Token Prediction's (tokens, labels, mask) of a micro-batch's whole sequences (data/mtp.py), or ()."""
+    from megatron_lite.data.mtp import mtp_arrays
+
+    depths = config.model.mtp_num_layers
+    tokens, _, labels, mask = arrays
+    return mtp_arrays(tokens, labels, mask, documents, depths) if depths else ()
 
 
 def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=None, weights=None, norms=None,
@@ -79,7 +91,7 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
     from megatron_lite.training.optimizer import build_optimizer
 
     model = GPTModel(config)
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     optimizer = build_optimizer(model, config.optimizer)
     losses = []
     for step in batches:
@@ -91,7 +103,8 @@ def dense_losses(config, batches, micro_batch_size=None, loss_mask=None, eod=Non
             tokens, labels = chunk[:, :-1], chunk[:, 1:]
             positions, documents = documents_of(config, tokens, eod)
             mask = torch.ones(labels.shape) if loss_mask is None else loss_mask(labels)
-            loss = model(tokens, positions, labels, mask, document_ids=documents) / len(chunks)
+            mtp = mtp_of(config, (tokens, positions, labels, mask), documents)
+            loss = model(tokens, positions, labels, mask, document_ids=documents, mtp=mtp or None) / len(chunks)
             loss.backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)

@@ -38,7 +38,7 @@ def hf_model(hf_dict, attention):
 def our_model(config):
     """GPTModel in eval mode; its layers' dropout streams (which draw nothing in eval) must exist."""
     model = GPTModel(config)
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     return model.eval()
 
 

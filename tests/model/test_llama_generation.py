@@ -11,18 +11,15 @@ from tests.model.test_llama_parallel import LLAMA, QK_HEADS, with_groups
 WINDOW = ("--window-size", "5", "--window-attn-skip-freq", "2")  # layers 1 and 3 see 5 tokens back
 
 
-@pytest.mark.parametrize("window", [(), WINDOW], ids=["global", "window"])
-@pytest.mark.parametrize("groups, heads", [(2, ()), (1, ()), (2, QK_HEADS)], ids=["gqa", "mqa", "qk-norm-wide-heads"])
-@pytest.mark.parametrize("backend", ["sdpa", "fused"])
-def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, heads, backend, window):
+def assert_cached_decoding_gives_the_recomputed_logits(config):
+    """20 tokens decoded 12 then one by one through KV caches give the logits of one pass over all 20; the caches."""
     from megatron_lite.inference.generation import forward_tokens
     from megatron_lite.inference.kv_cache import KVCache
     from megatron_lite.model.gpt import GPTModel
     from megatron_lite.parallel.random import model_parallel_seed
 
-    config = tiny_config(extra=with_groups(groups) + heads + ("--attention-backend", backend) + window)
     model = GPTModel(config).eval()
-    model_parallel_seed(config.training.seed, config.model.num_layers)
+    model_parallel_seed(config.training.seed, config.model.numbered_layers)
     tokens = torch.randint(0, config.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         whole = forward_tokens(model, config, tokens, 0, None)
@@ -31,6 +28,15 @@ def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, 
         rest = [forward_tokens(model, config, tokens[:, i:i + 1], i, caches) for i in range(12, 20)]
     cached = torch.cat([first] + rest, dim=1)
     assert (cached - whole).abs().max() <= 1e-5 * whole.abs().max()
+    return caches
+
+
+@pytest.mark.parametrize("window", [(), WINDOW], ids=["global", "window"])
+@pytest.mark.parametrize("groups, heads", [(2, ()), (1, ()), (2, QK_HEADS)], ids=["gqa", "mqa", "qk-norm-wide-heads"])
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+def test_cached_decoding_of_the_llama_block_gives_the_recomputed_logits(groups, heads, backend, window):
+    config = tiny_config(extra=with_groups(groups) + heads + ("--attention-backend", backend) + window)
+    caches = assert_cached_decoding_gives_the_recomputed_logits(config)
     # the cache holds one key and value per group, not per head
     assert caches[0].keys.shape == (2, groups, 20, config.model.head_dim)
     assert config.model.head_dim == (24 if heads else 16)

@@ -14,7 +14,7 @@ from tests.harness import REPO_ROOT
 
 _CHILD = """
 import os, signal
-from megatron_lite.training.loop import ExitSignal
+from megatron_lite.training.exit_signal import ExitSignal
 exit_signal = ExitSignal({enabled})
 {send}
 exit_signal.release()

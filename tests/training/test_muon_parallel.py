@@ -89,3 +89,13 @@ def test_muon_in_bf16_and_fp16_keeps_an_fp32_momentum_and_trains_near_the_fp32_d
     result = run_distributed(_train_low_precision, tp * pp * dp, tp, pp, dp, LLAMA_MUON + extra)[0]
     assert result["wrapper"] == wrapper and result["momentum"] == {"torch.float32"}
     assert max(abs(a - b) / b for a, b in zip(result["losses"], reference)) <= 2e-2, (result["losses"], reference)
+
+
+def test_muon_on_multi_latent_attention_at_tp2_with_sp_and_zero1_gives_the_dense_losses():
+    """Kimi K2 trains MLA with Muon: the down projections, whole on every TP rank (their gradients summed over TP
+    under SP), are orthogonalised as they are; the up projections, split by head, whole after the gather."""
+    from tests.model.test_mla_parallel import MLA
+
+    reference = dense_reference(MLA + MUON)
+    results = run_layout(2, 1, 2, MLA + MUON + ("--zero-stage", "1", "--sequence-parallel"), steps=STEPS)
+    assert relative_difference(results, reference) <= 1e-5, [r["losses"] for r in results] + [reference]

@@ -56,6 +56,7 @@ def _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, launcher
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["iter_0000003", "iter_0000004",
                                                                                   "metrics"]
     assert glob.glob(str(tmp_path / "ckpt" / "iter_0000004" / "layer_*-model_*-model_states.pt"))
+    return result.stdout
 
 
 # Packed documents apart and a window on every other layer, through the real data pipeline and two stages.
@@ -63,23 +64,36 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--position-embed
              "8", "--window-attn-skip-freq", "2")
 
 
-@pytest.mark.parametrize("tp, pp, dp, extra", [(2, 1, 1, ()), (1, 2, 1, ()), (1, 1, 2, ()), (1, 2, 1, DOCUMENTS)],
-                         ids=["2-1-1", "1-2-1", "1-1-2", "1-2-1-documents-and-window"])
+# DeepSeek-V3's attention and Multi-Token Prediction: the depth's tokens, labels and masks made per document by the
+# data pipeline (data/mtp.py), its loss on a line of its own and in metrics.jsonl.
+DEEPSEEK = ("--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+            "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--mtp-num-layers", "1")
+
+
+@pytest.mark.parametrize("tp, pp, dp, extra", [(2, 1, 1, ()), (1, 2, 1, ()), (1, 1, 2, ()), (1, 2, 1, DOCUMENTS),
+                                               (1, 2, 1, DOCUMENTS + DEEPSEEK)],
+                         ids=["2-1-1", "1-2-1", "1-1-2", "1-2-1-documents-and-window", "1-2-1-mla-mtp-documents"])
 def test_pretrain_runs_a_few_steps_saves_keeps_the_last_two_and_evaluates(corpus, tp, pp, dp, extra, tmp_path):
-    _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, extra=extra)
+    stdout = _runs_a_few_steps_saves_and_evaluates(tp, pp, dp, corpus, tmp_path, extra=extra)
+    if "--mtp-num-layers" in extra:
+        assert len(re.findall(r"mtp \| depth 1 loss \d+\.\d+", stdout)) == 4
+        assert '"mtp/depth1_loss"' in open(tmp_path / "ckpt" / "metrics" / "metrics.jsonl").read()
 
 
 def test_pretrain_runs_a_few_steps_through_torchrun(corpus, tmp_path):
     _runs_a_few_steps_saves_and_evaluates(1, 2, 1, corpus, tmp_path, launcher="torchrun")
 
 
-def test_zero2_at_pp1_trains_evaluates_and_saves(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--position-embedding-type", "rope") + DEEPSEEK], ids=["gpt", "mla-mtp"])
+def test_zero2_at_pp1_trains_evaluates_and_saves(corpus, tmp_path, extra):
+    """ZeRO 2 trains GPTModel through DeepSpeed's engine without the pipeline: the depths' arrays as arguments."""
     result = pretrain(corpus, 2, layout(1, 1) + ["--zero-stage", "2", "--train-iters", "2", "--eval-interval", "2",
-                                                 "--save", str(tmp_path / "ckpt")])
+                                                 "--save", str(tmp_path / "ckpt"), *extra])
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(losses_by_iteration(result.stdout)) == [1, 2]
     assert "validation at iteration 2 | loss" in result.stdout
     assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000002"
+    assert ("mtp | depth 1 loss" in result.stdout) == bool(extra)
 
 
 def test_pretrain_runs_under_the_deepspeed_launcher(corpus, tmp_path):
