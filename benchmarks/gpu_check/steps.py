@@ -485,6 +485,39 @@ def moe_training(ctx: Context):
     return ("fail" if failures else "pass"), "; ".join(filter(None, [summary] + failures)), details, numbers
 
 
+def deepseek_training(ctx: Context):
+    """A DeepSeek-V3-shaped GPT (Multi-head Latent Attention, DeepSeek's router with groups, the expert bias and a
+    shared expert after one dense layer, one Multi-Token Prediction depth), bf16, ZeRO 1, on one GPU: tokens/s,
+    TFLOP/s and MFU (FLOPs of the k experts a token passes through and of the depth), peak memory against our
+    estimate (issue 56)."""
+    vocab, data = random_data(ctx)
+    mla = ["--multi-latent-attention", "--qk-layernorm", "--position-embedding-type", "rope", "--swiglu",
+           "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-router-topk-scaling-factor", "2.5", "--mtp-num-layers", "1"]
+    if ctx.dry_run:
+        model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                 "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8",
+                 "--v-head-dim", "16", "--num-experts", "4", "--moe-ffn-hidden-size", "64",
+                 "--moe-shared-expert-intermediate-size", "64", "--moe-layer-freq", "([0]*1+[1]*1)",
+                 "--ffn-hidden-size", "128"]
+        micro, iters, log_interval, warmup = 2, 4, 2, 1
+    else:  # DeepSeek-V3's head widths, 16 heads of 2048; 8 experts top-2 in 4 groups (best 2)
+        model = ["--num-layers", "12", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "4096",
+                 "--q-lora-rank", "1536", "--kv-lora-rank", "512", "--qk-head-dim", "128", "--qk-pos-emb-head-dim",
+                 "64", "--v-head-dim", "128", "--num-experts", "8", "--moe-ffn-hidden-size", "1408",
+                 "--moe-shared-expert-intermediate-size", "1408", "--moe-layer-freq", "([0]*1+[1]*11)",
+                 "--ffn-hidden-size", "5632", "--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]
+        micro, iters, log_interval, warmup = 1, 30, 10, 5
+    argv = model + mla + ["--moe-router-topk", "2", "--micro-batch-size", str(micro),
+                          *training_flags(ctx, vocab, data, iters, log_interval, warmup)]
+    parsed = train(ctx, "deepseek", argv, ctx.remaining())
+    numbers = {"mla-moe-mtp": run_numbers(parsed)}
+    details = ("| model | tokens/s | TFLOP/s | MFU % | peak GiB | estimated GiB |\n|---|---|---|---|---|---|\n"
+               f"| MLA + MoE + MTP | {run_cells(numbers['mla-moe-mtp'])}\n")
+    return "pass", runs_summary(numbers), details, numbers
+
+
 def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
     """(dataset prefix, tokenizer model) from the Python standard library's sources, by our tools."""
     folder = os.path.join(ctx.work_dir, f"corpus-{docs}-{vocab}")
@@ -550,4 +583,5 @@ STEPS = (
     ("c", "~1.3B GPT, bf16, ZeRO 1, 30 iterations, each recompute mode", 540, 240, gpt_1_3b),
     ("d", "bf16 vs fp32 loss curve, 100 steps", 300, 180, bf16_vs_fp32),
     ("moe", "~1B MoE GPT (8 experts, top-2), bf16, ZeRO 1: per-expert loop vs grouped GEMM", 300, 120, moe_training),
+    ("mla", "DeepSeek-V3-shaped GPT (MLA, MoE with groups, one MTP depth), bf16, ZeRO 1", 300, 120, deepseek_training),
 )

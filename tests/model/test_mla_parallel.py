@@ -98,14 +98,23 @@ def test_mla_with_experts_and_documents_matches_the_dense_losses_and_norms(tp, c
     assert_matches(run_layout(tp, cp, pp, dp, ep, extra + ("--attention-backend", backend)), reference)
 
 
+TWO_DEPTHS = MLA + EXPERTS + DOCUMENTS + ("--mtp-num-layers", "2")
+
+
+@pytest.fixture(scope="module")
+def two_depths_reference():
+    return dense_reference_of(TWO_DEPTHS)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, cp, pp, dp, ep, extra", [(2, 1, 2, 1, 1, ("--sequence-parallel",)), (1, 2, 1, 2, 2, ()),
-                                                       (1, 1, 2, 2, 2, ("--zero-stage", "1"))])
-def test_two_prediction_depths_match_the_dense_losses_depth_losses_and_norms(tp, cp, pp, dp, ep, extra):
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+@pytest.mark.parametrize("tp, cp, pp, dp, ep, extra", LAYOUTS[1:])
+def test_two_prediction_depths_match_the_dense_losses_depth_losses_and_norms(tp, cp, pp, dp, ep, extra, backend,
+                                                                            two_depths_reference):
     """Depth 2 reads depth 1's normed output, the tokens two ahead, and its own decoder layer (numbered L + 2)."""
-    model = MLA + EXPERTS + DOCUMENTS + ("--mtp-num-layers", "2")
-    results = run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, ep, model + extra, STEPS, timeout=180.0)
-    assert_matches(results, dense_reference_of(model))
+    results = run_distributed(_train, tp * cp * pp * dp, tp, cp, pp, dp, ep,
+                              TWO_DEPTHS + extra + ("--attention-backend", backend), STEPS, timeout=180.0)
+    assert_matches(results, two_depths_reference)
 
 
 def without(flags, flag, takes_value=True):
