@@ -16,11 +16,11 @@ from typing import Optional, Tuple
 def mtp_arrays(tokens, labels, loss_mask, documents: Optional = None, depths: int = 1) -> Tuple:
     """tokens, labels, loss_mask [micro, seq] (and document ids [micro, seq]) -> the depths' tokens, labels and
     mask, each [micro, D, seq]."""
-    stack, zeros_like = _ops(tokens)  # depths < seq (validation)
+    stack, zeros_like, ones_like = _ops(tokens)  # depths < seq (validation)
     out_tokens, out_labels, out_mask = [], [], []
     for k in range(1, depths + 1):
         shifted = [_shift(a, k, zeros_like) for a in (tokens, labels, loss_mask)]
-        valid = _shift(loss_mask * 0 + 1, k, zeros_like) > 0  # i + k inside the sequence
+        valid = _shift(ones_like(tokens), k, zeros_like) > 0  # i + k inside the sequence
         if documents is not None:
             valid = valid & (_shift(documents, k, zeros_like) == documents)
         out_tokens.append(shifted[0] * valid)
@@ -40,7 +40,7 @@ def _ops(example):
     if hasattr(example, "numpy"):  # a torch tensor
         import torch
 
-        return (lambda xs: torch.stack(xs, dim=1)), torch.zeros_like
+        return (lambda xs: torch.stack(xs, dim=1)), torch.zeros_like, torch.ones_like
     import numpy as np
 
-    return (lambda xs: np.stack(xs, axis=1)), np.zeros_like
+    return (lambda xs: np.stack(xs, axis=1)), np.zeros_like, np.ones_like

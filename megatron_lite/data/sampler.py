@@ -129,7 +129,8 @@ def build_data_iterator(dataset, consumed_samples: int, micro_batch_size: int, d
     # 2.5-3 ms per micro-batch against 0.5 ms; benchmarks/bench_single_peers.py).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate_arrays if num_workers else
-                                         functools.partial(collate, context_parallel=context_parallel, mtp_depths=mtp_depths),
+                                         functools.partial(collate, context_parallel=context_parallel,
+                                                           mtp_depths=mtp_depths),
                                          persistent_workers=num_workers > 0,
                                          generator=torch.Generator().manual_seed(data_parallel_rank),
                                          **(workers.loader_options() if num_workers else {}))

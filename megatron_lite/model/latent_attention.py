@@ -35,7 +35,7 @@ import torch
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import ParallelAttention
 from megatron_lite.model.mlp import normal_init
-from megatron_lite.model.norms import build_latent_norm
+from megatron_lite.model.norms import build_norm
 from megatron_lite.model.rotary import mla_softmax_mscale
 from megatron_lite.parallel.layers import ColumnParallelLinear, ReplicatedLinear
 from megatron_lite.parallel.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
@@ -53,7 +53,7 @@ class MultiLatentAttention(ParallelAttention):
         if config.q_lora_rank:
             self.linear_q_down_proj = ReplicatedLinear(h, config.q_lora_rank, bias, init,
                                                        sequence_parallel=sequence_parallel)
-            self.q_layernorm = (build_latent_norm(config, config.q_lora_rank, sequence_parallel)
+            self.q_layernorm = (build_norm(config, sequence_parallel, config.q_lora_rank)
                                 if config.qk_layernorm else None)
             self.linear_q_up_proj = ColumnParallelLinear(config.q_lora_rank, q_width, bias=False, init_method=init,
                                                          sequence_parallel=sequence_parallel)
@@ -62,7 +62,7 @@ class MultiLatentAttention(ParallelAttention):
                                                       sequence_parallel=sequence_parallel)
         self.linear_kv_down_proj = ReplicatedLinear(h, self.kv_lora_rank + self.rope_dim, bias, init,
                                                     sequence_parallel=sequence_parallel)
-        self.kv_layernorm = (build_latent_norm(config, self.kv_lora_rank, sequence_parallel)
+        self.kv_layernorm = (build_norm(config, sequence_parallel, self.kv_lora_rank)
                              if config.qk_layernorm else None)
         self.linear_kv_up_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.value_dim),
                                                       bias=False, init_method=init, sequence_parallel=sequence_parallel)

@@ -12,12 +12,12 @@ layer_k is a decoder layer of the model's kind (MLA, experts as the last layer's
 streams, its MoE layer number). The model's loss is L_main + factor / D x sum_k loss_k for the gradient, while
 its value stays L_main: the depths' part enters as (x - x.detach()), in the same graph, so it goes through
 every scaling the main loss's gradient goes through (accumulation steps, CP, the fp16 loss scale), with no
-other injection; the depths' losses are recorded apart for the logs (`last_losses`). eh_proj is whole on every
+other injection; the depths' losses are recorded apart for the logs (`take_losses`). eh_proj is whole on every
 TP rank (parallel/layers.ReplicatedLinear: under SP it sees the rank's sequence shard and its gradient is summed
 over TP), the rest is the decoder layer's own parallelism.
 
 What the last stage receives is (hidden, [document ids], depth tokens [b, D, s]); the head then computes logits
-for [h_0; h_1; ...; h_D] stacked along the batch, and `split_logits` takes them apart for the loss.
+for [h_0; h_1; ...; h_D] stacked along the batch, and `depth_losses` takes them apart for the loss.
 """
 from __future__ import annotations
 
@@ -91,8 +91,9 @@ class MultiTokenPredictionPipe(nn.Module):
 
 def embed_depth_tokens(embedding, x):
     """(h_0, [documents], depth tokens [b, D, s]) -> (h_0, [documents], their embeddings [D b, s(/tp), h]) through
-    the model's (tied) embedding module; anything else passes through."""
-    if not isinstance(x, tuple) or x[-1].dim() != 3 or x[-1].is_floating_point():
+    the model's (tied) embedding module; anything else passes through (the final norm passes a tuple on only when
+    it carries the depth tokens: model/gpt.py)."""
+    if not isinstance(x, tuple):
         return x
     hidden, *rest, tokens = x
     b, depths, s = tokens.shape

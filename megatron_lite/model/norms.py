@@ -7,6 +7,8 @@ holds its own: tagged likewise.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -35,9 +37,10 @@ def _norm(config: ModelConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_epsilon)
 
 
-def build_norm(config: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    """The config's norm over the hidden size; tagged when it works on sequence shards."""
-    norm = _norm(config, config.hidden_size)
+def build_norm(config: ModelConfig, sequence_parallel: bool, size: Optional[int] = None) -> nn.Module:
+    """The config's norm over the hidden size (or `size`: MLA's latents, model/latent_attention.py); tagged when it
+    works on sequence shards."""
+    norm = _norm(config, size or config.hidden_size)
     if sequence_parallel:
         set_sequence_parallel_parameters(norm)
     return norm
@@ -50,11 +53,3 @@ def build_head_norm(config: ModelConfig) -> nn.Module:
     set_head_shared_parameters(norm)
     return norm
 
-
-def build_latent_norm(config: ModelConfig, size: int, sequence_parallel: bool) -> nn.Module:
-    """MLA's norm of a query or key/value latent (--qk-layernorm): replicated, like the down projection before it;
-    tagged under sequence parallelism, where it sees this rank's shard (model/latent_attention.py)."""
-    norm = _norm(config, size)
-    if sequence_parallel:
-        set_sequence_parallel_parameters(norm)
-    return norm

@@ -129,17 +129,22 @@ def equal_sections(size: int, stride: int) -> Tuple[int, ...]:
     return (split_size(size, stride, f"dimension of size {size} in {stride} parts"),) * stride
 
 
+def _master(full_shape, init_method: InitMethod) -> torch.Tensor:
+    """A full-size fp32 CPU master weight filled by init_method (the same on every rank for the same RNG state)."""
+    if torch.empty(0).is_meta:  # built on the meta device only for names and shapes (checkpoint/layout.py)
+        return torch.empty(full_shape, dtype=torch.float32, device="meta")
+    master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+    init_method(master)
+    return master
+
+
 def _master_slice(full_shape, partition_dim: int, sections: Sequence[int], init_method: InitMethod) -> torch.Tensor:
     """This rank's slice of a full-size fp32 CPU master weight filled by init_method.
 
     The split dim is made of `sections` (their lengths), each cut into tp equal pieces; rank r takes
     piece r of every section: a fused [Q; K; V] weight gives each rank [Q_r; K_r; V_r].
     """
-    if torch.empty(0).is_meta:  # built on the meta device only for names and shapes (checkpoint/layout.py)
-        master = torch.empty(full_shape, dtype=torch.float32, device="meta")
-    else:
-        master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
-        init_method(master)
+    master = _master(full_shape, init_method)
     world = tp_world_size()
     if world == 1:
         return master
@@ -228,11 +233,7 @@ class ReplicatedLinear(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        if torch.empty(0).is_meta:
-            master = torch.empty((output_size, input_size), dtype=torch.float32, device="meta")
-        else:
-            master = torch.empty((output_size, input_size), dtype=torch.float32, device="cpu")
-            (init_method or default_init_method)(master)
+        master = _master((output_size, input_size), init_method or default_init_method)
         self.weight = _parameter((output_size, input_size), params_dtype, master, False)
         set_matrix_attributes(self.weight)
         self.bias = _parameter((output_size,), params_dtype, torch.zeros(()), False) if bias else None

@@ -96,7 +96,8 @@ def train(run: Run, start: float) -> int:
     exit_code, status = 0, "stopped"
     while run.iteration < t.train_iters:
         stats = train_step(run)
-        stop_signal, nonfinite = agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
+        stop_signal, nonfinite = agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)],
+                                                  run.engine.device)
         if nonfinite and not config.precision.fp16:
             print_rank0(f"error: loss is {stats.loss} at iteration {run.iteration}; stopping. The last good checkpoint "
                         f"({checkpointing.latest_tag(t.save) if t.save else 'none'}) is kept; lower --lr or raise "
