@@ -181,6 +181,27 @@ RULES = [
                  r"^--ffn-hidden-size 90 is not divisible by --tensor-model-parallel-size 4; the MLP is split "
                  r"column-wise across TP ranks \(with --swiglu, both the gate and the up projection\). Use "
                  r"--ffn-hidden-size 88 or 92$", id="swiglu-ffn-vs-tp"),
+    pytest.param(model_rules, cfg(model__swiglu=True, model__quick_geglu=True),
+                 r"^--swiglu and --quick-geglu each choose the gated MLP's activation .*; drop one of them$",
+                 id="swiglu-with-quick-geglu"),
+    pytest.param(model_rules, cfg(model__openai_gelu=True, model__quick_geglu=True),
+                 r"^--openai-gelu chooses GeLU's approximation, but --quick-geglu gates with quick-GeLU and has no "
+                 r"GeLU; drop one of them$", id="openai-gelu-with-quick-geglu"),
+    pytest.param(model_rules, cfg(model__openai_gelu=True, model__swiglu=True),
+                 r"^--openai-gelu chooses GeLU's approximation, but --swiglu gates with SiLU",
+                 id="openai-gelu-with-swiglu"),
+    pytest.param(model_rules, cfg(model__glu_linear_offset=1.0),
+                 r"^--glu-linear-offset 1 is added to a gated MLP's up half, but this MLP is not gated \(GeLU\); add "
+                 r"--quick-geglu \(gpt-oss: --glu-linear-offset 1\) or --swiglu, or drop --glu-linear-offset$",
+                 id="glu-offset-without-gated-mlp"),
+    pytest.param(model_rules, cfg(model__activation_func_clamp_value=7.0),
+                 r"^--activation-func-clamp-value 7 clamps a gated MLP's gate and up halves, but this MLP is not gated "
+                 r"\(GeLU\); add --quick-geglu .* or --swiglu, or drop --activation-func-clamp-value$",
+                 id="clamp-without-gated-mlp"),
+    pytest.param(model_rules, layout(4, 4, model__quick_geglu=True, model__ffn_hidden_size=90),
+                 r"^--ffn-hidden-size 90 is not divisible by --tensor-model-parallel-size 4; the MLP is split "
+                 r"column-wise across TP ranks \(with --quick-geglu, both the gate and the up projection\)",
+                 id="quick-geglu-ffn-vs-tp"),
     pytest.param(model_rules, cfg(model__use_rope_scaling=True),
                  r"^--use-rope-scaling scales rotary frequencies and needs --position-embedding-type rope",
                  id="rope-scaling-without-rope"),
@@ -224,8 +245,17 @@ def test_kv_channels_frees_the_head_width_from_hidden_over_heads():
 def test_swiglu_takes_megatron_lms_default_ffn_width():
     from megatron_lite.validation.rules import default_ffn_hidden_size
 
-    assert default_ffn_hidden_size(4096, swiglu=True) == 10880  # int(4 x 4096 x 2/3 / 64) x 64, as Megatron-LM
-    assert default_ffn_hidden_size(4096, swiglu=False) == 16384
+    assert default_ffn_hidden_size(4096, gated=True) == 10880  # int(4 x 4096 x 2/3 / 64) x 64, as Megatron-LM
+    assert default_ffn_hidden_size(4096, gated=False) == 16384
+
+
+def test_gpt_oss_activation_flags_validate_and_need_a_gated_mlp():
+    """gpt-oss's MLP (--quick-geglu --glu-linear-offset 1 --activation-func-clamp-value 7) and SwiGLU with the same
+    options pass; the gated width is the default there too."""
+    for unit in ("quick_geglu", "swiglu"):
+        config, notes = validate(layout(1, **{f"model__{unit}": True}, model__glu_linear_offset=1.0,
+                                        model__activation_func_clamp_value=7.0))
+        assert config.model.gated_linear_unit and config.model.ffn_hidden_size == 128 and notes == []
 
 
 @pytest.mark.parametrize("rule, config, message", RULES)

@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "with experts MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM; "
                                          "with --multi-latent-attention DeepseekV3ForCausalLM (its multi-token "
                                          "prediction layers too); with DeepSeek-V3's router and shared expert and "
-                                         "grouped-query attention Glm4MoeForCausalLM; what the architecture cannot "
-                                         "hold is refused")
+                                         "grouped-query attention Glm4MoeForCausalLM; with attention sinks "
+                                         "GptOssForCausalLM; what the architecture cannot hold is refused")
     source(p)
     p.add_argument("--output", required=True, help="folder to write (new or empty)")
     overwrite(p)
@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-hf", help="Hugging Face GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM, "
                                          "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM or "
                                          "DeepseekV3ForCausalLM (DeepSeek-V3's and Kimi K2's fp8 release read "
-                                         "dequantized) or Glm4MoeForCausalLM folder "
+                                         "dequantized), Glm4MoeForCausalLM or GptOssForCausalLM (its MXFP4 "
+                                         "release read dequantized) folder "
                                          "-> a checkpoint of ours at iteration 0 under any TP x PP (x EP); train it with "
                                          "pretrain_gpt.py --load CKPT --use-checkpoint-args")
     p.add_argument("--input", required=True, help="the Hugging Face folder (config.json and safetensors, as "

@@ -518,6 +518,47 @@ def deepseek_training(ctx: Context):
     return "pass", runs_summary(numbers), details, numbers
 
 
+def gpt_oss_training(ctx: Context):
+    """A gpt-oss-shaped GPT (learned attention sinks, 128-token windows on every other layer, YaRN, biases, experts
+    top-4 with the clamped quick-GeGLU), bf16, ZeRO 1, on one GPU, under both attention backends (SDPA with the sink
+    as one more key; our fused softmax, whose CUDA kernel takes the sinks): tokens/s, TFLOP/s, MFU, peak memory
+    against our estimate (issue 57)."""
+    vocab, data = random_data(ctx)
+    gpt_oss = ["--normalization", "RMSNorm", "--untie-embeddings-and-output-weights", "--group-query-attention",
+               "--softmax-type", "learnable", "--quick-geglu", "--glu-linear-offset", "1",
+               "--activation-func-clamp-value", "7", "--window-size", "127,0", "--window-attn-skip-freq", "2",
+               "--position-embedding-type", "yarn", "--rotary-base", "150000", "--rotary-scaling-factor", "32",
+               "--yarn-original-max-position-embeddings", "4096", "--no-yarn-correction-range-round-to-int",
+               "--moe-router-score-function", "softmax", "--moe-router-topk", "4"]
+    if ctx.dry_run:
+        model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+                 "--kv-channels", "8", "--seq-length", "64", "--num-experts", "4", "--moe-ffn-hidden-size", "64",
+                 "--ffn-hidden-size", "64"]
+        micro, iters, log_interval, warmup = 2, 4, 2, 1
+    else:  # gpt-oss-20b's widths (hidden 2880, 64 heads of 64 in 8 groups, experts of 2880), 8 layers, 8 experts
+        model = ["--num-layers", "8", "--hidden-size", "2880", "--num-attention-heads", "64", "--num-query-groups", "8",
+                 "--kv-channels", "64", "--seq-length", "2048", "--num-experts", "8", "--moe-ffn-hidden-size", "2880",
+                 "--ffn-hidden-size", "2880"]
+        micro, iters, log_interval, warmup = 1, 30, 10, 5
+    numbers, rows, failures = {}, [], []
+    backends = ("sdpa", "fused")
+    for i, backend in enumerate(backends):
+        argv = model + gpt_oss + ["--attention-backend", backend, "--micro-batch-size", str(micro),
+                                  *training_flags(ctx, vocab, data, iters, log_interval, warmup)]
+        try:
+            parsed = train(ctx, f"gpt-oss-{backend}", argv, ctx.remaining() / (len(backends) - i))
+        except StepFailed as e:
+            failures.append(f"{backend}: {e}")
+            rows.append(f"| {backend} | failed: {str(e)[:150]} | | | | |")
+            continue
+        numbers[backend] = run_numbers(parsed)
+        rows.append(f"| {backend} | {run_cells(numbers[backend])}")
+    details = ("| attention | tokens/s | TFLOP/s | MFU % | peak GiB | estimated GiB |\n|---|---|---|---|---|---|\n"
+               + "\n".join(rows) + "\n")
+    return ("fail" if failures else "pass"), "; ".join(filter(None, [runs_summary(numbers)] + failures)), details, \
+        numbers
+
+
 def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
     """(dataset prefix, tokenizer model) from the Python standard library's sources, by our tools."""
     folder = os.path.join(ctx.work_dir, f"corpus-{docs}-{vocab}")
@@ -584,4 +625,6 @@ STEPS = (
     ("d", "bf16 vs fp32 loss curve, 100 steps", 300, 180, bf16_vs_fp32),
     ("moe", "~1B MoE GPT (8 experts, top-2), bf16, ZeRO 1: per-expert loop vs grouped GEMM", 300, 120, moe_training),
     ("mla", "DeepSeek-V3-shaped GPT (MLA, MoE with groups, one MTP depth), bf16, ZeRO 1", 300, 120, deepseek_training),
+    ("gptoss", "gpt-oss-shaped GPT (sinks, alternating windows, MoE top-4, biases), bf16, ZeRO 1, both backends", 360,
+     150, gpt_oss_training),
 )

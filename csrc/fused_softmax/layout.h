@@ -114,6 +114,18 @@ inline BackwardArgs prepare_backward(const at::Tensor& grad_output, const at::Te
   return args;
 }
 
+// The attention sinks of a 4-D input [b, np, sq, sk]: one float logit per head, contiguous, on the
+// input's device (the op's caller converts a bf16/fp16 parameter).
+inline at::Tensor prepare_sinks(const at::Tensor& input, const at::Tensor& sinks) {
+  TORCH_CHECK(input.dim() == 4, "fused softmax: sinks need input [b, np, sq, sk], got shape ", input.sizes());
+  TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == input.size(1), "fused softmax: sinks must be [np] = [",
+              input.size(1), "], one per head, got shape ", sinks.sizes());
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat, "fused softmax: sinks must be float32, got ", sinks.scalar_type());
+  TORCH_CHECK(sinks.device() == input.device(), "fused softmax: sinks are on ", sinks.device(),
+              " but input is on ", input.device());
+  return sinks.contiguous();
+}
+
 // Row r's mask offset (in elements) from the mask's data pointer.
 C10_HOST_DEVICE inline int64_t mask_offset(const Layout& layout, int64_t row) {
   const int64_t query = row % layout.sq;

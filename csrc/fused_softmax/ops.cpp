@@ -10,9 +10,22 @@
 //   for a 4-D input [b, np, sq, sk];
 //   causal masks key j > query i and needs sq == sk;
 //   a row whose every position is masked is all zeros, forward and backward.
+//
+// Attention sinks (softmax_type off-by-one / learnable): the sink forward takes
+// sinks float32 [np], one logit per head that joins each row's max and sum, so
+// y_j = exp(scale x_j) / (exp(sink) + sum_k exp(scale x_k)); it also returns
+// each row's sink probability, float32 [rows] (1 on a fully masked row). The
+// scores' gradient is the same formula (the sink column's dy is 0), so the
+// row-dot backward is the plain backward that also returns each row's
+// sum(dy * y), float32 [rows]: the sink's gradient is -sink_prob * that, summed
+// over the head's rows.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(megatron_lite, m) {
   m.def("scaled_masked_softmax_forward(Tensor input, Tensor? mask, float scale, bool causal) -> Tensor");
   m.def("scaled_masked_softmax_backward(Tensor grad_output, Tensor output, float scale, bool causal) -> Tensor");
+  m.def("scaled_masked_softmax_sink_forward(Tensor input, Tensor? mask, Tensor sinks, float scale, bool causal) "
+        "-> (Tensor, Tensor)");
+  m.def("scaled_masked_softmax_row_dot_backward(Tensor grad_output, Tensor output, float scale, bool causal) "
+        "-> (Tensor, Tensor)");
 }

@@ -6,6 +6,7 @@
 // ATen/cuda), so the file compiles against the headers of a CPU torch wheel too,
 // which is how CI checks it on machines without a GPU.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "fused_softmax/layout.h"
 
@@ -96,7 +98,7 @@ __device__ bool locate(int64_t rows, int64_t& row, int& lane) {
 template <typename T, int kThreads, int kPerThread, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
     forward_kernel(const T* __restrict__ input, const bool* __restrict__ mask, T* __restrict__ output, Layout layout,
-                   bool causal, float scale) {
+                   bool causal, float scale, const float* __restrict__ sinks, float* __restrict__ sink_probs) {
   int64_t row;
   int lane;
   if (!locate<kThreads>(layout.rows, row, lane)) return;  // uniform over the row's threads
@@ -121,6 +123,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
     }
   }
   max = row_reduce<kThreads>(max, Max());
+  // An attention sink is one more logit of the row (its head's), in the max and the sum, with no value.
+  const float sink = sinks == nullptr ? -INFINITY : sinks[(row / layout.sq) % layout.heads];
+  max = fmaxf(max, sink);
 
   float sum = 0.0f;
 #pragma unroll
@@ -129,7 +134,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
     sum += values[i];
   }
   sum = row_reduce<kThreads>(sum, Sum());
+  const float sink_term = sinks == nullptr ? 0.0f : __expf(sink - max);
+  sum += sink_term;
   const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;  // a fully masked row stays all zeros
+  if (sink_probs != nullptr && lane == 0) sink_probs[row] = sink_term * inverse;
 
   T* y = output + row * sk;
 #pragma unroll
@@ -147,7 +155,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
 template <typename T, int kThreads, int kPerThread, int kVec>
 __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
     backward_kernel(const T* __restrict__ grad_output, const T* __restrict__ output, T* __restrict__ grad_input,
-                    Layout layout, bool causal, float scale) {
+                    Layout layout, bool causal, float scale, float* __restrict__ dots) {
   int64_t row;
   int lane;
   if (!locate<kThreads>(layout.rows, row, lane)) return;
@@ -174,6 +182,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock<kThreads>)
     }
   }
   dot = row_reduce<kThreads>(dot, Sum());
+  if (dots != nullptr && lane == 0) dots[row] = dot;  // for the sink's gradient
 
   T* dx = grad_input + row * sk;
 #pragma unroll
@@ -194,6 +203,8 @@ struct Launch {
   Layout layout;
   bool causal;
   float scale;
+  const float* sinks = nullptr;  // forward with attention sinks: [np] logits
+  float* row_out = nullptr;      // forward: each row's sink probability; backward: each row's dot(dy, y)
 };
 
 template <typename T, bool kBackward, int kThreads, int kPerThread, int kVec>
@@ -204,11 +215,12 @@ void launch(const Launch& p) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if constexpr (kBackward) {
     backward_kernel<T, kThreads, kPerThread, kVec><<<grid, block, 0, stream>>>(
-        static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<T*>(p.out), p.layout, p.causal, p.scale);
+        static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<T*>(p.out), p.layout, p.causal, p.scale,
+        p.row_out);
   } else {
     forward_kernel<T, kThreads, kPerThread, kVec><<<grid, block, 0, stream>>>(
         static_cast<const T*>(p.a), static_cast<const bool*>(p.b), static_cast<T*>(p.out), p.layout, p.causal,
-        p.scale);
+        p.scale, p.sinks, p.row_out);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -280,10 +292,48 @@ at::Tensor backward_op(const at::Tensor& grad_output, const at::Tensor& output, 
   return grad_input;
 }
 
+std::tuple<at::Tensor, at::Tensor> sink_forward_op(const at::Tensor& input, const c10::optional<at::Tensor>& mask,
+                                                   const at::Tensor& sinks, double scale, bool causal) {
+  const ForwardArgs args = prepare_forward(input, mask, causal);
+  check_cuda(args.input, args.layout);
+  const at::Tensor sink_values = prepare_sinks(args.input, sinks);
+  const c10::cuda::CUDAGuard guard(args.input.device());
+  Layout layout = args.layout;
+  layout.heads = args.input.size(1);
+  at::Tensor output = at::empty_like(args.input);
+  at::Tensor sink_probs = at::empty({layout.rows}, args.input.options().dtype(at::kFloat));
+  if (output.numel() == 0) return {output, sink_probs};
+  Launch p{args.input.const_data_ptr(), args.mask.has_value() ? args.mask->const_data_ptr() : nullptr,
+           output.mutable_data_ptr(), layout, causal, static_cast<float>(scale)};
+  p.sinks = sink_values.const_data_ptr<float>();
+  p.row_out = sink_probs.mutable_data_ptr<float>();
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(output.scalar_type(), "scaled_masked_softmax_sink_forward_cuda",
+                                       [&] { launch_typed<scalar_t, false>(p); });
+  return {output, sink_probs};
+}
+
+std::tuple<at::Tensor, at::Tensor> row_dot_backward_op(const at::Tensor& grad_output, const at::Tensor& output,
+                                                       double scale, bool causal) {
+  const BackwardArgs args = prepare_backward(grad_output, output, causal);
+  check_cuda(args.output, args.layout);
+  const c10::cuda::CUDAGuard guard(args.output.device());
+  at::Tensor grad_input = at::empty_like(args.output);
+  at::Tensor dots = at::empty({args.layout.rows}, args.output.options().dtype(at::kFloat));
+  if (grad_input.numel() == 0) return {grad_input, dots};
+  Launch p{args.grad_output.const_data_ptr(), args.output.const_data_ptr(), grad_input.mutable_data_ptr(),
+           args.layout, causal, static_cast<float>(scale)};
+  p.row_out = dots.mutable_data_ptr<float>();
+  MEGATRON_LITE_DISPATCH_SOFTMAX_TYPES(grad_input.scalar_type(), "scaled_masked_softmax_row_dot_backward_cuda",
+                                       [&] { launch_typed<scalar_t, true>(p); });
+  return {grad_input, dots};
+}
+
 }  // namespace
 }  // namespace megatron_lite::fused_softmax::cuda
 
 TORCH_LIBRARY_IMPL(megatron_lite, CUDA, m) {
   m.impl("scaled_masked_softmax_forward", &megatron_lite::fused_softmax::cuda::forward_op);
   m.impl("scaled_masked_softmax_backward", &megatron_lite::fused_softmax::cuda::backward_op);
+  m.impl("scaled_masked_softmax_sink_forward", &megatron_lite::fused_softmax::cuda::sink_forward_op);
+  m.impl("scaled_masked_softmax_row_dot_backward", &megatron_lite::fused_softmax::cuda::row_dot_backward_op);
 }

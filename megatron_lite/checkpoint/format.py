@@ -166,7 +166,7 @@ def fused_weights(model: Dict[str, Any]) -> Dict[str, Any]:
     layout = {} if model.get("multi_latent_attention") else {"attention.query_key_value": {
         "parts": ["query", "key", "value"], "rows": [heads * head_dim, groups * head_dim, groups * head_dim],
         "query_heads_per_group": heads // groups}}  # MLA has no fused attention weight: whole heads per rank
-    if model.get("swiglu"):
+    if model.get("swiglu") or model.get("quick_geglu"):
         ffn = model["ffn_hidden_size"]
         layout["mlp.dense_h_to_4h"] = {"parts": ["gate", "up"], "rows": [ffn, ffn]}
     return layout

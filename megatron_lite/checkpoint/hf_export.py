@@ -6,8 +6,9 @@ with a gated shared expert or --add-qkv-bias, else a `MixtralForCausalLM` (hf_qw
 hf_mixtral.py), each expert written under save_pretrained's per-expert names; with Multi-head Latent Attention, a
 `DeepseekV3ForCausalLM` (hf_deepseek_v3.py; --mtp-num-layers depths as its multi-token prediction layers,
 hf_deepseek_v3_mtp.py); with DeepSeek-V3's experts (sigmoid router, selection bias, shared expert) and Llama's
-attention (partial RoPE, QK-norm, q/k/v biases optional), a `Glm4MoeForCausalLM` (hf_glm4_moe.py). The TP and PP
-shards are merged first; the padded vocabulary rows are dropped (vocab_size = the tokenizer's). Tensors are
+attention (partial RoPE, QK-norm, q/k/v biases optional), a `Glm4MoeForCausalLM` (hf_glm4_moe.py); with attention
+sinks or quick-GeGLU experts, a `GptOssForCausalLM` (hf_gpt_oss.py; its bf16 layout, not the release's MXFP4). The
+TP and PP shards are merged first; the padded vocabulary rows are dropped (vocab_size = the tokenizer's). Tensors are
 written in --dtype (float32 by default: the trained masters), but for those an architecture keeps in fp32 (its
 KEPT_IN_FP32: DeepSeek-V3's and GLM-4.5's selection bias).
 Writing needs `safetensors` (a dependency); reading it back, `transformers`.
@@ -25,6 +26,7 @@ from megatron_lite.checkpoint import (
     hf_deepseek_v3,
     hf_glm4_moe,
     hf_gpt2,
+    hf_gpt_oss,
     hf_llama,
     hf_mixtral,
     hf_qwen2_moe,
@@ -56,6 +58,9 @@ def architecture_of(config: Config):
     if m.multi_latent_attention:  # with or without experts: DeepSeek-V3's router, or first_k_dense_replace = L
         hf_deepseek_v3.check_deepseek_v3(m)
         return hf_deepseek_v3
+    if m.softmax_type != "vanilla" or m.quick_geglu:  # gpt-oss's sinks or experts: only it holds them
+        hf_gpt_oss.check_gpt_oss(m)
+        return hf_gpt_oss
     if m.num_experts is not None:  # each check refuses, naming the flag, what its architecture cannot hold
         if m.moe_router_score_function == "sigmoid" and m.moe_router_enable_expert_bias \
                 and m.moe_shared_expert_intermediate_size:  # DeepSeek-V3's MoE block, with Llama's attention

@@ -45,3 +45,16 @@ def real(c: dict, key: str, where: str, default: Any = REQUIRED, minimum=None, a
     if why:
         raise CheckpointError(f"{where}: {key} = {value!r} {why}")
     return float(value)
+
+
+def refuse_gpt_oss_parts(m, architecture: str) -> None:
+    """An architecture without gpt-oss's attention sinks and clamped, offset, quick-GeLU-gated MLP cannot hold a model
+    built with them: say which flags (GptOssForCausalLM holds them)."""
+    given = [flag for flag, on in (("--softmax-type " + m.softmax_type, m.softmax_type != "vanilla"),
+                                   ("--quick-geglu", m.quick_geglu),
+                                   (f"--glu-linear-offset {m.glu_linear_offset:g}", m.glu_linear_offset != 0.0),
+                                   (f"--activation-func-clamp-value {m.activation_func_clamp_value}",
+                                    m.activation_func_clamp_value is not None)) if on]
+    if given:
+        raise CheckpointError(f"{architecture} has no place for {', '.join(given)}: this model was built with them "
+                              f"(gpt-oss's; export it as GptOssForCausalLM)")

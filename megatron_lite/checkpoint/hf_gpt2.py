@@ -20,7 +20,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import real, whole
+from megatron_lite.checkpoint.hf_fields import real, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -34,6 +34,10 @@ ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 def check_gpt2(m: ModelConfig) -> None:
     """Refuse, with the reason, a GPT-2-block model GPT2LMHeadModel cannot hold."""
+    refuse_gpt_oss_parts(m, "GPT2LMHeadModel")
+    if m.gated_linear_unit:
+        raise CheckpointError("export-hf: the model's MLP is gated (--swiglu); GPT2LMHeadModel's is a GeLU MLP "
+                              "(the Llama-family block exports as LlamaForCausalLM)")
     if m.position_embedding_type != "learned_absolute":
         raise CheckpointError(f"export-hf: the model uses --position-embedding-type {m.position_embedding_type} "
                               f"(rotary); GPT2LMHeadModel has learned absolute positions only, and a GPT-NeoX "

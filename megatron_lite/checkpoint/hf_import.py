@@ -5,7 +5,8 @@ checkpoint/hf_llama.py, `Qwen3ForCausalLM` through checkpoint/hf_qwen3.py, the M
 `MixtralForCausalLM`, `Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` through hf_mixtral.py, hf_qwen2_moe.py and
 hf_qwen3_moe.py (either spelling of their experts: checkpoint/hf_moe.py), `DeepseekV3ForCausalLM` through
 hf_deepseek_v3.py (its multi-token prediction layers, when the folder holds them, as --mtp-num-layers depths),
-`Glm4MoeForCausalLM` through hf_glm4_moe.py (the same MTP layers):
+`Glm4MoeForCausalLM` through hf_glm4_moe.py (the same MTP layers), `GptOssForCausalLM` through hf_gpt_oss.py (its
+release's MXFP4 experts read dequantized: hf_mxfp4.py):
 the tables export uses, walked the other way. Our layer files hold every expert of a layer (by global index,
 whatever the EP), so the target EP (--target-expert-model-parallel-size) is the recorded layout's, checked
 against the expert count. config.json becomes our model flags (a field we cannot represent is refused by name,
@@ -33,6 +34,7 @@ from megatron_lite.checkpoint import (
     hf_deepseek_v3,
     hf_glm4_moe,
     hf_gpt2,
+    hf_gpt_oss,
     hf_llama,
     hf_mapping,
     hf_mixtral,
@@ -54,6 +56,7 @@ from megatron_lite.checkpoint.format import (
 from megatron_lite.checkpoint.hf_fields import whole
 from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
 from megatron_lite.checkpoint.hf_fp8 import BlockScaledWeights, block_size
+from megatron_lite.checkpoint.hf_mxfp4 import Mxfp4Weights, is_mxfp4
 from megatron_lite.checkpoint.layout import ModelLayout, slice_shape
 from megatron_lite.checkpoint.layout_free import RunState
 from megatron_lite.checkpoint.preflight import refuse_existing
@@ -63,7 +66,7 @@ from megatron_lite.config import Config, ConfigError
 from megatron_lite.data.sidecar import tokenizer_sha256
 
 ARCHITECTURES = {name: module for module in (hf_gpt2, hf_llama, hf_qwen3, hf_mixtral, hf_qwen2_moe, hf_qwen3_moe,
-                                              hf_deepseek_v3, hf_glm4_moe)
+                                              hf_deepseek_v3, hf_glm4_moe, hf_gpt_oss)
                  for name in module.ARCHITECTURES}
 BUFFERS = (".router.expert_bias",)
 """Tables' entries that are buffers (saved state, not parameters): not counted as parameters."""
@@ -204,8 +207,13 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
     where = os.path.join(input_folder, "config.json")
     name, module = architecture(hf, where)
     files = WeightFiles(input_folder, module.hf_name)  # its names (the headers): nothing read yet
-    block = block_size(hf, where)
-    files = BlockScaledWeights(files, block) if block else files  # fp8 weights read dequantized (hf_fp8.py)
+    if is_mxfp4(hf):  # gpt-oss's release: expert stacks read dequantized (hf_mxfp4.py)
+        files = Mxfp4Weights(files)
+    else:
+        block = block_size(hf, where)
+        files = BlockScaledWeights(files, block) if block else files  # fp8 weights read dequantized (hf_fp8.py)
+    # The tensors as the table reads them (gpt-oss's expert stacks turned to our layout as they are read).
+    files = module.weights_view(files) if hasattr(module, "weights_view") else files
     config, notes = imported_config(hf, module, tp, pp, partition_method, seq_length, where, validate, ep,
                                     files.names())
     config, note = with_tokenizer(config, tokenizer or {}, f"the model of {where}")

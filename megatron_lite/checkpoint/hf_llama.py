@@ -27,7 +27,7 @@ import torch
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import real, whole
+from megatron_lite.checkpoint.hf_fields import real, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.rotary import (
@@ -62,6 +62,7 @@ def check_llama(m: ModelConfig, architecture: str = "LlamaForCausalLM", qkv_bias
                                      ("--rotary-percent 1 (RoPE over whole heads)",
                                       partial_rotary or m.rotary_percent == 1.0))
                if not ok]
+    refuse_gpt_oss_parts(m, architecture)
     if missing:
         raise CheckpointError(f"{architecture} needs the Llama-family block; this model was built without "
                               f"{', '.join(missing)} (GPT-2-shaped models export as GPT2LMHeadModel instead)")

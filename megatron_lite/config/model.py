@@ -52,6 +52,16 @@ class ModelConfig(MultiTokenPredictionConfig, MoEConfig, AttentionKernelConfig, 
         return self.num_layers + (self.mtp_num_layers or 0)
 
     @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP (and each expert) is gated: [gate; up] halves, --swiglu or --quick-geglu."""
+        return self.swiglu or self.quick_geglu
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether the attention softmax has a sink logit per head (--softmax-type off-by-one or learnable)."""
+        return self.softmax_type != "vanilla"
+
+    @property
     def qkv_bias(self) -> bool:
         """Whether the fused QKV linear has a bias: every linear's (no --disable-bias-linear), or --add-qkv-bias."""
         return self.add_bias_linear or self.add_qkv_bias

@@ -8,6 +8,8 @@ from typing import Optional, Tuple
 from megatron_lite.config.flag_values import format_window_size, parse_window_size
 from megatron_lite.config.option import option
 
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
 
 @dataclass(frozen=True)
 class AttentionHeadsConfig:
@@ -51,6 +53,10 @@ class AttentionKernelConfig:
     window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1)
     """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
     others through the window (gpt-oss: 2)."""
+    softmax_type: str = option("vanilla", "--softmax-type", choices=SOFTMAX_TYPES)
+    """Attention softmax: vanilla; off-by-one (a zero logit in every row's denominator: exp(s) / (1 + sum exp(s)));
+    learnable (gpt-oss's attention sinks: one learned logit per head in the denominator, taking probability mass
+    and giving no value; the parameter `softmax_offset` [heads], split over TP with the heads)."""
 
 
 @dataclass(frozen=True)

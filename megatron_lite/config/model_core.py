@@ -54,6 +54,15 @@ class BlockConfig:
     not given it is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64."""
     openai_gelu: bool = option(False, "--openai-gelu")
     """GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) computes it; default: exact (erf)."""
+    quick_geglu: bool = option(False, "--quick-geglu")
+    """Quick-GeLU-gated MLP (gpt-oss): down(quick_gelu(gate(x)) * (up(x) + --glu-linear-offset)) with
+    quick_gelu(g) = g * sigmoid(1.702 g); the gate/up layout and --ffn-hidden-size as --swiglu's."""
+    glu_linear_offset: float = option(0.0, "--glu-linear-offset", minimum=-1e6, maximum=1e6)
+    """Added to the linear (up) half of a gated MLP before the product (gpt-oss: 1); --swiglu or --quick-geglu."""
+    activation_func_clamp_value: Optional[float] = option(None, "--activation-func-clamp-value", above=0,
+                                                          maximum=1e6)
+    """Clamp a gated MLP's halves before the activation: the gate to at most this, the up half to [-this, this]
+    (gpt-oss: 7); --swiglu or --quick-geglu. Not given: no clamp."""
 
 
 @dataclass(frozen=True)

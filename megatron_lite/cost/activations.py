@@ -33,6 +33,8 @@ attention runs on (QKV = Q + 2K: the fused output, or with context parallelism t
     outputs are new tensors, so (without context parallelism) q and k reach the attention as with RoPE
   MLP  GeLU: its input and output                      2 e bsf / t
        SwiGLU: [gate; up], silu(gate), the product     4 e bsf / t
+       other gated units (--quick-geglu, a clamp,      3 e bsf / t
+       an offset): [gate; up], the product (model/activation.py recomputes the rest; `mlp_inner_copies`)
   attention core (`attention_core_bytes`), by kernel (`attention_kernel`):
     fused   the softmax output                         e n_c S^2 b
             attention dropout (p > 0): mask + output   (k + e) n_c S^2 b
@@ -100,7 +102,8 @@ from typing import Optional, Tuple
 from megatron_lite.config import Config
 from megatron_lite.cost.activation_dims import dims
 from megatron_lite.cost.latent_activations import latent_attention_input_bytes, latent_bytes
-from megatron_lite.cost.moe_activations import moe_mlp_bytes
+from megatron_lite.cost.moe_activations import mlp_inner_copies, moe_mlp_bytes
+from megatron_lite.cost.sink_activations import fused_sink_bytes, sdpa_sink_bytes
 from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.model.recompute_options import recompute_chunks
 
@@ -267,17 +270,21 @@ def attention_mask_bytes(config: Config, device: str = "cuda", selective: bool =
 def _layer_bytes(config: Config, device: str, selective: bool, moe: bool = False) -> int:
     m, d = config.model, dims(config, device)
     total = 2 * norm_bytes(config, device)
-    total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.v
+    kernel = attention_kernel(config, device)
+    if m.attention_sinks and kernel != "fused" and not selective:  # the sink as one more key: all new tensors
+        total += sdpa_sink_bytes(config, device, kernel) + d.e * d.bs * d.local_heads * d.v
+    else:
+        total += attention_input_bytes(config, device, checkpointed=selective) + d.e * d.bs * d.local_heads * d.v
+        total += 0 if selective else attention_core_bytes(config, device)
+        total += attention_mask_bytes(config, device, selective)
+        total += fused_sink_bytes(config, device) if m.attention_sinks and not selective else 0
     total += qk_norm_bytes(config, device, checkpointed=selective)
     total += latent_bytes(config, device) if m.multi_latent_attention else 0
-    if not selective:
-        total += attention_core_bytes(config, device)
-    total += attention_mask_bytes(config, device, selective)
     if m.position_embedding_type == "rope":  # per sample when positions restart with each document
         total += 2 * d.e * d.S * m.rotary_dim * (d.b if m.reset_position_ids and needs_document_ids(m) else 1)
     if d.g < d.t:
         total += d.e * (d.local_heads + 2) * d.head_dim * d.h
-    total += moe_mlp_bytes(config, device) if moe else (4 if m.swiglu else 2) * d.e * d.bs * d.f // d.t
+    total += moe_mlp_bytes(config, device) if moe else mlp_inner_copies(m) * d.e * d.bs * d.f // d.t
     if m.hidden_dropout > 0:
         total += 2 * d.k * d.bsh // d.r
     return total

@@ -20,10 +20,11 @@ not given).
 One transformer layer (model/transformer.py), each weight [out, in]:
     QKV          [(a + 2g) d, h]   split over TP by Q, K and V rows (parallel/qkv.py)
     projection   [h, a d]          split over TP by columns
-    MLP in       [f, h]            GeLU; SwiGLU: [2f, h] (gate and up), split over TP by rows
+    MLP in       [f, h]            GeLU; gated (--swiglu, --quick-geglu): [2f, h] (gate and up), split by rows
     MLP out      [h, f]            split over TP by columns
-    biases       (a + 2g) d and f (2f SwiGLU) split, h and h whole; none with --disable-bias-linear,
+    biases       (a + 2g) d and f (2f gated) split, h and h whole; none with --disable-bias-linear,
                  but for the QKV's (a + 2g) d with --add-qkv-bias
+    sinks        --softmax-type learnable: softmax_offset, one logit per head, a/t per rank
     two norms    2h each (LayerNorm) or h each (RMSNorm), whole on every rank
     QK-norm      --qk-layernorm: two norms of d (q and k; LayerNorm 2d each), whole on every rank
 
@@ -35,8 +36,8 @@ q [a d_qk, h]) and kv up [a (d_n + d_v), c] split by heads; the projection is [h
 An MoE layer (model/moe.py; which layers: model/moe_options.py) has the same attention and norms, and
 instead of the MLP, with E experts, k = --moe-router-topk, F the expert width, F_s the shared expert's,
 EP the expert-parallel degree:
-    router       [E, h]                     whole on every rank
-    experts      [E/EP, F, h] ([E/EP, 2F, h] SwiGLU) and [E/EP, h, F], split over TP as the MLP (F/t);
+    router       [E, h] and a bias [E] (but with --disable-bias-linear), whole on every rank
+    experts      [E/EP, F, h] ([E/EP, 2F, h] gated) and [E/EP, h, F], split over TP as the MLP (F/t);
                  biases [E/EP, F] (2F) split and [E/EP, h] whole; a rank holds E/EP of the E experts
     shared       the MLP above at width F_s (--moe-shared-expert-intermediate-size), if any
     gate         [1, h] whole (--moe-shared-expert-gate)
@@ -62,8 +63,8 @@ from megatron_lite.model.recompute_options import recompute_chunks
 
 
 def mlp_in_width(model: ModelConfig) -> int:
-    """Rows of the MLP's first weight: f, or 2f under SwiGLU (gate and up)."""
-    return 2 * model.ffn_hidden_size if model.swiglu else model.ffn_hidden_size
+    """Rows of the MLP's first weight: f, or 2f when gated (gate and up)."""
+    return 2 * model.ffn_hidden_size if model.gated_linear_unit else model.ffn_hidden_size
 
 
 def qkv_width(model: ModelConfig) -> int:
@@ -111,27 +112,29 @@ def norm_parameters(model: ModelConfig) -> int:
 
 def mlp_tensors(model: ModelConfig, tp: int = 1, ffn: Optional[int] = None) -> List[int]:
     """The dense MLP (ParallelMLP) of width `ffn` (--ffn-hidden-size unless given) on one TP rank: [f, h]
-    (SwiGLU [2f, h]) and [h, f] split, biases f (2f) split and h whole (added after the reduction)."""
+    (gated [2f, h]) and [h, f] split, biases f (2f) split and h whole (added after the reduction)."""
     h, f = model.hidden_size, ffn or model.ffn_hidden_size
-    inner = 2 * f if model.swiglu else f
+    inner = 2 * f if model.gated_linear_unit else f
     split = [inner * h, h * f] + ([inner] if model.add_bias_linear else [])
     return [n // tp for n in split] + ([h] if model.add_bias_linear else [])
 
 
 def expert_tensors(model: ModelConfig, tp: int = 1, ep: int = 1) -> List[int]:
     """One MoE layer's routed experts on one rank: E/EP of them stacked (model/moe.py GroupedExperts),
-    weight1 [E/EP, F/t, h] ([E/EP, 2F/t, h] SwiGLU), weight2 [E/EP, h, F/t], biases [E/EP, F/t] (2F/t) and
+    weight1 [E/EP, F/t, h] ([E/EP, 2F/t, h] gated), weight2 [E/EP, h, F/t], biases [E/EP, F/t] (2F/t) and
     [E/EP, h]. At ep = E: one expert."""
     h, f, local = model.hidden_size, expert_ffn_hidden_size(model), model.num_experts // ep
-    inner = 2 * f if model.swiglu else f
+    inner = 2 * f if model.gated_linear_unit else f
     tensors = [local * inner * h // tp, local * h * f // tp]
     return tensors + ([local * inner // tp, local * h] if model.add_bias_linear else [])
 
 
 def moe_mlp_tensors(model: ModelConfig, tp: int = 1, ep: int = 1) -> List[int]:
-    """What an MoE layer has instead of the MLP, on one rank: router [E, h], this rank's experts
-    (`expert_tensors`), the shared expert (an MLP of --moe-shared-expert-intermediate-size) and its gate [1, h]."""
-    tensors = [model.num_experts * model.hidden_size] + expert_tensors(model, tp, ep)
+    """What an MoE layer has instead of the MLP, on one rank: router [E, h] and its bias [E] (with biases), this
+    rank's experts (`expert_tensors`), the shared expert (an MLP of --moe-shared-expert-intermediate-size) and its
+    gate [1, h]."""
+    router = [model.num_experts * model.hidden_size] + ([model.num_experts] if model.add_bias_linear else [])
+    tensors = router + expert_tensors(model, tp, ep)
     if model.moe_shared_expert_intermediate_size is not None:
         tensors += mlp_tensors(model, tp, model.moe_shared_expert_intermediate_size)
         tensors += [model.hidden_size] if model.moe_shared_expert_gate else []
@@ -148,9 +151,11 @@ def layer_tensors(model: ModelConfig, tp: int = 1, layer_number: Optional[int] =
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_mlp_tensors(model, tp, ep) if moe else mlp_tensors(model, tp)
     whole = norm_tensors(model) * 2 + qk_norm_tensors(model) + ([h] if model.add_bias_linear else [])
+    sinks = [model.num_attention_heads] if model.softmax_type == "learnable" else []  # split with the heads
     if model.multi_latent_attention:
-        return latent_attention_tensors(model, tp) + [h * attention_width(model) // tp] + whole + mlp
-    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.qkv_bias else [])
+        split = [h * attention_width(model)] + sinks
+        return latent_attention_tensors(model, tp) + [n // tp for n in split] + whole + mlp
+    split = [qkv * h, h * attention_width(model)] + ([qkv] if model.qkv_bias else []) + sinks
     return [n // tp for n in split] + whole + mlp
 
 
@@ -242,8 +247,8 @@ def active_parameters(config: Config) -> int:
 
 def mlp_forward_flops(model: ModelConfig, ffn: Optional[int] = None) -> float:
     """Forward FLOPs per token of the dense MLP of width `ffn` (--ffn-hidden-size unless given): two
-    matmuls of h x f, three under SwiGLU, 2 FLOPs per multiply-add."""
-    return 2.0 * (3 if model.swiglu else 2) * model.hidden_size * (ffn or model.ffn_hidden_size)
+    matmuls of h x f, three when gated (SwiGLU, quick-GeGLU), 2 FLOPs per multiply-add."""
+    return 2.0 * (3 if model.gated_linear_unit else 2) * model.hidden_size * (ffn or model.ffn_hidden_size)
 
 
 def moe_forward_flops(model: ModelConfig) -> float:
@@ -290,7 +295,7 @@ def attention_projection_flops(model: ModelConfig) -> float:
 def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float = 1.0,
                         layer_number: Optional[int] = None) -> float:
     """Forward FLOPs per token of one transformer layer: the attention's linears (`attention_projection_flops`:
-    grouped keys and values cost 2 g d h each, not 2h^2) and MLP matmuls (two of h x f, three under SwiGLU;
+    grouped keys and values cost 2 g d h each, not 2h^2) and MLP matmuls (two of h x f, three when gated;
     2 FLOPs per multiply-add; an MoE layer's: `moe_forward_flops`) plus the two attention matmuls over s keys
     (`attention_core_forward_flops`); `causal` counts the s/2 keys a token attends to on average (Megatron-LM's
     accounting), otherwise all s (what the fused path computes, and what training_flops_per_token counts).

@@ -4,8 +4,8 @@ cost/stages.py gathers each stage's.
 
 The layers' matrices (parallel/layers.py tags them `hidden_matrix`): the QKV or MLA's down and up projections,
 the projection, the MLPs' two, every routed expert's two; Multi-Token Prediction's depths add their eh_proj [h, 2h]
-(whole on every TP rank) before their decoder layer's. The router, the gate, norms, biases, embeddings and the
-head stay AdamW.
+(whole on every TP rank) before their decoder layer's. The router (and its bias), the gate, norms, biases, the
+attention sinks (softmax_offset), embeddings and the head stay AdamW.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class HiddenMatrix:
     (a rank's E/EP experts, else 1), each whole over TP, which splits `partition_dim` (0: the rows of a
     column-parallel weight, 1: the columns of a row-parallel one, -1: none, whole on every rank: MLA's down
     projections, Multi-Token Prediction's eh_proj) section by section; `sections`: the lengths along it of its
-    fused parts (`fused` 'qkv': Q, K, V; 'gate_up': SwiGLU's halves), else the whole."""
+    fused parts (`fused` 'qkv': Q, K, V; 'gate_up': a gated MLP's halves), else the whole."""
     rows: int
     cols: int
     partition_dim: int
@@ -43,9 +43,9 @@ class HiddenMatrix:
 
 def mlp_matrices(model: ModelConfig, ffn: Optional[int] = None, copies: int = 1, expert: bool = False
                  ) -> List[HiddenMatrix]:
-    """The MLP's [f, h] ([2f, h] SwiGLU: gate and up) and [h, f] weights (`copies` stacked for experts)."""
+    """The MLP's [f, h] ([2f, h] gated: gate and up) and [h, f] weights (`copies` stacked for experts)."""
     h, f = model.hidden_size, ffn or model.ffn_hidden_size
-    first = (HiddenMatrix(2 * f, h, 0, (f, f), copies, "gate_up", expert) if model.swiglu
+    first = (HiddenMatrix(2 * f, h, 0, (f, f), copies, "gate_up", expert) if model.gated_linear_unit
              else HiddenMatrix(f, h, 0, (f,), copies, None, expert))
     return [first, HiddenMatrix(h, f, 1, (f,), copies, None, expert)]
 

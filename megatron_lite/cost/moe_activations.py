@@ -17,10 +17,10 @@ experts receive (`routed_copies`: T K under balanced routing, each expert T K / 
   dispatch the copies' order (int64; kept by the combination)        8 K T, and each sent copy's token 8 N
            expert parallelism: the received rows' order and its inverse       16 N
   experts  their input rows                                           e N h
-           GeLU: inner and activation, SwiGLU: [gate; up], silu, product      2 e N F / t, 4 e N F / t
+           inner activations, `mlp_inner_copies` of e N F / t: GeLU 2, SwiGLU 4, other gated 3
   combine  the experts' outputs (EP > 1: as they come back)           e N h
            the [T, K, h] outputs in token order, kept by their weighting      e K T h
-  shared   the MLP at width F_s                                       2 e T F_s / t (SwiGLU: 4)
+  shared   the MLP at width F_s                                       2 e T F_s / t (gated: 4 or 3, as above)
            --moe-shared-expert-gate: the sigmoid and the shared output (e T + e T h) / r
 The input (the norm's output) is the norm's term, except at 16 bits without a shared expert: then only
 its fp32 copy is kept (- e T h / r). The gathered tokens are not kept (the dispatch keeps indices only).
@@ -33,6 +33,16 @@ from typing import Optional, Tuple
 
 from megatron_lite.config import Config
 from megatron_lite.cost.activation_dims import dims
+
+
+def mlp_inner_copies(m) -> int:
+    """Tensors of the MLP's inner width (f, or F per routed copy) kept per token (cost/activations.py): GeLU its
+    input and output (2); SwiGLU [gate; up], silu(gate) and the product (4); any other gated unit [gate; up] and
+    the product (3: model/activation.py's Function recomputes the rest)."""
+    if not m.gated_linear_unit:
+        return 2
+    plain_swiglu = m.swiglu and m.activation_func_clamp_value is None and m.glu_linear_offset == 0.0
+    return 4 if plain_swiglu else 3
 
 
 def routed_copies(config: Config, worst_case: bool = False) -> Tuple[int, int]:
@@ -86,10 +96,10 @@ def moe_mlp_bytes(config: Config, device: str = "cuda", received: Optional[int] 
     total += 8 * T * K + 8 * sent + (16 * N if ep > 1 else 0)
     from megatron_lite.model.moe_options import expert_ffn_hidden_size
 
-    total += e * N * h + (4 if m.swiglu else 2) * e * N * expert_ffn_hidden_size(m) // d.t
+    total += e * N * h + mlp_inner_copies(m) * e * N * expert_ffn_hidden_size(m) // d.t
     total += e * (sent if ep > 1 else N) * h + e * T * K * h
     if m.moe_shared_expert_intermediate_size is not None:
-        total += (4 if m.swiglu else 2) * e * T * m.moe_shared_expert_intermediate_size // d.t
+        total += mlp_inner_copies(m) * e * T * m.moe_shared_expert_intermediate_size // d.t
         if m.moe_shared_expert_gate:
             total += (e * T + e * T * h) // d.r
     return total

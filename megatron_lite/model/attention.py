@@ -11,6 +11,9 @@ split of its heads by one all-to-all of q, k and v and trades back after the cor
 (parallel/context_parallel.py), so the core and RoPE see whole sequences at their true positions.
 Selective recompute (--recompute-granularity selective) recomputes the attention core
 (scores, softmax, dropout, x V) in backward.
+With --softmax-type off-by-one or learnable every head has a sink logit in its softmax's denominator
+(`softmax_offset`, Megatron-LM's name; model/attention_sinks.py for SDPA), split over TP with the heads
+and, inside the core, over CP with them.
 """
 from __future__ import annotations
 
@@ -25,17 +28,19 @@ from torch import nn
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention_mask import ATTENTION_WORK, allowed_keys, document_segments, positions_in_documents
 from megatron_lite.model.attention_options import layer_window
+from megatron_lite.model.attention_sinks import sdpa_with_sinks
 from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
 from megatron_lite.model.mlp import normal_init, scaled_normal_init
 from megatron_lite.model.norms import build_head_norm
 from megatron_lite.model.rotary import RotaryEmbedding
 from megatron_lite.parallel.context_parallel import (
     context_parallel_groups,
+    cp_rank,
     cp_world_size,
     heads_to_sequence,
     sequence_to_heads,
 )
-from megatron_lite.parallel.layers import RowParallelLinear
+from megatron_lite.parallel.layers import RowParallelLinear, _master_slice, _parameter
 from megatron_lite.parallel.qkv import QKVParallelLinear
 from megatron_lite.parallel.random import checkpoint, get_rng_tracker, layer_split_rng
 from megatron_lite.parallel.tp import tp_world_size
@@ -70,6 +75,7 @@ class ParallelAttention(nn.Module):
         self.value_dim = config.value_head_dim
         self.local_heads = heads // tp_world_size()
         self._build_projections(config, sequence_parallel)
+        self._build_sinks(config)
         self.scale = self._softmax_scale(config)
         self.backend = resolve_attention_backend(config.attention_backend)
         self.softmax = FusedScaleMaskSoftmax(
@@ -106,6 +112,26 @@ class ParallelAttention(nn.Module):
         self.q_layernorm = build_head_norm(config) if config.qk_layernorm else None
         self.k_layernorm = build_head_norm(config) if config.qk_layernorm else None
         self.local_groups = self.query_key_value.local_groups
+
+    def _build_sinks(self, config: ModelConfig) -> None:
+        """softmax_offset [heads/TP]: the learned sinks of this rank's heads (cut from one [heads] master, so any
+        TP builds the same model; initialised as transformers' gpt-oss does, normal with --init-method-std), a
+        zero buffer for off-by-one, None for the vanilla softmax."""
+        if config.softmax_type == "learnable":
+            heads = config.num_attention_heads
+            value = _master_slice((heads,), 0, (heads,), normal_init(config.init_method_std))
+            self.softmax_offset = _parameter((self.local_heads,), torch.float32, value, True, 0)
+        else:
+            zeros = torch.zeros(self.local_heads) if config.softmax_type == "off-by-one" else None
+            self.register_buffer("softmax_offset", zeros, persistent=False)
+
+    def _sinks(self, heads_here: int) -> Optional[torch.Tensor]:
+        """The sinks of the heads the core sees: this TP rank's, or under context parallelism this CP rank's
+        1/C of them (heads_to_sequence gives CP rank r the heads r n/C ..)."""
+        sinks = self.softmax_offset
+        if sinks is None or heads_here == sinks.shape[0]:
+            return sinks
+        return sinks.narrow(0, cp_rank() * heads_here, heads_here)
 
     def _softmax_scale(self, config: ModelConfig) -> float:
         return 1.0 / math.sqrt(self.head_dim)
@@ -208,8 +234,12 @@ class ParallelAttention(nn.Module):
         group's keys and values once, without repeating them per head."""
         b, heads, s, hd = q.shape
         groups = k.shape[1]
+        sinks = self._sinks(heads)
         # Heads are split across TP ranks, so their dropout masks must differ per rank.
         with get_rng_tracker().fork(self.dropout_rng):
+            if self.backend == "sdpa" and not offset and sinks is not None:
+                p = self.attention_dropout.p if self.training else 0.0
+                return sdpa_with_sinks(q, k, v, mask, sinks, self.scale, p)
             if self.backend == "sdpa" and not offset:
                 # One kernel for scores, causal softmax, dropout and values (grouped keys and values
                 # read per group); its dropout draws from the stream forked above like nn.Dropout would.
@@ -228,20 +258,24 @@ class ParallelAttention(nn.Module):
             if offset:
                 # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
                 # that SDPA's is_causal and the fused kernel handle.
-                probs = self.attention_dropout(self._softmax_after_cache(scores, offset))
+                probs = self.attention_dropout(self._softmax_after_cache(scores, offset, sinks))
             elif mask is not None:
-                probs = self.attention_dropout(self.masked_softmax(scores, ~mask))
+                probs = self.attention_dropout(self.masked_softmax(scores, ~mask, sinks))
             else:
-                probs = self.attention_dropout(self.softmax(scores))
+                probs = self.attention_dropout(self.softmax(scores, sinks=sinks))
             context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd_v]
             return context.view(b, heads, s, v.shape[-1])
 
-    def _softmax_after_cache(self, scores: torch.Tensor, offset: int) -> torch.Tensor:
+    def _softmax_after_cache(self, scores: torch.Tensor, offset: int, sinks: Optional[torch.Tensor] = None
+                             ) -> torch.Tensor:
         """Causal softmax for queries at positions offset.. over keys 0..offset+s-1 (not square, so
         not the fused kernel's case); a windowed layer also masks the keys more than its window behind."""
         s, keys = scores.shape[-2], scores.shape[-1]
         future = torch.ones(s, keys, dtype=torch.bool, device=scores.device).triu(offset + 1)
         if self.window is not None:
             future |= torch.ones(s, keys, dtype=torch.bool, device=scores.device).tril(offset - self.window - 1)
-        probs = torch.softmax(scores.float().masked_fill(future, float("-inf")) * self.scale, dim=-1)
-        return probs.to(scores.dtype)
+        logits = scores.float().masked_fill(future, float("-inf")) * self.scale
+        if sinks is None:
+            return torch.softmax(logits, dim=-1).to(scores.dtype)
+        column = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        return torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].to(scores.dtype)

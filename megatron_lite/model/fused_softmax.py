@@ -13,6 +13,12 @@ Masking, in kernels and fallback alike:
   "none":    every key is seen.
 A row whose every key is masked has probability 0 everywhere (not NaN, not uniform),
 and gradient 0.
+
+Attention sinks (`sinks`, float [np], one logit per head: --softmax-type off-by-one or learnable) join every
+row's denominator, unscaled, and give no value: p_j = exp(scale s_j) / (exp(sink) + sum_k exp(scale s_k)); a
+fully masked row then gives the sink all the mass (probabilities 0, as without sinks). The scores' gradient is
+the plain formula (the sink's own column has no upstream gradient), and the sink's is
+-sum over its head's rows of p_sink x sum_j dp_j p_j: the kernels return both row quantities, in float.
 """
 import functools
 import importlib
@@ -40,7 +46,7 @@ def _compiled():
             stacklevel=3,
         )
         return None
-    if not hasattr(torch.ops.megatron_lite, "scaled_masked_softmax_backward"):
+    if not hasattr(torch.ops.megatron_lite, "scaled_masked_softmax_row_dot_backward"):
         warnings.warn(
             "megatron_lite._C was built from an older checkout (its fused softmax ops are missing); "
             "FusedScaleMaskSoftmax falls back to eager torch ops. Rebuild with "
@@ -81,23 +87,54 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
         return grad_scores, None, None, None
 
 
-def torch_softmax(scores, mask, scale, causal, softmax_in_fp32=True):
-    """The fallback: the same masked softmax from eager torch ops (autograd gives the backward)."""
+class ScaledMaskedSoftmaxWithSinks(torch.autograd.Function):
+    """The kernels with attention sinks: the forward also returns each row's sink probability, the backward each
+    row's dot(dp, p); the sink's gradient is made from the two here ([rows] numbers, not another pass)."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, sinks, scale, causal):
+        probs, sink_probs = torch.ops.megatron_lite.scaled_masked_softmax_sink_forward(
+            scores, mask, sinks.float(), scale, causal)
+        ctx.save_for_backward(probs, sink_probs)
+        ctx.scale, ctx.causal, ctx.sink_dtype = scale, causal, sinks.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        probs, sink_probs = ctx.saved_tensors
+        grad_scores, dots = torch.ops.megatron_lite.scaled_masked_softmax_row_dot_backward(
+            grad_probs, probs, ctx.scale, ctx.causal)
+        grad_sinks = None
+        if ctx.needs_input_grad[2]:
+            b, heads, sq, _ = probs.shape
+            grad_sinks = -(sink_probs * dots).view(b, heads, sq).sum((0, 2)).to(ctx.sink_dtype)
+        return grad_scores, None, grad_sinks, None, None
+
+
+def torch_softmax(scores, mask, scale, causal, softmax_in_fp32=True, sinks=None):
+    """The fallback: the same masked softmax from eager torch ops (autograd gives the backward); sinks as one
+    more column of the softmax, dropped after it."""
     x = scores.float() if softmax_in_fp32 and scores.dtype in (torch.float16, torch.bfloat16) else scores
     if causal:
         sq, sk = x.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
     x = x * scale
-    if mask is None:
-        return torch.softmax(x, dim=-1).to(scores.dtype)
-    # The dtype's lowest finite value rather than -inf keeps fully masked rows free of NaN
-    # (in the backward too); exp() of it minus any row max is exactly 0.
-    x = x.masked_fill(mask, torch.finfo(x.dtype).min)
-    probs = torch.softmax(x, dim=-1).masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
+    if mask is not None:
+        # The dtype's lowest finite value rather than -inf keeps fully masked rows free of NaN
+        # (in the backward too); exp() of it minus any row max is exactly 0.
+        x = x.masked_fill(mask, torch.finfo(x.dtype).min)
+    if sinks is None:
+        probs = torch.softmax(x, dim=-1)
+    else:
+        column = sinks.to(x.dtype).view(1, -1, 1, 1).expand(*x.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([x, column], dim=-1), dim=-1)[..., :-1]
+    if mask is not None:
+        probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
     return probs.to(scores.dtype)
 
 
-def check_inputs(scores: torch.Tensor, mask: Optional[torch.Tensor], attn_mask_type: str) -> None:
+def check_inputs(scores: torch.Tensor, mask: Optional[torch.Tensor], attn_mask_type: str,
+                 sinks: Optional[torch.Tensor] = None) -> None:
     """Raise with the offending shape or dtype and what would work."""
     if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
         got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
@@ -109,6 +146,10 @@ def check_inputs(scores: torch.Tensor, mask: Optional[torch.Tensor], attn_mask_t
         raise ValueError(
             f"FusedScaleMaskSoftmax: the causal mask needs sq == sk, got scores of shape {tuple(scores.shape)}"
         )
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != heads or not sinks.is_floating_point()
+                              or sinks.device != scores.device):
+        raise ValueError(f"FusedScaleMaskSoftmax: sinks must be a float tensor of shape [{heads}] (one per head) on "
+                         f"{scores.device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
     if mask is None:
         return
     if attn_mask_type != "padding":
@@ -148,12 +189,16 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         self.softmax_in_fp32 = softmax_in_fp32
         self.fusion = fusion
 
-    def forward(self, scores: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        check_inputs(scores, mask, self.attn_mask_type)
+    def forward(self, scores: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """sinks: None, or float [np] attention-sink logits (module docstring)."""
+        check_inputs(scores, mask, self.attn_mask_type, sinks)
         causal = self.attn_mask_type == "causal"
         if self.fusion and kernel_available(scores):
+            if sinks is not None:
+                return ScaledMaskedSoftmaxWithSinks.apply(scores, mask, sinks, self.scale, causal)
             return ScaledMaskedSoftmax.apply(scores, mask, self.scale, causal)
-        return torch_softmax(scores, mask, self.scale, causal, self.softmax_in_fp32)
+        return torch_softmax(scores, mask, self.scale, causal, self.softmax_in_fp32, sinks)
 
     def extra_repr(self) -> str:
         return f"attn_mask_type={self.attn_mask_type!r}, scale={self.scale}, fusion={self.fusion}"

@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts MLP: a router, E routed experts (each the block's MLP, SwiGLU or GeLU, --moe-ffn-hidden-size
+"""A Mixture-of-Experts MLP: a router, E routed experts (each the block's MLP, GeLU or gated, --moe-ffn-hidden-size
 wide) and optionally a shared expert every token passes through (gated by sigmoid(x . w) with
 --moe-shared-expert-gate).
 
@@ -6,10 +6,11 @@ wide) and optionally a shared expert every token passes through (gated by sigmoi
     routing = router(x)                                  this rank's tokens, [T, k] weights and experts
     tokens, weights: gathered over TP under sequence parallelism, else replicated
     rows = dispatch(tokens)                              to the experts' EP ranks (parallel/experts.py)
-    y = sum_k weights_k expert_k(x)                      expert outputs partial over TP (column/row split)
+    y = sum_k weights_k expert_k(x)                      expert outputs partial over TP (column/row split);
+                                                         expert_k(x) includes its down-projection bias
     out = reduce over TP (sequence parallel: reduce-scatter) + shared expert
 
-Each expert is split over TP as the dense MLP is: its [2F, h] (SwiGLU: [gate; up]) weight by rows, its
+Each expert is split over TP as the dense MLP is: its [2F, h] (gated: [gate; up]) weight by rows, its
 [h, F] weight by columns, so their product is a partial sum the TP reduction completes; the weights an
 expert gets come from a generator seeded by its global index, so any EP and TP layout builds the same model.
 The routing weights pass through TP's copy (or gather) on their way in because their gradient, like the
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import ModelConfig
+from megatron_lite.model.activation import mlp_activation
 from megatron_lite.model.grouped_linear import grouped_linear
 from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
@@ -56,16 +58,16 @@ def _stacked_parameter(masters: List[torch.Tensor]) -> nn.Parameter:
 
 
 class GroupedExperts(nn.Module):
-    """This rank's E/EP experts as stacked weights: weight1 [E/EP, F/tp (SwiGLU: 2F/tp), h], weight2
+    """This rank's E/EP experts as stacked weights: weight1 [E/EP, F/tp (gated: 2F/tp), h], weight2
     [E/EP, h, F/tp] (nn.Linear's [out, in] per expert); biases when the block has them."""
 
     def __init__(self, config: ModelConfig, grouped_gemm: bool):
         super().__init__()
         h, ffn = config.hidden_size, expert_ffn_hidden_size(config)
-        self.swiglu, self.gelu_approximate = config.swiglu, "tanh" if config.openai_gelu else "none"
+        gated, self.activation = config.gated_linear_unit, mlp_activation(config)
         self.grouped_gemm = grouped_gemm
         experts, tp = config.num_experts, tp_world_size()
-        out1 = 2 * ffn if self.swiglu else ffn
+        out1 = 2 * ffn if gated else ffn
         std = config.init_method_std
         # One draw from the layer's seeded stream, the same on every rank; each expert's generator is seeded
         # from it and the expert's global index, so its weights do not depend on the layout.
@@ -77,7 +79,7 @@ class GroupedExperts(nn.Module):
 
         out_std = std / (2.0 * config.num_layers) ** 0.5
         self.num_experts, self.local_range = experts, local_experts(experts)
-        w1 = [_master_slice((out1, h), 0, equal_sections(out1, 2 if self.swiglu else 1), expert_init(e, std))
+        w1 = [_master_slice((out1, h), 0, equal_sections(out1, 2 if gated else 1), expert_init(e, std))
               for e in self.local_range]
         w2 = [_master_slice((h, ffn), 1, (ffn,), expert_init(e, out_std)) for e in self.local_range]
         # Made where the dense layers make theirs (the default device, parallel/layers.py's _parameter), filled
@@ -85,15 +87,15 @@ class GroupedExperts(nn.Module):
         # the GPU check's MoE tests failed in the first expert GEMM.
         self.weight1 = _stacked_parameter(w1)
         self.weight2 = _stacked_parameter(w2)
-        set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if self.swiglu else 1)
+        set_tensor_model_parallel_attributes(self.weight1, True, 1, 2 if gated else 1)
         set_tensor_model_parallel_attributes(self.weight2, True, 2, 1)
         # Every expert's [out, in] slice is a matrix of its own (training/muon.py).
-        set_matrix_attributes(self.weight1, fused="gate_up" if self.swiglu else None)
+        set_matrix_attributes(self.weight1, fused="gate_up" if gated else None)
         set_matrix_attributes(self.weight2)
         self.bias1 = self.bias2 = None
         if config.add_bias_linear:
             self.bias1 = nn.Parameter(torch.zeros(len(w1), out1 // tp))
-            set_tensor_model_parallel_attributes(self.bias1, True, 1, 2 if self.swiglu else 1)
+            set_tensor_model_parallel_attributes(self.bias1, True, 1, 2 if gated else 1)
             # Added on TP rank 0 only (the outputs are partial sums over TP): its gradient is summed over TP.
             self.bias2 = nn.Parameter(torch.zeros(len(w1), h))
             set_tensor_model_parallel_attributes(self.bias2, False)
@@ -133,19 +135,14 @@ class GroupedExperts(nn.Module):
             def linear(x, weight, bias):  # one GEMM per expert, a loop over experts, never over tokens
                 return grouped_linear(x, weight, tokens_per_expert, bias)
         inner = linear(rows, self.weight1, self.bias1)
-        return linear(self._activation(inner), self.weight2, None if self.bias2 is None else self._output_bias())
+        # bias2 is inside each expert's output, so the routing weight scales it too: y = sum_k w_k (W2_k a + b2_k)
+        return linear(self.activation(inner), self.weight2, None if self.bias2 is None else self._output_bias())
 
     def _output_bias(self) -> torch.Tensor:
         """bias2 on TP rank 0, zeros elsewhere: the outputs are partial sums over TP, the bias counts once. Zero
         times the bias, not nothing, so every TP rank has a gradient for the TP sum (parallel/sequence_parallel.py)
         to add up: a rank without one would send a shorter buffer and the all-reduce would never match."""
         return self.bias2 if tp_rank() == 0 else self.bias2 * 0.0
-
-    def _activation(self, inner: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = inner.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(inner, approximate=self.gelu_approximate)
 
 
 class MoELayer(nn.Module):

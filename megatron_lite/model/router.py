@@ -1,6 +1,6 @@
 """The MoE router: which experts each token goes to and with what weight, and the load-balancing losses.
 
-    logits = x W_r^T (fp32)                                       [T, E]
+    logits = x W_r^T + b_r (fp32; b_r with --add-bias-linear)     [T, E]
     softmax, default       top-k of the logits, softmax over those k      (Mixtral: renormalised top-k)
     softmax, pre-softmax   softmax over all E, then top-k, no renormalising (Qwen2-MoE, norm_topk_prob off)
     sigmoid                sigmoid per expert, top-k, the k renormalised  (DeepSeek-V3)
@@ -50,9 +50,14 @@ class TopKRouter(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(m.num_experts, m.hidden_size))
         nn.init.normal_(self.weight, mean=0.0, std=m.init_method_std)
-        set_tensor_model_parallel_attributes(self.weight, False)
-        if sequence_parallel:  # each TP rank routes its own part of the sequence: a partial gradient
-            set_sequence_parallel_attribute(self.weight)
+        # Megatron-LM's router has a bias with every linear's (--add-bias-linear, gpt-oss's mlp.router.bias)
+        self.bias = nn.Parameter(torch.zeros(m.num_experts)) if m.add_bias_linear else None
+        for param in (self.weight, self.bias):
+            if param is not None:
+                set_tensor_model_parallel_attributes(param, False)
+                if sequence_parallel:  # each TP rank routes its own part of the sequence: a partial gradient
+                    set_sequence_parallel_attribute(param)
+        self._register_load_state_dict_pre_hook(TopKRouter._zero_bias_if_missing, with_module=True)
         # Selection bias (aux-loss-free balancing): saved with the layer, moved by update_expert_bias.
         self.register_buffer("expert_bias", torch.zeros(m.num_experts) if m.moe_router_enable_expert_bias else None)
         self.bias_update_rate = m.moe_router_bias_update_rate
@@ -66,7 +71,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, samples: int) -> Routing:
         """x [T, h] this rank's tokens (T = samples x its part of the sequence)."""
-        logits = F.linear(x.float(), self.weight.float())  # [T, E], fp32 whatever the model's dtype
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)  # [T, E], fp32 whatever the model's dtype
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
         elif self.pre_softmax:
@@ -88,6 +94,12 @@ class TopKRouter(nn.Module):
             self.local_load += local
         weights = self._attach_losses(weights, logits, indices, local, samples)
         return Routing(weights.to(x.dtype), indices)
+
+    @staticmethod
+    def _zero_bias_if_missing(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        # Checkpoints of MoE models with biases written before the router had one: a zero bias is that model.
+        if module.bias is not None and prefix + "weight" in state_dict and prefix + "bias" not in state_dict:
+            state_dict[prefix + "bias"] = torch.zeros_like(module.bias)
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """[T, E] scores (no gradient) -> [T, k] chosen experts, by the biased scores, within the kept groups."""

@@ -64,6 +64,15 @@ def _gradients(config: Config) -> str:
     return ", fp32 gradients" if config.precision.accumulate_allreduce_grads_in_fp32 else ", bf16 gradients"
 
 
+def _gated_unit(m) -> str:
+    """SwiGLU or quick-GeGLU with its clamp and offset (gpt-oss's: 'quick-GeGLU clamped at 7 with up + 1'); ''."""
+    if not m.gated_linear_unit:
+        return ""
+    clamp, offset = m.activation_func_clamp_value, m.glu_linear_offset
+    return ("SwiGLU" if m.swiglu else "quick-GeGLU") + (f" clamped at {clamp:g}" if clamp is not None else "") \
+        + (f" with up + {offset:g}" if offset else "")
+
+
 def _block(m) -> str:
     """The block's departures from GPT-2's, as the flags name them ('' for GPT-2's block)."""
     groups = m.num_query_groups or m.num_attention_heads
@@ -74,7 +83,7 @@ def _block(m) -> str:
              f"{groups} query group{'s' if groups > 1 else ''}" if groups != m.num_attention_heads else "",
              f"heads of {m.kv_channels}" if m.kv_channels is not None else "",
              "QK-norm" if m.qk_layernorm and not mla else "",
-             "SwiGLU" if m.swiglu else "", "RMSNorm" if m.normalization == "RMSNorm" else "",
+             _gated_unit(m), "RMSNorm" if m.normalization == "RMSNorm" else "",
              "" if m.add_bias_linear else "QKV biases only" if m.add_qkv_bias else "no biases",
              f"RoPE scaling x{m.rope_scaling_factor:g}" if m.use_rope_scaling else "",
              f"YaRN x{m.rotary_scaling_factor:g}" if m.rope_type == "yarn" else "",

@@ -41,6 +41,9 @@ MODEL_FIELDS = (
     # The depths are weights of the model (layer files of their own). --mtp-loss-scaling-factor is not: how much
     # their loss weighs is the run's choice, which DeepSeek-V3 changed mid-training (0.3, then 0.1).
     ("model", "mtp_num_layers"),
+    # gpt-oss: the sinks are weights (learnable) or a fixed logit (off-by-one); the activation is the MLP's math.
+    ("model", "softmax_type"), ("model", "quick_geglu"), ("model", "glu_linear_offset"),
+    ("model", "activation_func_clamp_value"),
 )
 # Not here: --reset-attention-mask and --reset-position-ids say how samples are packed, a choice of the data
 # (Megatron-LM lets a resumed run change them); the window is the model's own.

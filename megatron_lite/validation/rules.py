@@ -14,6 +14,7 @@ from typing import List, Sequence, Tuple
 from megatron_lite import batching
 from megatron_lite.config import LOG_LEVELS, NORMALIZATIONS, Config, ConfigError, flag_for, format_split
 from megatron_lite.model.partition import check_partition_method, layers_per_stage_uniform
+from megatron_lite.validation.activation import check_activation
 from megatron_lite.validation.attention import check_attention_mask, check_qk_layernorm, query_groups
 from megatron_lite.validation.latent_attention import check_latent_attention
 from megatron_lite.validation.mtp import check_mtp
@@ -72,7 +73,8 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
 def model_rules(config: Config, notes: List[str]) -> Config:
     m, tp, pp = config.model, config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
     hidden, heads = m.hidden_size, m.num_attention_heads
-    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.swiglu)
+    check_activation(m)
+    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else default_ffn_hidden_size(hidden, m.gated_linear_unit)
     check_latent_attention(m)
     if hidden % heads and m.kv_channels is None and not m.multi_latent_attention:
         divisors = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % tp == 0]
@@ -91,7 +93,8 @@ def model_rules(config: Config, notes: List[str]) -> Config:
             code="heads_not_divisible_by_tp"
         )
     if ffn % tp:
-        gated = " (with --swiglu, both the gate and the up projection)" if m.swiglu else ""
+        unit = "--swiglu" if m.swiglu else "--quick-geglu"
+        gated = f" (with {unit}, both the gate and the up projection)" if m.gated_linear_unit else ""
         raise ConfigError(
             f"--ffn-hidden-size {ffn} is not divisible by --tensor-model-parallel-size {tp}; the MLP is split "
             f"column-wise across TP ranks{gated}. Use --ffn-hidden-size "
@@ -100,9 +103,6 @@ def model_rules(config: Config, notes: List[str]) -> Config:
     groups = query_groups(m, tp)
     if m.normalization not in NORMALIZATIONS:
         raise ConfigError(f"--normalization {m.normalization} is not one of {', '.join(NORMALIZATIONS)}")
-    if m.openai_gelu and m.swiglu:
-        raise ConfigError("--openai-gelu chooses GeLU's approximation, but --swiglu gates with SiLU and has no GeLU; "
-                          "drop one of them")
     m = check_positions(m)  # `--position-embedding-type yarn` comes back as rope with --rope-type yarn
     config = config.replace(model__position_embedding_type=m.position_embedding_type, model__rope_type=m.rope_type)
     if m.attention_backend not in ("auto", "sdpa", "fused"):
@@ -137,10 +137,10 @@ def model_rules(config: Config, notes: List[str]) -> Config:
                           model__recompute_granularity=granularity, model__num_query_groups=groups)
 
 
-def default_ffn_hidden_size(hidden: int, swiglu: bool) -> int:
-    """Megatron-LM's default MLP width: 4h, or with --swiglu 2/3 of it rounded down to a multiple of 64
-    (the gated MLP's three matrices then hold about as many parameters as GeLU's two); at least 64."""
-    if not swiglu:
+def default_ffn_hidden_size(hidden: int, gated: bool) -> int:
+    """Megatron-LM's default MLP width: 4h, or gated (--swiglu, --quick-geglu) 2/3 of it rounded down to a
+    multiple of 64 (the gated MLP's three matrices then hold about as many parameters as GeLU's two); at least 64."""
+    if not gated:
         return 4 * hidden
     return max(64, int(4 * hidden * 2 / 3 / 64) * 64)
 

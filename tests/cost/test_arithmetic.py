@@ -15,13 +15,16 @@ from tests.model.test_llama_parallel import LLAMA  # SwiGLU, RMSNorm, 2 groups f
 from tests.model.test_llama_parallel import QK_HEADS  # QK-norm, heads of 24 (not 64 / 4)
 
 QWEN2 = LLAMA + ("--add-qkv-bias",)  # biases on the QKV linear alone
+GPT_OSS = ("--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7", "--softmax-type",
+           "learnable")
+"""gpt-oss's MLP and attention sinks (softmax_offset, one per head) on GPT-2's block (biases everywhere)."""
 
 VARIANTS = {"tied": (), "untied": ("--untie-embeddings-and-output-weights",), "rope": ("--position-embedding-type", "rope"),
             "uneven": ("--num-layers", "5", "--ffn-hidden-size", "96"), "llama": LLAMA,
             # one key/value group, with biases, LayerNorm and GeLU: each feature of the block on its own
             "mqa_with_biases": ("--group-query-attention", "--num-query-groups", "1"),
             "swiglu_tied": ("--swiglu",), "rmsnorm": ("--normalization", "RMSNorm"),
-            "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "qwen2": QWEN2}
+            "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "qwen2": QWEN2, "gpt_oss": GPT_OSS}
 
 
 def as_built(config, per_spec, placeholder=0):
@@ -139,7 +142,8 @@ def _dense_parameters_at_tp(tp, variant):
 
 
 @pytest.mark.parametrize("variant", ["llama", pytest.param("mqa_with_biases", marks=pytest.mark.slow),
-                                     pytest.param("qwen2", marks=pytest.mark.slow)])
+                                     pytest.param("qwen2", marks=pytest.mark.slow),
+                                     pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_shared_by_ranks(variant):
     """TP 4 with 2 (or 1) key/value groups: each rank holds a 1/4 piece of the K and V rows (parallel/qkv.py)."""
     config = tiny_config(4, 1, 1, VARIANTS[variant])
@@ -148,7 +152,7 @@ def test_each_specs_parameters_per_tp_rank_match_the_built_model_with_groups_sha
         assert built == as_built(config, per_spec)
 
 
-@pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases", "qwen3"])
+@pytest.mark.parametrize("variant", ["tied", "uneven", "llama", "mqa_with_biases", "qwen3", "gpt_oss"])
 def test_forward_flops_per_token_match_torchs_flop_counter(variant):
     """Megatron's accounting (attention over all s keys), as torch counts the dense model's matmuls."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -267,6 +271,8 @@ MOE_VARIANTS = {
                                         "--moe-layer-freq", "([0]*1+[1]*3)"),
     # routed experts only, every other layer MoE (layers 1 and 3)
     "routed_only": EXPERTS + ("--moe-layer-freq", "2", "--moe-router-topk", "1"),
+    # gpt-oss's: quick-GeGLU experts with biases, a router with a bias, attention sinks, every layer MoE
+    "gpt_oss": EXPERTS + GPT_OSS,
 }
 
 

@@ -162,10 +162,13 @@ def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_a
 
 
 QK_HEADS = ("--qk-layernorm", "--kv-channels", "24")
-BLOCKS = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "yarn_half": YARN}
+GPT_OSS_MLP = ("--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7")
+BLOCKS = {"gpt2": (), "llama": LLAMA, "qwen3": LLAMA + QK_HEADS, "gpt2_qk": QK_HEADS, "yarn_half": YARN,
+          "gpt_oss_mlp": GPT_OSS_MLP}
 """GPT-2's block, and the Llama block (SwiGLU, RMSNorm, 2 key/value groups for 4 heads: shared by two
 ranks at TP 4, no biases, RoPE, untied head); each with QK-norm (RMSNorm's, LayerNorm's) on heads of 24,
-not hidden / heads = 16; and the Llama block with YaRN turning half of each head (RoPE's tables are r wide)."""
+not hidden / heads = 16; the Llama block with YaRN turning half of each head (RoPE's tables are r wide); and
+GPT-2's block with gpt-oss's MLP (quick-GeGLU, clamped, offset: its input kept alone, model/activation.py)."""
 
 
 def _activation_config(tp, pp, recompute, dropout, sp=False, backend="auto", block="gpt2", micro=2, bf16=False):
@@ -239,7 +242,7 @@ def _assert_layer_census_equals_the_estimate(tp, rows):
 def _layer_cases():
     """GPT-2's block at TP 1 and 2 with the fused softmax, the Llama block at TP 4 (groups shared by two
     ranks) in the fast tier, each with QK-norm at TP 2 and 4; the rest in the full suite."""
-    fast_tps = {"gpt2": (1, 2), "llama": (4,), "qwen3": (4,), "gpt2_qk": (2,), "yarn_half": (2,)}
+    fast_tps = {"gpt2": (1, 2), "llama": (4,), "qwen3": (4,), "gpt2_qk": (2,), "yarn_half": (2,), "gpt_oss_mlp": (2,)}
     for block in BLOCKS:
         for backend in ("fused", "sdpa"):
             for tp in (1, 2, 4):
@@ -362,3 +365,32 @@ def test_a_pipeline_stage_with_document_ids_keeps_what_the_estimate_says():
                                                                                                path="mask")
     layers = transformer_layers_per_stage(config, stage_bounds(config, estimate=True))
     assert measured == [st.activations_per_micro_batch - n * bound for st, n in zip(stages, layers)]
+
+
+def _sink_census(configs):
+    from megatron_lite.parallel import state
+    from tests.cost import activation_census
+
+    state.initialize(1, 1)
+    return [activation_census.saved_bytes_per_layer(config) for config in configs]
+
+
+SINK_VARIANTS = {"causal": [], "window": ["--window-size", "3,0"], "dropout": ["--attention-dropout", "0.1"],
+                 "groups": ["--group-query-attention", "--num-query-groups", "2", "--micro-batch-size", "1"],
+                 "selective": ["--recompute-granularity", "selective"]}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+def test_one_layers_activations_with_attention_sinks_match_the_estimate(backend):
+    """Learned sinks: the fused softmax keeps each row's sink probability; SDPA's sink-as-a-key keeps padded q, k, v
+    (one more key), its padded output and a mask on every layer (flash), or the S x (S + 1) scores (math, with
+    dropout); selective recompute keeps what it kept before (cost/sink_activations.py)."""
+    from megatron_lite.cost import activations
+
+    configs = {name: tiny_config(1, 1, 1, ["--micro-batch-size", "2", "--global-batch-size", "8", "--attention-backend",
+                                           backend, "--softmax-type", "learnable", "--position-embedding-type", "rope",
+                                           *extra])
+               for name, extra in SINK_VARIANTS.items()}
+    measured = run_distributed(_sink_census, 1, list(configs.values()))[0]
+    for (name, config), got in zip(configs.items(), measured):
+        assert got == activations.stage_layer_bytes(config, 1, "cpu")[0], (name, got)

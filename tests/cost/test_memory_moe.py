@@ -34,8 +34,10 @@ ROUTERS = {
     "dropout": ("--hidden-dropout", "0.1", "--attention-dropout", "0.1"),
     "selective": ("--recompute-granularity", "selective"),
     "full": ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    "gpt_oss": SHARED + ("--quick-geglu", "--glu-linear-offset", "1", "--activation-func-clamp-value", "7"),
 }
-"""Router scoring, losses, capacity, shared experts, precision and recompute; every layer MoE."""
+"""Router scoring, losses, capacity, shared experts, precision and recompute; gpt-oss's clamped quick-GeGLU (routed
+and shared experts keeping their inputs alone, model/activation.py) with the router's bias; every layer MoE."""
 
 
 def _config(tp, dp, cp, ep, extra=()):
@@ -53,7 +55,7 @@ def _layer_census(tp, dp, cp, ep, rows, balanced=True):
 
 LAYOUTS = {  # (TP, DP, CP, EP, router variants)
     "tp1": (1, 1, 1, 1, list(ROUTERS)),
-    "tp2": (2, 1, 1, 1, ["gpt2", "gated_shared", "capacity"]),
+    "tp2": (2, 1, 1, 1, ["gpt2", "gated_shared", "capacity", "gpt_oss"]),
     "tp2_sequence_parallel": (2, 1, 1, 1, ["gpt2", "sigmoid_scaled", "seq_aux", "llama_bf16_shared_gated"]),
     "ep2": (1, 2, 1, 2, ["gpt2", "capacity", "llama_bf16", "shared"]),
     "cp2_ep2": (1, 1, 2, 2, ["gpt2", "aux_and_z"]),

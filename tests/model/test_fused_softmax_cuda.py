@@ -80,3 +80,36 @@ def test_fully_masked_rows_are_zero_on_gpu():
     probs.backward(torch.randn_like(probs))
     assert torch.equal(probs[0, :, 1], torch.zeros(2, 40, device="cuda"))
     assert torch.equal(scores.grad[0, :, 1], torch.zeros(2, 40, device="cuda"))
+
+
+def sink_reference(scores, mask, sinks, scale, kind):
+    """float64: the sink one more column of the softmax, dropped after it."""
+    x = scores.double() * scale
+    sq, sk = x.shape[-2:]
+    if kind == "causal":
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
+    if mask is not None:
+        x = x.masked_fill(mask, float("-inf"))
+    column = sinks.double().view(1, -1, 1, 1).expand(*x.shape[:-1], 1)
+    return torch.softmax(torch.cat([x, column], dim=-1), dim=-1)[..., :-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind, sk", [("causal", 17), ("causal", 1025), ("padding", 1000), ("padding", 4099),
+                                      ("none", 1024)])
+def test_the_kernels_with_sinks_match_the_float64_reference_and_give_the_sinks_their_gradient(kind, sk, dtype):
+    sq = sk if kind == "causal" else 3
+    scores, mask, grad = make_inputs(kind, 2, 3, sq, sk, dtype)
+    sinks = torch.randn(3, device="cuda") * 2
+    leaf, sink = scores.detach().clone().requires_grad_(True), sinks.clone().requires_grad_(True)
+    probs = FusedScaleMaskSoftmax(kind, scale=0.37)(leaf, mask, sink)
+    probs.backward(grad)
+    assert type(probs.grad_fn).__name__ == "ScaledMaskedSoftmaxWithSinksBackward"
+    x64, sink64 = scores.detach().double().requires_grad_(True), sinks.double().requires_grad_(True)
+    expected = sink_reference(x64, mask, sink64, 0.37, kind)
+    expected.backward(grad.double())
+    assert max_error(probs, expected) <= FORWARD_TOLERANCE[dtype]
+    bound = BACKWARD_TOLERANCE[dtype] * max(1.0, x64.grad.abs().max().item())
+    assert max_error(leaf.grad, x64.grad) <= bound
+    relative = ((sink.grad.double() - sink64.grad).norm() / sink64.grad.norm()).item()
+    assert relative <= (1e-5 if dtype == torch.float32 else 5e-2)
