@@ -36,6 +36,12 @@ def _list_some(names: List[str], limit: int = 4) -> str:
 
 def check_layer_state(path: str, state, expected: Dict[str, Tuple[int, ...]], tp: int) -> None:
     """A layer file holds exactly the tensors `expected` names, with those shapes (one TP rank's, at TP = tp)."""
+    if isinstance(state, dict) and set(state) < set(expected) and \
+            all(name.endswith("router.bias") for name in set(expected) - set(state)):
+        raise CheckpointError(f"{path} has no {min(set(expected) - set(state))}: it was written before the MoE "
+                              f"router had a bias (issue 57 gave it one with every linear's bias, as Megatron-LM's "
+                              f"router has), and this version does not resume such a checkpoint; resume it with the "
+                              f"version that wrote it")
     if not isinstance(state, dict) or set(state) != set(expected) or \
             not all(torch.is_tensor(v) for v in state.values()):
         got = sorted(state) if isinstance(state, dict) else [type(state).__name__]

@@ -46,3 +46,16 @@ def test_sinks_and_biases_reshard_to_tp4_and_back_bit_for_bit_and_merge_whole(tp
         assert dense[f"layers.{layer}.mlp.experts.bias1"].shape == (8, 96)
         assert dense[f"layers.{layer}.mlp.experts.bias2"].shape == (8, 64)
         assert dense[f"layers.{layer}.mlp.router.bias"].abs().sum() > 0  # trained, not the zeros it began as
+
+
+def test_a_layer_file_written_before_the_router_had_a_bias_is_refused_saying_why():
+    """An MoE checkpoint with biases written before issue 57 lacks mlp.router.bias: the reader names the cause instead
+    of 'the file belongs to another model' (measured: resume, --finetune and --no-load-optim all stop on it)."""
+    import torch
+
+    from megatron_lite.checkpoint.format import CheckpointError
+    from megatron_lite.checkpoint.reader import check_layer_state
+
+    expected = {"mlp.router.weight": (4, 8), "mlp.router.bias": (4,)}
+    with pytest.raises(CheckpointError, match="written before the MoE router had a bias"):
+        check_layer_state("layer_01.pt", {"mlp.router.weight": torch.zeros(4, 8)}, expected, 1)
