@@ -40,7 +40,7 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     assert "passed" in (report / "gpu_check_tests.log").read_text()  # the whole pytest output is kept
     assert {r["step"]: r for r in results}["moe"]["numbers"]["loop"]["tokens_per_s"] > 0
     assert {r["step"]: r for r in results}["mla"]["numbers"]["mla-moe-mtp"]["tokens_per_s"] > 0
-    assert all({r["step"]: r for r in results}["gptoss"]["numbers"][b]["tokens_per_s"] > 0 for b in ("sdpa", "fused"))
+    assert {r["step"]: r for r in results}["gptoss"]["numbers"]["sdpa"]["tokens_per_s"] > 0
 
 
 def test_each_failing_tests_traceback_is_written_when_it_fails_not_at_the_end(tmp_path):

@@ -297,3 +297,23 @@ def test_evaluate_on_the_import_at_tp2_pp2_ep2_gives_transformers_loss(hf, impor
     expected = hf_loss(hf[1], evaluation_samples(imported, corpus))
     tp, pp, ep = TARGET  # EP over the data-parallel ranks: world TP x PP x EP
     assert evaluate(imported, corpus, tp * pp * ep, ep) == pytest.approx(expected, rel=1e-5)
+
+
+def test_yarn_takes_the_releases_4096_original_positions_not_megatron_lms_builders_131072():
+    """Megatron-LM's gpt-oss builder (post_training/model_builder.py) sets YaRN's original length to 131072, the
+    maximum positions, where the release says 4096 (NeMo fixed the same, #14686): the ramp moves from dimensions
+    8.09..17.40 to 17.40..26.70. The imported config keeps 4096 and gives transformers' own inverse frequencies."""
+    import transformers
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    from megatron_lite.model.rotary import rotary_frequencies, yarn_correction_range
+
+    m = _imported_config(GPT_OSS_120B).model
+    assert m.yarn_original_max_position_embeddings == 4096
+    low, high = yarn_correction_range(64, 150000, 4096, 32.0, 1.0, round_to_int=False)
+    assert (round(low, 3), round(high, 3)) == (8.093, 17.398)
+    bug = yarn_correction_range(64, 150000, 131072, 32.0, 1.0, round_to_int=False)
+    assert (round(bug[0], 2), round(bug[1], 2)) == (17.40, 26.70)
+    ours, factor = rotary_frequencies(m)
+    theirs, their_factor = _compute_yarn_parameters(transformers.GptOssConfig.from_dict(GPT_OSS_120B))
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0) and factor == pytest.approx(their_factor)
