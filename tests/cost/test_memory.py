@@ -14,6 +14,7 @@ from tests.device import census_device
 from tests.harness import run_distributed, shutdown_pools
 from tests.model.gpt_layouts import tiny_config
 from tests.model.test_llama_parallel import LLAMA, YARN
+from tests.model.test_mla_parallel import MLA as MLA_MODEL
 
 GIB = 2 ** 30
 
@@ -377,14 +378,15 @@ def _sink_census(configs):
 
 SINK_VARIANTS = {"causal": [], "window": ["--window-size", "3,0"], "dropout": ["--attention-dropout", "0.1"],
                  "groups": ["--group-query-attention", "--num-query-groups", "2", "--micro-batch-size", "1"],
-                 "selective": ["--recompute-granularity", "selective"]}
+                 "selective": ["--recompute-granularity", "selective"],
+                 "mla": list(MLA_MODEL)}
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "fused"])
 def test_one_layers_activations_with_attention_sinks_match_the_estimate(backend):
     """Learned sinks: the fused softmax keeps each row's sink probability; SDPA's sink-as-a-key keeps padded q, k, v
     (one more key), its padded output and a mask on every layer (flash), or the S x (S + 1) scores (math, with
-    dropout); selective recompute keeps what it kept before (cost/sink_activations.py)."""
+    dropout); selective recompute keeps what it kept before (cost/sink_activations.py); MLA's heads too."""
     from megatron_lite.cost import activations
 
     configs = {name: tiny_config(1, 1, 1, ["--micro-batch-size", "2", "--global-batch-size", "8", "--attention-backend",

@@ -153,3 +153,13 @@ def test_the_latent_norms_the_softmax_factor_the_documents_and_the_depths_change
         other = dense_reference_of(flags)["losses"]
         assert max(abs(a - b) / abs(b) for a, b in zip(other, reference["losses"])) > 1e-3, what
     assert all(len(step) == 1 and step[0] > 0 for step in reference["mtp"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+def test_mla_with_learned_attention_sinks_matches_the_dense_losses_at_tp2_cp2(backend):
+    """Sinks (gpt-oss's) on MLA's heads: split over TP and then CP with them, under values narrower than the queries
+    (SDPA pads both to the next multiple of 8 past the wider)."""
+    model = MLA + EXPERTS + DOCUMENTS + ("--softmax-type", "learnable")
+    results = run_distributed(_train, 4, 2, 2, 1, 1, 1, model + ("--attention-backend", backend), STEPS, timeout=180.0)
+    assert_matches(results, dense_reference_of(model))
