@@ -54,6 +54,10 @@ class BlockConfig:
     not given it is Megatron-LM's int(4 x hidden x 2/3 / 64) x 64."""
     openai_gelu: bool = option(False, "--openai-gelu")
     """GeLU's tanh approximation, as OpenAI's GPT-2 (Hugging Face's gelu_new) computes it; default: exact (erf)."""
+    output_loss_chunk_size: Optional[int] = option(None, "--output-loss-chunk-size", minimum=1)
+    """Compute the output layer and the cross entropy this many tokens at a time, so the last stage never holds
+    the [tokens, V/tp] fp32 logits (parallel/chunked_cross_entropy.py); the same losses and gradients, one more
+    output GEMM in backward. Not given: the whole head at once."""
     quick_geglu: bool = option(False, "--quick-geglu")
     """Quick-GeLU-gated MLP (gpt-oss): down(quick_gelu(gate(x)) * (up(x) + --glu-linear-offset)) with
     quick_gelu(g) = g * sigmoid(1.702 g); the gate/up layout and --ffn-hidden-size as --swiglu's."""

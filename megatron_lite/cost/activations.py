@@ -373,8 +373,16 @@ def head_activation_bytes(config: Config, device: str = "cuda") -> int:
     # one's output). Targets, their out-of-range mask and the loss mask per head (the depths' masks one
     # [b, D, s] storage); the count each loss divides by (4 bytes) is gone under context parallelism,
     # whose loss weights already hold it.
+    count = 4 if d.c == 1 else 0
+    if config.model.output_loss_chunk_size:
+        # The chunked output loss (parallel/chunked_cross_entropy.py) keeps its input, the targets (the labels
+        # themselves, int64) and a fp32 log-sum-exp per token, no logits; under SP the input it keeps is the
+        # gathered [b, s, h], not the norm's shard.
+        gathered = heads * d.e * d.bsh * (d.r - 1) // d.r if d.r > 1 else 0
+        return (norm_bytes(config, device) + (heads - 1) * d.e * d.bsh // d.r + gathered
+                + heads * (16 * bs + count))
     return (norm_bytes(config, device) + (heads - 1) * d.e * d.bsh // d.r
-            + heads * (4 * bs * config.model.padded_vocab_size // d.t + 13 * bs + (4 if d.c == 1 else 0)))
+            + heads * (4 * bs * config.model.padded_vocab_size // d.t + 13 * bs + count))
 
 
 def head_transient_bytes(config: Config) -> int:
@@ -383,6 +391,13 @@ def head_transient_bytes(config: Config) -> int:
     2 depths, 2 e (1 + D) bsV/t: tests/cost/test_mtp_memory.py). None in fp32."""
     d = dims(config, "cuda")
     heads = 1 + (config.model.mtp_num_layers or 0)
+    chunk = config.model.output_loss_chunk_size
+    if chunk:
+        # One chunk's fp32 logits and their gradient at a time; with 16-bit weights the fp32 accumulator of the
+        # weight's gradient (not measured: parallel/chunked_cross_entropy.py's backward)
+        rows = min(chunk, heads * d.bs)
+        return 8 * rows * config.model.padded_vocab_size // d.t + (
+            4 * config.model.padded_vocab_size // d.t * d.h if d.e < 4 else 0)
     with_gradient = 2 if config.parallel.zero_stage < 2 else 1  # the engine's pipe buffer holds the logits
     return (d.e * with_gradient if d.e < 4 else 0) * heads * d.bs * config.model.padded_vocab_size // d.t
 

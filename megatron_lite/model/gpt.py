@@ -39,6 +39,7 @@ from megatron_lite.model.norms import RMSNorm
 from megatron_lite.model.partition import PipelineSplit
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.model.transformer import TransformerLayer
+from megatron_lite.parallel.chunked_cross_entropy import OutputLayerInput, output_layer_input
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy, weighted_sum
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
@@ -97,6 +98,17 @@ def _tied_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.
     return embedding.logits(hidden)
 
 
+def _tied_chunked_head(chunk_size: int):
+    """The tied head's forward under --output-loss-chunk-size: in training, the head's mapped input and the
+    embedding's weight for the loss to multiply chunk by chunk; without autograd (evaluation, generation) the
+    logits, as without the flag. (A named function, not a partial: stage profiles name specs by it.)"""
+    def _tied_chunked_head_forward(embedding: EmbeddingPipe, hidden: torch.Tensor):
+        if not torch.is_grad_enabled():
+            return embedding.logits(hidden)
+        return output_layer_input(hidden, embedding.word_embeddings.weight, chunk_size, embedding.sequence_parallel)
+    return _tied_chunked_head_forward
+
+
 class TransformerLayerPipe(TransformerLayer):
     def __init__(self, config: ModelConfig, init_seed: int, layer_number: int, sequence_parallel: bool = False):
         with seeded(init_seed):
@@ -150,14 +162,21 @@ class LMHeadPipe(nn.Module):
                                                init_method=normal_init(config.init_method_std),
                                                sequence_parallel=sequence_parallel)
         set_matrix_attributes(self.output.weight, hidden=False)  # a vocabulary matrix: AdamW under --optimizer muon
+        self.loss_chunk_size = config.output_loss_chunk_size
+        self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor):
+        if self.loss_chunk_size and torch.is_grad_enabled():  # the loss multiplies chunk by chunk (token_losses)
+            return output_layer_input(hidden, self.output.weight, self.loss_chunk_size, self.sequence_parallel)
         return self.output(hidden)  # [b, s, h] (sequence parallel: [b, s/tp, h]) -> [b, s, V/tp]
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
+def token_losses(logits, labels: torch.Tensor, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Cross entropy per token [b, s]; logits stay split over TP, and the padded vocabulary columns (from
-    vocab_size on) are out of the softmax."""
+    vocab_size on) are out of the softmax. Under --output-loss-chunk-size the head hands over its input and
+    weight instead of logits, and the same losses come chunk by chunk."""
+    if isinstance(logits, OutputLayerInput):
+        return logits.token_losses(labels, vocab_size)
     return vocab_parallel_cross_entropy(logits.float(), labels, vocab_size)
 
 
@@ -202,7 +221,8 @@ def layer_specs(config: Config) -> List[LayerSpec]:
     if model.untie_embeddings_and_output_weights:
         specs.append(LayerSpec(LMHeadPipe, model, seed + 2 + model.num_layers, sp))
     else:
-        specs.append(TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, forward_fn=_tied_head_forward,
+        head = _tied_chunked_head(model.output_loss_chunk_size) if model.output_loss_chunk_size else _tied_head_forward
+        specs.append(TiedLayerSpec(EMBEDDING_KEY, EmbeddingPipe, model, seed, sp, forward_fn=head,
                                    tied_weight_attr=["word_embeddings.weight"]))
     return specs
 
@@ -277,5 +297,5 @@ class GPTModel(nn.Module):
             ((mtp[0],) if mtp is not None else ())
         x = run_stage(self._forward_fns, inputs, self.model_config)
         if labels is None:
-            return x
+            return x.logits() if isinstance(x, OutputLayerInput) else x
         return self.loss(x, (labels, loss_mask) + (tuple(mtp[1:]) if mtp is not None else ()))

@@ -33,7 +33,8 @@ def _model_and_batch(config):
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     b, s = config.batch.micro_batch_size, config.model.seq_length
     tokens = torch.randint(0, config.model.vocab_size, (b, s))
-    arrays = (tokens, torch.arange(s).expand(b, s).contiguous(), tokens, torch.ones(b, s))
+    # the labels a storage of their own, as the sampler hands them over (the chunked output loss keeps them)
+    arrays = (tokens, torch.arange(s).expand(b, s).contiguous(), tokens.clone(), torch.ones(b, s))
     ids = documents(config, b, s)
     mtp = mtp_of(config, arrays, ids[0] if ids else None)  # the depths' (tokens, labels, mask) [b, D, s], or ()
     if cp > 1:

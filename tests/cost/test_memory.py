@@ -396,3 +396,27 @@ def test_one_layers_activations_with_attention_sinks_match_the_estimate(backend)
     measured = run_distributed(_sink_census, 1, list(configs.values()))[0]
     for (name, config), got in zip(configs.items(), measured):
         assert got == activations.stage_layer_bytes(config, 1, "cpu")[0], (name, got)
+
+
+CHUNKED_LOSS_CASES = [(1, 2, ()), (2, 2, ("--sequence-parallel",)), (1, 2, ("--bf16",)),
+                      (2, 2, ("--mtp-num-layers", "1", "--position-embedding-type", "rope", "--sequence-parallel"))]
+
+
+@pytest.mark.parametrize("tp, pp, extra", [case if i == 0 else pytest.param(*case, marks=pytest.mark.slow)
+                                           for i, case in enumerate(CHUNKED_LOSS_CASES)])
+def test_the_chunked_output_loss_keeps_no_logits_and_the_census_equals_the_estimate(tp, pp, extra):
+    """--output-loss-chunk-size: the last stage keeps the head's input (gathered under SP), the labels and a log-sum-exp
+    per token instead of the [tokens, V/tp] fp32 logits; byte for byte what cost/activations.py says, and less than
+    the whole head by the logits' share."""
+    def config_of(chunk):
+        flags = ["--micro-batch-size", "2", "--global-batch-size", "8", *extra]
+        return tiny_config(tp, pp, 1, flags + (["--output-loss-chunk-size", "7"] if chunk else []))
+
+    chunked, whole = config_of(True), config_of(False)
+    measured = run_distributed(saved_bytes_per_stage, tp, chunked)[0]
+    assert measured == [st.activations_per_micro_batch
+                        for st in memory.estimate(chunked, deepspeed_config(chunked), device=census_device())]
+    whole_last = memory.estimate(whole, deepspeed_config(whole), device=census_device())[-1].activations_per_micro_batch
+    tokens = 2 * whole.model.seq_length * (1 + (whole.model.mtp_num_layers or 0))
+    # the fp32 logits gone, less the gathered input SP keeps (hidden 64, fp32 at most)
+    assert whole_last - measured[-1] >= 4 * tokens * whole.model.padded_vocab_size // tp - 4 * tokens * 64
