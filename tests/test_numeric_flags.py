@@ -39,7 +39,7 @@ PRETRAIN = {
     "--rotary-percent": ["0", "1.5"], "--q-lora-rank": ["0"], "--kv-lora-rank": ["0"], "--qk-head-dim": ["0"],
     "--qk-pos-emb-head-dim": ["1"], "--v-head-dim": ["0"], "--mtp-num-layers": ["0"],
     "--mtp-loss-scaling-factor": ["-0.1", "1e7"], "--glu-linear-offset": ["-2e6", "2e6"],
-    "--activation-func-clamp-value": ["0", "-7", "2e6"],
+    "--activation-func-clamp-value": ["0", "-7", "2e6"], "--output-loss-chunk-size": ["0", "-1", "2.5"],
     "--recompute-num-layers": ["0"], "--window-attn-skip-freq": ["0", "-2"],
     "--num-experts": ["0", "1.5"], "--moe-ffn-hidden-size": ["0"], "--moe-router-topk": ["0"],
     "--moe-router-topk-scaling-factor": ["0", "-1", "1e7"], "--moe-router-num-groups": ["0"],
