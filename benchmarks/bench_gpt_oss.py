@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 
-from bench_moe import _time_steps, _tokens, ours_against_transformers, time_our_steps
+from bench_moe import _time_steps, ours_against_transformers, time_our_steps, time_transformers_steps
 
 LAYERS, HIDDEN, HEADS, GROUPS, HEAD_DIM, VOCAB, SEQ, MICRO = 4, 256, 8, 2, 64, 2048, 512, 2
 EXPERTS, TOPK, FFN, WINDOW = 8, 4, 256, 128
@@ -49,7 +49,6 @@ def child_ours(steps: int):
 
 
 def child_transformers(steps: int):
-    import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
     config = GptOssConfig(
@@ -60,15 +59,7 @@ def child_transformers(steps: int):
                          "original_max_position_embeddings": 128, "rope_theta": 150000.0},
         tie_word_embeddings=False, attention_dropout=0.0, router_aux_loss_coef=0.0, output_router_logits=False,
         attn_implementation="eager")
-    model = GptOssForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = _tokens(VOCAB)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
-        optimizer.step()
-    return _time_steps(step, steps)
+    return time_transformers_steps(GptOssForCausalLM(config), VOCAB, steps)
 
 
 CHILDREN = {"ours": child_ours, "transformers": child_transformers}

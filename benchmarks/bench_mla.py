@@ -24,7 +24,7 @@ import json
 import statistics
 import sys
 
-from bench_moe import _time_steps, _tokens, ours_against_transformers, time_our_steps
+from bench_moe import _time_steps, ours_against_transformers, time_our_steps, time_transformers_steps
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, MICRO = 4, 256, 8, 2048, 512, 2
 DENSE_FFN, EXPERTS, TOPK, MOE_FFN = 512, 8, 2, 256
@@ -49,7 +49,6 @@ def child_ours(steps: int):
 
 
 def child_transformers(steps: int):
-    import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -59,15 +58,7 @@ def child_transformers(steps: int):
         norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA,
         qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V, max_position_embeddings=SEQ,
         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_dropout=0.0, attn_implementation="sdpa")
-    model = DeepseekV3ForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = _tokens(VOCAB)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
-        optimizer.step()
-    return _time_steps(step, steps)
+    return time_transformers_steps(DeepseekV3ForCausalLM(config), VOCAB, steps)
 
 
 CHILDREN = {"ours": child_ours, "transformers": child_transformers}

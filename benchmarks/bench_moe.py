@@ -60,6 +60,22 @@ def _time_steps(step, steps: int):
     return times
 
 
+def time_transformers_steps(model, vocab: int, steps: int):
+    """Seconds of each of `steps` training steps (forward with labels, backward, fused AdamW) of a transformers
+    causal LM, in this process, on one fixed micro-batch of _tokens(vocab)."""
+    import torch
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = _tokens(vocab)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+        optimizer.step()
+    return _time_steps(step, steps)
+
+
 def time_our_steps(argv, vocab: int, steps: int):
     """Seconds of each of `steps` training steps (forward, backward, our AdamW) of GPTModel built from `argv`, in
     this process, on one fixed micro-batch of _tokens(vocab)."""
@@ -93,22 +109,13 @@ def child_ours(steps: int):
 
 
 def child_transformers(steps: int):
-    import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                            num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=EXPERTS,
                            num_experts_per_tok=TOPK, max_position_embeddings=SEQ, output_router_logits=True,
                            router_aux_loss_coef=AUX, attn_implementation="sdpa", tie_word_embeddings=False)
-    model = MixtralForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = _tokens(VOCAB)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
-        optimizer.step()
-    return _time_steps(step, steps)
+    return time_transformers_steps(MixtralForCausalLM(config), VOCAB, steps)
 
 
 def child_gemm(steps: int):

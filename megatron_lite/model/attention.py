@@ -29,7 +29,7 @@ from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention_mask import ATTENTION_WORK, allowed_keys, document_segments, positions_in_documents
 from megatron_lite.model.attention_options import layer_window
 from megatron_lite.model.attention_sinks import sdpa_with_sinks
-from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax
+from megatron_lite.model.fused_softmax import FusedScaleMaskSoftmax, softmax_with_sinks
 from megatron_lite.model.mlp import normal_init, scaled_normal_init
 from megatron_lite.model.norms import build_head_norm
 from megatron_lite.model.rotary import RotaryEmbedding
@@ -275,7 +275,5 @@ class ParallelAttention(nn.Module):
         if self.window is not None:
             future |= torch.ones(s, keys, dtype=torch.bool, device=scores.device).tril(offset - self.window - 1)
         logits = scores.float().masked_fill(future, float("-inf")) * self.scale
-        if sinks is None:
-            return torch.softmax(logits, dim=-1).to(scores.dtype)
-        column = sinks.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-        return torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].to(scores.dtype)
+        probs = torch.softmax(logits, dim=-1) if sinks is None else softmax_with_sinks(logits, sinks)
+        return probs.to(scores.dtype)

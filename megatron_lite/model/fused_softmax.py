@@ -111,6 +111,13 @@ class ScaledMaskedSoftmaxWithSinks(torch.autograd.Function):
         return grad_scores, None, grad_sinks, None, None
 
 
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of logits [b, np, sq, sk] with each head's sink as one more column, dropped after
+    it (in the logits' dtype)."""
+    column = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+
+
 def torch_softmax(scores, mask, scale, causal, softmax_in_fp32=True, sinks=None):
     """The fallback: the same masked softmax from eager torch ops (autograd gives the backward); sinks as one
     more column of the softmax, dropped after it."""
@@ -123,11 +130,7 @@ def torch_softmax(scores, mask, scale, causal, softmax_in_fp32=True, sinks=None)
         # The dtype's lowest finite value rather than -inf keeps fully masked rows free of NaN
         # (in the backward too); exp() of it minus any row max is exactly 0.
         x = x.masked_fill(mask, torch.finfo(x.dtype).min)
-    if sinks is None:
-        probs = torch.softmax(x, dim=-1)
-    else:
-        column = sinks.to(x.dtype).view(1, -1, 1, 1).expand(*x.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([x, column], dim=-1), dim=-1)[..., :-1]
+    probs = torch.softmax(x, dim=-1) if sinks is None else softmax_with_sinks(x, sinks)
     if mask is not None:
         probs = probs.masked_fill(mask.all(dim=-1, keepdim=True), 0.0)
     return probs.to(scores.dtype)
