@@ -15,9 +15,9 @@ ep:     two processes (gloo, one thread each) each holding two engines of one Mo
         all-reduced), the same global batch; interleaved rounds; printed: ms per step, ep2/dp2, and the time
         ep2 spends in its all-to-alls (parallel/experts.py counts it).
 gemm:   one MoE layer's experts on dispatched rows under balanced routing (T k rows, E experts), forward and
-        backward: the per-expert loop (model/grouped_linear.py, what runs on CPU), one bmm over [E, T k / E, h]
-        (what a padded path costs when routing is perfectly balanced, no padding), and torch._grouped_mm
-        forward only (its CPU backward is missing in torch 2.13).
+        backward: the per-expert loop (model/grouped_linear.py; what CUDA runs without --moe-grouped-gemm), one
+        bmm over [E, T k / E, h] (what a padded path costs when routing is perfectly balanced, no padding), and
+        torch._grouped_mm forward only (the CPU now trains through it: model/grouped_linear.py grouped_mm_linear).
 """
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def our_step(run):
     def step():
         # What loop.pretrain does per iteration (log, evaluate and save are never due here).
         stats = loop.train_step(run)
-        stop_signal, _ = loop._agree([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
+        stop_signal, _ = loop.agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
         loop.maybe_log(run, stats)
         loop.maybe_evaluate(run)
         loop.maybe_save_or_exit(run, stop_signal)
@@ -183,13 +183,37 @@ class MemmapBatches:
         return x, y
 
 
-def nanogpt(args, data_prefix: str):
+def nanogpt(args, data_prefix: str, compiled: bool = False):
+    """nanoGPT's model and optimizer as its train.py builds them; compiled: with its compile=True (torch.compile of
+    the whole model, --compile)."""
     module = import_file("nanogpt_model", fetch_nanogpt(args.cache_dir, args.nanogpt_model))
     torch.manual_seed(0)
     model = module.GPT(module.GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=LAYERS, n_head=HEADS,
                                         n_embd=HIDDEN, dropout=0.0, bias=True))
     optimizer = model.configure_optimizers(WEIGHT_DECAY, LR, (0.9, 0.999), "cpu")
-    return plain_step(lambda x, y: model(x, y)[1], model, optimizer, MemmapBatches(data_prefix, seed=1))
+    run = torch.compile(model) if compiled else model
+    return plain_step(lambda x, y: run(x, y)[1], model, optimizer, MemmapBatches(data_prefix, seed=5 if compiled else 1))
+
+
+def our_compiled_step(run):
+    """--compile: the same engine's step with its transformer layers compiled (model/compile.py, as --compile
+    does), and `ours` then switched back to eager layers: one model, one optimizer, both in the same rounds.
+    The switch is torch's own: nn.Module.compile() keeps the compiled call in `_compiled_call_impl`."""
+    from megatron_lite.model.compile import compile_layers
+    from megatron_lite.model.transformer import TransformerLayer
+
+    compile_layers(run.engine.module, "inductor")
+    layers = [m for m in run.engine.module.modules() if isinstance(m, TransformerLayer)]
+    compiled_calls = [layer._compiled_call_impl for layer in layers]
+    step = our_step(run)
+
+    def switched(on: bool):
+        def run_step():
+            for layer, call in zip(layers, compiled_calls):
+                layer._compiled_call_impl = call if on else None
+            return step()
+        return run_step
+    return switched(True), switched(False)
 
 
 def huggingface(args, data_prefix: str):
@@ -305,6 +329,10 @@ def main(argv=None):
     parser.add_argument("--breakdown", action="store_true",
                         help="also time our engine's instructions, ours with --num-workers 0, and our model in a "
                              "plain loop without DeepSpeed (in the same rounds)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time ours with --compile (the same engine, layers switched between compiled and "
+                             "eager) and, for --model gpt, nanoGPT with its compile=True; ratios are then against ours "
+                             "compiled, and each compiled trainer's first step (its compile) is printed")
     parser.add_argument("--cache-dir", default=os.path.join(REPO, "cache", "bench_single_peers"),
                         help="nanoGPT's model.py, the synthetic dataset and its sample indices")
     parser.add_argument("--nanogpt-model", default=os.environ.get("NANOGPT_MODEL_PY"),
@@ -314,11 +342,16 @@ def main(argv=None):
 
     data_prefix = synthetic_dataset(args.cache_dir)
     ours_step, run = ours(args, data_prefix)
+    steps = {"ours": ours_step}
+    if args.compile:
+        steps["ours, --compile"], steps["ours"] = our_compiled_step(run)
     if args.model == "llama":
-        steps = {"ours": ours_step, "HF LlamaForCausalLM": huggingface_llama(data_prefix, run.config)}
+        steps["HF LlamaForCausalLM"] = huggingface_llama(data_prefix, run.config)
     else:
-        steps = {"ours": ours_step, "nanoGPT": nanogpt(args, data_prefix),
-                 "HF GPT2LMHeadModel": huggingface(args, data_prefix)}
+        steps.update({"nanoGPT": nanogpt(args, data_prefix), "HF GPT2LMHeadModel": huggingface(args, data_prefix)})
+        if args.compile:
+            steps["nanoGPT, compile=True"] = nanogpt(args, data_prefix, compiled=True)
+    baseline = "ours, --compile" if args.compile else "ours"
     timer = None
     if args.breakdown:
         from megatron_lite.data.sampler import build_data_iterator
@@ -341,15 +374,20 @@ def main(argv=None):
           f"{run.config.data.num_workers}; transformers {__import__('transformers').__version__} {peers}; "
           f"torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start\n"
-          f"# median over {args.rounds} interleaved rounds of {args.iters} steps each; ratio = its time / our time "
-          f"(> 1: ours faster)")
+          f"# median over {args.rounds} interleaved rounds of {args.iters} steps each; ratio = its time / the time of "
+          f"{baseline} (> 1: {baseline} faster)")
     print("| threads | trainer | ms/step (median) | tokens/s | ours vs it (median of rounds) | min-max of rounds "
           "| minor page faults/step | main-thread CPU ms/step | ours vs it, CPU time |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for step in steps.values():
-            for _ in range(args.warmup):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if "compile" in name and threads == args.threads[0]:
+                print(f"# {name}: first step {time.perf_counter() - start:.1f} s (compiling; inductor's cache "
+                      f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})", flush=True)
+            for _ in range(args.warmup - 1):
                 step()
         times = {name: [] for name in steps}
         cpu_times = {name: [] for name in steps}
@@ -369,8 +407,8 @@ def main(argv=None):
                 cpu_times[name].append(cpu)
                 faults[name] += step_faults / args.rounds
         for name, seconds in times.items():
-            ratios = [t / o for t, o in zip(seconds, times["ours"])]
-            cpu_ratios = [t / o for t, o in zip(cpu_times[name], cpu_times["ours"])]
+            ratios = [t / o for t, o in zip(seconds, times[baseline])]
+            cpu_ratios = [t / o for t, o in zip(cpu_times[name], cpu_times[baseline])]
             print(f"| {threads} | {name} | {median(seconds) * 1e3:.1f} | {MICRO * SEQ / median(seconds):.0f} | "
                   f"{median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} | {faults[name]:.0f} | "
                   f"{median(cpu_times[name]) * 1e3:.1f} | {median(cpu_ratios):.3f} |", flush=True)

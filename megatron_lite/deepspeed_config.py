@@ -90,11 +90,16 @@ def _fp32_gradients(config: Config) -> Dict[str, Any]:
 def sends_partitioned(config: Config) -> bool:
     """Whether DeepSpeed's pipeline engine cuts a stage's output (and its gradient) into TP parts for the send
     and gathers them on the next stage (pipe_partitioned / grad_partitioned, on by default, apply at TP > 1):
-    not under sequence parallelism, where _pipeline turns them off. cost/memory.py sizes the pipe buffers by it."""
-    return config.parallel.tensor_model_parallel_size > 1 and not config.parallel.sequence_parallel
+    not under sequence parallelism or --pipeline-schedule dualpipev, where _pipeline turns them off. cost/memory.py
+    sizes the pipe buffers by it."""
+    return (config.parallel.tensor_model_parallel_size > 1 and not config.parallel.sequence_parallel
+            and config.parallel.pipeline_schedule != "dualpipev")
 
 
 def _pipeline(config: Config) -> Dict[str, Any]:
+    if config.parallel.pipeline_schedule == "dualpipev":
+        # DeepSpeed's DualPipeVEngine asserts both off (it sends whole tensors in batched P2P); they default on.
+        return {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}
     if not config.parallel.sequence_parallel:
         return {}
     # DeepSpeed's partitioned sends assume every TP rank holds the same tensor. Under sequence parallelism each

@@ -258,13 +258,81 @@ def _zeroed_gradients_leave_weights_unchanged(extra):
 @pytest.mark.parametrize("extra", [
     pytest.param((), id="fp32-zero0"), pytest.param(("--bf16",), id="bf16-zero0", marks=pytest.mark.slow),
     pytest.param(("--zero-stage", "1"), id="fp32-zero1", marks=pytest.mark.slow),
-    pytest.param(("--bf16", "--zero-stage", "1"), id="bf16-zero1", marks=pytest.mark.slow)])
+    pytest.param(("--bf16", "--zero-stage", "1"), id="bf16-zero1", marks=pytest.mark.slow),
+    pytest.param(("--pipeline-schedule", "dualpipev"), id="dualpipev-fp32-zero0"),
+    pytest.param(("--pipeline-schedule", "dualpipev", "--bf16", "--zero-stage", "1"), id="dualpipev-bf16-zero1",
+                 marks=pytest.mark.slow)])
 def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(extra):
     from tests.harness import run_distributed
 
     for r in run_distributed(_zeroed_gradients_leave_weights_unchanged, 2, list(extra)):
         assert r["calls"] == 1 and r["next"] == "ReduceTiedGrads"
         assert r["unchanged"], "the optimizer stepped with gradients other than accumulated_gradient's"
+
+
+def _dualpipev_engine():
+    """What each rank of a --pipeline-schedule dualpipev engine (PP 2, gas 4) holds, and the instructions it ran."""
+    import torch.distributed as dist
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
+
+    from megatron_lite.cost.stages import stage_bounds
+    from megatron_lite.deepspeed_compat import dualpipev
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(1, 2, 1, ["--pipeline-schedule", "dualpipev"])
+    state.initialize(1, 2)
+    engine = Engine(config, with_scheduler=False)
+    ran = []
+    pipeline.time_pipeline_instructions(engine.engine, lambda name, seconds: ran.append(name), lambda: None)
+    engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
+    module = engine.module
+    return {"rank": dist.get_rank(), "engine": isinstance(engine.engine, DualPipeVEngine),
+            "dualpipev": dualpipev.is_dualpipev(engine.engine), "bounds": stage_bounds(config),
+            "starts": [start for start, _ in dualpipev.stage_layer_functions(module)],
+            "files": sorted(pipeline.layer_file_modules(module)), "tied": sorted(module.tied_modules),
+            "copies": sum(pipeline.is_pipe_replicated_copy(p) for p in module.parameters()), "ran": set(ran)}
+
+
+def test_a_dualpipev_rank_holds_its_stage_and_the_mirror_stage_and_times_every_instruction():
+    from tests.harness import run_distributed
+
+    ranks = run_distributed(_dualpipev_engine, 2)
+    bounds = ranks[0]["bounds"]  # 2 x PP = 4 stages of the 7 specs: embedding, 4 layers, final norm, head
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == 7
+    first, second = ranks
+    assert first["engine"] and first["dualpipev"] and second["engine"]
+    assert first["starts"] == [0, bounds[3]] and second["starts"] == [bounds[1], bounds[2]]
+    # Layer files are named by spec index under either schedule; the tied head (spec 6) has none of its own.
+    assert first["files"] == list(range(bounds[0], bounds[1])) + list(range(bounds[3], 6))
+    assert second["files"] == list(range(bounds[1], bounds[3]))
+    # The tied embedding and head are one module on rank 0: no copy to all-reduce.
+    assert first["tied"] == ["embedding"] and second["tied"] == [] and first["copies"] == second["copies"] == 0
+    for r in ranks:
+        assert {"ForwardPass", "BackwardPass", "CommitP2P", "OptimizerStep", "AggregateLoss"} <= r["ran"]
+    assert "LoadMicroBatch" in first["ran"] and "LoadMicroBatch" not in second["ran"]  # rank 0 loads and ends
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_at_a_dualpipev_ranks_peak_stage_s_holds_2pp_minus_s_micro_batches_as_the_memory_estimate_books(pp):
+    from megatron_lite.cost.memory import micro_batches_in_flight
+    from megatron_lite.deepspeed_compat.dualpipev import instruction_streams
+    from tests.model.gpt_layouts import tiny_config
+
+    gas = 4 * pp
+    config = tiny_config(1, pp, 1, ["--pipeline-schedule", "dualpipev", "--num-layers", str(2 * pp),
+                                    "--global-batch-size", str(gas)])
+    for rank, stream in enumerate(instruction_streams(pp, gas, "dualpipev")):
+        live, peak = {}, (0, None)
+        for kind, stage in stream:
+            if kind in ("forward", "backward"):
+                live[stage] = live.get(stage, 0) + (1 if kind == "forward" else -1)
+                if sum(live.values()) > peak[0]:
+                    peak = (sum(live.values()), dict(live))
+        stages = (rank, 2 * pp - 1 - rank)
+        assert peak[1] == {s: 2 * pp - s for s in stages}  # both at their most at once
+        assert all(peak[1][s] == micro_batches_in_flight(config, s) for s in stages)
 
 
 def _collective_on_a_deepspeed_group(timeout_seconds: float):

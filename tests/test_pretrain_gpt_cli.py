@@ -164,3 +164,12 @@ def test_a_missing_tokenizer_model_beside_data_with_a_sidecar_exits_2_with_one_l
     assert [line for line in out.splitlines() if line.strip()] == [
         f"pretrain_gpt.py: error: --tokenizer-model {missing}: no such file; train one with tools/train_tokenizer.py "
         f"or point at an existing .model file, Hugging Face tokenizer folder or tokenizer.json"]
+
+
+def test_dualpipev_with_too_few_micro_batches_exits_2_with_one_line_before_any_collective():
+    proc = _launch(["--pipeline-schedule", "dualpipev", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                    "--micro-batch-size", "1", "--global-batch-size", "2"], WORLD_SIZE="2")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out
+    errors = [line for line in out.splitlines() if "--pipeline-schedule dualpipev needs at least" in line]
+    assert len(errors) == 1 and "use --global-batch-size of 4 or more, or --pipeline-schedule 1f1b" in errors[0], out

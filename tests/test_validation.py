@@ -422,3 +422,47 @@ def test_a_resume_that_adds_or_drops_the_qkv_bias_is_refused_and_a_flag_that_cha
     assert len(added) == 1 and added[0].endswith("checkpoint False, this run True")
     # With biases in every linear layer the QKV linear has one either way: the same model.
     assert resume_differences(Config.from_dict(cfg().to_dict()), cfg(model__add_qkv_bias=True)) == []
+
+
+DUALPIPEV_BASE = ["--pipeline-schedule", "dualpipev", "--num-layers", "4", "--micro-batch-size", "1"]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--global-batch-size", "8"], 1,
+     r"^--pipeline-schedule dualpipev runs two stages on each of at least 2 pipeline ranks, got "
+     r"--pipeline-model-parallel-size 1; use --pipeline-model-parallel-size 2 or more, or --pipeline-schedule 1f1b$"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], 4,
+     r"^--pipeline-schedule dualpipev needs at least 2 x --pipeline-model-parallel-size 2 = 4 micro-batches per step "
+     r"\(DeepSpeed's DualPipeVEngine\), got gradient accumulation steps 2 \(global batch 4 / \(micro batch 1 x "
+     r"data-parallel size 2\)\); use --global-batch-size of 8 or more, or --pipeline-schedule 1f1b$"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "100"], 2,
+     r"got --rampup-batch-size starts at 2 samples: gradient accumulation steps 2 .* use a --rampup-batch-size start "
+     r"of 4 or more"),
+    (["--pipeline-model-parallel-size", "4", "--global-batch-size", "8"], 4,
+     r"^--pipeline-schedule dualpipev cuts the layers into 2 x --pipeline-model-parallel-size 4 = 8 stages, each with "
+     r"a transformer layer, but --num-layers is 4; use --pipeline-model-parallel-size 2 or less"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--pipeline-partition-method", "2,2"], 2,
+     r"^--pipeline-partition-method 2,2 must list 4 stage layer counts, each >= 1, summing to --num-layers 4; "
+     r"e\.g\. 1,1,1,1$"),
+], ids=["pp1", "gas-below-2pp", "rampup-start-below-2pp", "layers-below-2pp", "layer-counts-list-2pp-stages"])
+def test_dualpipev_is_refused_where_deepspeeds_engine_would_assert(argv, world, message):
+    from megatron_lite.arguments import parse_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_args(DUALPIPEV_BASE + argv, world_size=world)
+
+
+def test_dualpipev_turns_deepspeeds_partitioned_sends_off_at_tp2_and_a_json_turning_them_on_is_refused(tmp_path):
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.deepspeed_config import deepspeed_config, sends_partitioned
+
+    argv = DUALPIPEV_BASE + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                             "--global-batch-size", "4"]
+    config = parse_args(argv, world_size=4)[0]
+    assert deepspeed_config(config)["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert not sends_partitioned(config)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"pipeline": {"pipe_partitioned": True}}))
+    with pytest.raises(ConfigError, match=r'"pipeline\.pipe_partitioned" is true but the command-line flags give '
+                                          r"false"):
+        parse_args(argv + ["--deepspeed-config", str(ds)], world_size=4)

@@ -559,6 +559,57 @@ def gpt_oss_training(ctx: Context):
         numbers
 
 
+# (name, compile?, recompute mode, micro-batch multiple) of step `compile`'s runs per model: compile off and on
+# without recompute, then compiled with each recompute mode, full recompute at twice the micro batch (the memory
+# it frees, spent on bigger GEMMs).
+COMPILE_GRID = [("eager", False, "none", 1), ("compiled", True, "none", 1), ("compiled+selective", True, "selective", 1),
+                ("compiled+full 2x micro", True, "full", 2)]
+
+
+def compile_ab(ctx: Context):
+    """--compile on and off, each recompute mode and the micro batch, for the ~1.3B dense GPT (step c's) and the
+    ~1B MoE (step moe's, grouped GEMM), bf16, ZeRO 1, on one GPU: tokens/s, TFLOP/s, MFU, peak memory against the
+    estimate, and the compiled / eager tokens/s (issue 58). The first steps (compiling) are left out of the numbers,
+    which come from the last log interval."""
+    vocab, data = random_data(ctx)
+    recompute = dict(RECOMPUTE_MODES)
+    if ctx.dry_run:  # the step's plumbing, quickly: one model, traced by aot_eager (no code generation on the CPU)
+        models = [("dense", ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                             "64"], 2)]
+        grid, backend, iters, log_interval, warmup = COMPILE_GRID[:2], "aot_eager", 4, 2, 1
+    else:
+        models = [("1.3B dense", ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+                                  "--seq-length", "2048"], 2),
+                  ("~1B MoE", ["--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16",
+                               "--seq-length", "2048", "--num-experts", "8", "--moe-ffn-hidden-size", "4096",
+                               "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"], 4)]
+        grid, backend, iters, log_interval, warmup = COMPILE_GRID, "inductor", 20, 10, 5
+    runs = [(m, model, micro, g) for m, model, micro in models for g in grid]
+    rows, numbers, failures = [], {}, []
+    for i, (m, model, micro, (name, compiled, mode, times)) in enumerate(runs):
+        argv = (model + recompute[mode] + ["--micro-batch-size", str(micro * times)]
+                + (["--compile", "--compile-backend", backend] if compiled else [])
+                + training_flags(ctx, vocab, data, iters, log_interval, warmup))
+        key = f"{m} {name}"
+        try:
+            parsed = train(ctx, f"compile-{i}", argv, ctx.remaining() / (len(runs) - i))
+        except (StepFailed, OutOfTime) as e:
+            failures.append(f"{key}: {e}")
+            rows.append(f"| {m} | {name} | {micro * times} | failed: {str(e)[:150]} | | | | |")
+            continue
+        numbers[key] = {"micro_batch_size": micro * times, **run_numbers(parsed)}
+        rows.append(f"| {m} | {name} | {micro * times} | {run_cells(numbers[key])}")
+    details = ("| model | run | micro batch | tokens/s | TFLOP/s | MFU % | peak GiB | estimated GiB |\n"
+               "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    summary = runs_summary(numbers)
+    for m, *_ in models:
+        eager, compiled = numbers.get(f"{m} eager", {}), numbers.get(f"{m} compiled", {})
+        if eager.get("tokens_per_s") and compiled.get("tokens_per_s"):
+            numbers[f"{m} compiled_over_eager"] = compiled["tokens_per_s"] / eager["tokens_per_s"]
+            summary += f"; {m}: compiled / eager tokens/s {numbers[f'{m} compiled_over_eager']:.3f}"
+    return ("fail" if failures else "pass"), "; ".join(filter(None, [summary] + failures)), details, numbers
+
+
 def text_corpus(ctx: Context, docs: int, vocab: int) -> Tuple[str, str]:
     """(dataset prefix, tokenizer model) from the Python standard library's sources, by our tools."""
     folder = os.path.join(ctx.work_dir, f"corpus-{docs}-{vocab}")
@@ -627,4 +678,6 @@ STEPS = (
     ("mla", "DeepSeek-V3-shaped GPT (MLA, MoE with groups, one MTP depth), bf16, ZeRO 1", 300, 120, deepseek_training),
     ("gptoss", "gpt-oss-shaped GPT (sinks, alternating windows, MoE top-4, biases), bf16, ZeRO 1, both backends", 360,
      150, gpt_oss_training),
+    ("compile", "--compile on/off x recompute x micro batch: ~1.3B dense and ~1B MoE, bf16, ZeRO 1", 560, 90,
+     compile_ab),
 )

@@ -15,6 +15,12 @@ layers), then the stage's layers; split into the groups of
 checkpoint/optimizer_groups.py (Muon's matrices, weight decay, none); an MoE
 model's expert parameters come last, in groups of their own
 (training/optimizer.build_optimizer).
+
+Under --pipeline-schedule dualpipev the specs are cut into 2 PP stages and pipeline rank r holds stages r and
+2 PP - 1 - r (model/virtual_stages.py): its model-states and optimizer files hold both, in the module's order
+(tied module first, then the layers by spec index); the tied embedding and head are one module on rank 0,
+with no copy elsewhere. Layer files are named by spec index under either schedule. A save records its
+schedule (`saved_schedule`); reshard and import-hf write 1F1B layouts.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from megatron_lite.config import Config
 from megatron_lite.cost.stages import stage_bounds, transformer_layers_per_stage
 from megatron_lite.model.gpt import TransformerLayerPipe, layer_specs
 from megatron_lite.model.moe_options import is_moe_layer
+from megatron_lite.model.virtual_stages import rank_ranges, stage_count
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.parallel.tp import as_single_rank
 
@@ -54,6 +61,12 @@ class ParamInfo:
     """For an MoE layer's expert parameter, the experts along dim 0 (every one: files store them all); else 0."""
     hidden_matrix: bool = False
     """One of the transformer layers' weight matrices (Muon's under --optimizer muon; parallel/layers.py)."""
+
+
+def saved_schedule(metadata: dict) -> str:
+    """The pipeline schedule whose stage placement a checkpoint's files follow: the one its run recorded; 1f1b
+    for checkpoints from before --pipeline-schedule and for reshard and import-hf outputs."""
+    return metadata.get("pipeline_schedule") or "1f1b"
 
 
 def slice_shape(info: ParamInfo, tp: int) -> Tuple[int, ...]:
@@ -124,9 +137,11 @@ class ModelLayout:
         """Spec indices that have a layer file (every spec but the tied head)."""
         return sorted(self.params)
 
-    def stage_bounds(self, pp: int, method: str) -> List[int]:
+    def stage_bounds(self, pp: int, method: str, schedule: str = "1f1b") -> List[int]:
+        """The bounds of the stage_count(pp, schedule) stages (2 PP under dualpipev)."""
         return stage_bounds(self.config.replace(parallel__pipeline_model_parallel_size=pp,
-                                                parallel__pipeline_partition_method=method))
+                                                parallel__pipeline_partition_method=method,
+                                                parallel__pipeline_schedule=schedule))
 
     def layers_per_stage(self, bounds: List[int]) -> List[int]:
         return transformer_layers_per_stage(self.config, bounds)
@@ -134,25 +149,34 @@ class ModelLayout:
     def saved_stage_bounds(self, metadata: dict) -> List[int]:
         """Where a saved checkpoint's stages were cut: its recorded layers per stage (a `profile` split is
         known only from them), else its partition method."""
-        pp = int(metadata["layout"]["pipeline_model_parallel_size"])
+        pp, schedule = int(metadata["layout"]["pipeline_model_parallel_size"]), saved_schedule(metadata)
         counts = metadata.get("layers_per_stage")
-        if counts and len(counts) == pp:
-            return self.stage_bounds(pp, ",".join(map(str, counts)))
-        return self.stage_bounds(pp, self.config.parallel.pipeline_partition_method)
+        if counts and len(counts) == stage_count(pp, schedule):
+            return self.stage_bounds(pp, ",".join(map(str, counts)), schedule)
+        return self.stage_bounds(pp, self.config.parallel.pipeline_partition_method, schedule)
+
+    def rank_ranges(self, bounds: List[int], pp: int, schedule: str, rank: int) -> List[Tuple[int, int]]:
+        """The spec ranges pipeline rank `rank` holds (one stage, or two under dualpipev)."""
+        return rank_ranges(bounds, pp, schedule, rank)
 
     def stage_parameters(self, start: int, stop: int) -> List[Tuple[ParamInfo, bool]]:
         """(parameter, is a tied copy) of a stage in optimizer order: the groups of
         checkpoint/optimizer_groups.py (Muon's, decay, no decay), then the expert parameters' groups."""
+        return self.rank_parameters([(start, stop)])
+
+    def rank_parameters(self, ranges: List[Tuple[int, int]]) -> List[Tuple[ParamInfo, bool]]:
+        """stage_parameters of a pipeline rank holding the spec `ranges` (two under dualpipev, in build order)."""
+        indices = [index for start, stop in ranges for index in range(start, stop)]
         ordered: List[Tuple[ParamInfo, bool]] = []
         seen_keys = []
-        for index in range(start, stop):
+        for index in indices:
             key = self.tied_users.get(index)
             if key is not None and key not in seen_keys:
                 seen_keys.append(key)
                 owner = self.tied_spec[key]
-                copy = not (start <= owner < stop)
+                copy = owner not in indices
                 ordered += [(p, copy) for p in self.params[owner]]
-        for index in range(start, stop):
+        for index in indices:
             if index not in self.tied_users:
                 ordered += [(p, False) for p in self.params[index]]
         # optimizer_groups.GROUPS; an MoE model's expert parameters follow in groups of their own, in the same

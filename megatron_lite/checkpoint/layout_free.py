@@ -38,7 +38,7 @@ from megatron_lite.checkpoint.format import (
     write_metadata,
     zero_optimizer_files,
 )
-from megatron_lite.checkpoint.layout import ModelLayout, slice_shape
+from megatron_lite.checkpoint.layout import ModelLayout, saved_schedule, slice_shape
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
 from megatron_lite.checkpoint.vocab import is_vocab_parameter
 from megatron_lite.config import Config
@@ -94,6 +94,7 @@ class LayoutFreeReader:
         self.dp = data_ranks(layout)  # ZeRO partitions: DP x CP
         self.ep = expert_ranks(layout)
         self.layout = ModelLayout(self.config)
+        self.schedule = saved_schedule(metadata)  # under dualpipev a pipeline rank's files hold two stages
         self.bounds = None if self.universal else self.layout.saved_stage_bounds(metadata)
         self.zero_stage, self.precision = storage_of(metadata)
         if self.zero_stage >= 2:
@@ -138,8 +139,9 @@ class LayoutFreeReader:
             for spec in sorted(wanted):
                 self._assemble(self._universal_sources(spec, optimizer), tp, rank, rows, states)
         else:
-            for stage in range(self.pp):
-                owned = set(range(self.bounds[stage], self.bounds[stage + 1]))
+            for stage in range(self.pp):  # a pipeline rank's files
+                owned = {s for start, stop in self.layout.rank_ranges(self.bounds, self.pp, self.schedule, stage)
+                         for s in range(start, stop)}
                 stage_specs = {self.layout.tied_spec.get(self.layout.tied_users.get(s), s) for s in owned}
                 needed = stage_specs & wanted - {k[0] for k in states}
                 if needed:
@@ -290,7 +292,7 @@ class LayoutFreeReader:
             if not (isinstance(saved, dict) and "state" in saved and "param_groups" in saved):
                 raise CheckpointError(f"{path}: no optimizer state of a plain AdamW (fp32, ZeRO 0) and no optimizer "
                                       f"partition files beside it: the checkpoint is incomplete")
-            params = self.layout.stage_parameters(self.bounds[stage], self.bounds[stage + 1])
+            params = self.layout.rank_parameters(self.layout.rank_ranges(self.bounds, self.pp, self.schedule, stage))
             count = sum(len(g["params"]) for g in saved["param_groups"])
             if count != len(params):
                 raise CheckpointError(f"{path}: the optimizer holds {count} parameters, but stage {stage} of the saved "

@@ -80,9 +80,10 @@ def target_config(source: Config, tp: int, pp: int, partition_method: Optional[s
     if m.vocab_size is not None:
         padded = pad_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     dp, cp = p.data_parallel_size, p.context_parallel_size  # kept: the run's batch and sequence split
+    # The target is a 1F1B layout (one stage per pipeline rank), whatever --pipeline-schedule the source ran.
     config = source.replace(parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
                             parallel__pipeline_partition_method=method, parallel__world_size=tp * pp * dp * cp,
-                            model__padded_vocab_size=padded)
+                            parallel__pipeline_schedule="1f1b", model__padded_vocab_size=padded)
     try:
         ModelLayout(config).stage_bounds(pp, method)
     except ConfigError as e:  # a type:<regex> that matches no layer
@@ -201,11 +202,12 @@ def reshard(load_dir: str, save_dir: str, tp: int, pp: int, iteration: Optional[
             for spec in files:
                 log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")
 
-        copied_rng = source.tp == tp and source.pp == pp and not source.universal
+        copied_rng = source.tp == tp and source.pp == pp and not source.universal and source.schedule == "1f1b"
         if copied_rng:  # read and written again, never copied unread: a file is validated before it travels
             for name in rng_files(source.folder):
                 torch_save(load_file(os.path.join(source.folder, name)), os.path.join(tmp, name))
-        metadata = {k: v for k, v in source.metadata.items() if k not in ("format", "run_state", "converted_from")}
+        metadata = {k: v for k, v in source.metadata.items()
+                    if k not in ("format", "run_state", "converted_from", "pipeline_schedule")}
         metadata.update(iteration=run.iteration, consumed_samples=run.consumed_samples,
                         layout=layout_of(tp, pp, dp, config.parallel.context_parallel_size),
                         layers_per_stage=layout.layers_per_stage(bounds),

@@ -3,7 +3,7 @@
 Dataclass fields come in reverse MRO order, base by base, so the bases are listed last section first:
 `dataclasses.fields(ModelConfig)` (the order of the parser and of --help) runs shape, positions, block,
 attention heads, latent attention, biases, RoPE scaling, recompute, attention kernel, MoE, multi-token
-prediction. A new field goes at the end of its section's class (the flag then shows there in --help);
+prediction, compile. A new field goes at the end of its section's class (the flag then shows there in --help);
 `config.model.<field>` stays flat."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from megatron_lite.config.model_attention import AttentionHeadsConfig, Attention
 from megatron_lite.config.model_core import (
     BiasConfig,
     BlockConfig,
+    CompileConfig,
     MultiTokenPredictionConfig,
     RecomputeConfig,
     ShapeConfig,
@@ -22,7 +23,7 @@ from megatron_lite.config.model_positions import PositionConfig, RopeScalingConf
 
 
 @dataclass(frozen=True)
-class ModelConfig(MultiTokenPredictionConfig, MoEConfig, AttentionKernelConfig, RecomputeConfig, RopeScalingConfig, BiasConfig,
+class ModelConfig(CompileConfig, MultiTokenPredictionConfig, MoEConfig, AttentionKernelConfig, RecomputeConfig, RopeScalingConfig, BiasConfig,
                   LatentAttentionConfig, AttentionHeadsConfig, BlockConfig, PositionConfig, ShapeConfig):
     @property
     def head_dim(self) -> int:

@@ -110,3 +110,15 @@ class MultiTokenPredictionConfig:
     mtp_loss_scaling_factor: float = option(0.1, "--mtp-loss-scaling-factor", minimum=0, maximum=1e6)
     """The depths' losses join the language-model loss's gradient as factor / D x their sum (DeepSeek-V3: 0.3,
     then 0.1); the logged loss stays the language model's, the depths' are logged apart."""
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """torch.compile of the transformer layers (model/compile.py)."""
+    compile: bool = option(False, "--compile")
+    """Compile each transformer layer with torch.compile (the embedding, head and loss stay eager); graphs and
+    graph breaks are reported at the first log line. Off by default until measured faster on the device
+    (docs/benchmarks.md)."""
+    compile_backend: str = option("inductor", "--compile-backend", choices=("inductor", "aot_eager"))
+    """With --compile: inductor (generated fused kernels) or aot_eager (the same traced graphs run by eager
+    kernels: checks tracing, no speed-up)."""

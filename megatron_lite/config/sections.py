@@ -42,6 +42,11 @@ class ParallelConfig:
     """How layers are split into stages: cost (FLOPs per layer, head included), profile (one forward +
     backward of each kind of layer timed on the device at start-up, rank 0's numbers), uniform,
     parameters, type:<regex>, or transformer layers per stage like 3,3,2."""
+    pipeline_schedule: str = option("1f1b", "--pipeline-schedule", choices=("1f1b", "dualpipev"))
+    """The pipeline schedule at --pipeline-model-parallel-size > 1: 1f1b (DeepSpeed's TrainSchedule, one stage
+    per rank) or dualpipev (DeepSpeed's DualPipeVEngine: the layers cut into 2 x PP stages, rank r holding
+    stages r and 2 PP - 1 - r, so rank 0 both embeds and computes the loss; needs gradient accumulation steps
+    >= 2 x PP; --pipeline-partition-method layer counts then list 2 x PP stages)."""
     sequence_parallel: bool = option(False, "--sequence-parallel")
     """Split LayerNorm, dropout and the residual stream along the sequence across the TP ranks
     (needs --tensor-model-parallel-size > 1 and --seq-length divisible by it); activations outside

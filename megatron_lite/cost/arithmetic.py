@@ -254,8 +254,9 @@ def mlp_forward_flops(model: ModelConfig, ffn: Optional[int] = None) -> float:
 def moe_forward_flops(model: ModelConfig) -> float:
     """Forward FLOPs per token of an MoE layer's MLP, active experts only: the router's logits (2 h E), k
     experts' MLPs of width F, the shared expert and its gate (2 h); the weighted sum of the k outputs is
-    elementwise (model/moe.py), not a matmul, so neither this count nor torch's FLOP counter has it. Dropless routing sends every token to k experts whatever the balance;
-    with a capacity the dropped copies are not computed, counted all the same (as Megatron-LM counts)."""
+    elementwise (model/moe.py), not a matmul, so neither this count nor torch's FLOP counter has it. Dropless
+    routing sends every token to k experts whatever the balance; with a capacity the dropped copies are not
+    computed, counted all the same (as Megatron-LM counts)."""
     h, k = model.hidden_size, model.moe_router_topk
     flops = 2.0 * h * model.num_experts + k * mlp_forward_flops(model, expert_ffn_hidden_size(model))
     if model.moe_shared_expert_intermediate_size is not None:
@@ -298,10 +299,12 @@ def layer_forward_flops(model: ModelConfig, causal: bool, attention_share: float
     grouped keys and values cost 2 g d h each, not 2h^2) and MLP matmuls (two of h x f, three when gated;
     2 FLOPs per multiply-add; an MoE layer's: `moe_forward_flops`) plus the two attention matmuls over s keys
     (`attention_core_forward_flops`); `causal` counts the s/2 keys a token attends to on average (Megatron-LM's
-    accounting), otherwise all s (what the fused path computes, and what training_flops_per_token counts).
-    Norms are not matmuls and not counted (QK-norm and MLA's latent norms neither). attention_share: the part
-    of those attention matmuls computed (documents attended one by one skip the blocks between them:
-    model/attention_mask.py). layer_number (from 1) says whether the layer is MoE; None: a dense layer."""
+    accounting, and what training_flops_per_token counts), otherwise all s (what the fused path computes and
+    torch's FLOP counter counts). Norms are not matmuls and not counted (QK-norm and MLA's latent norms neither).
+    attention_share: the part of those attention matmuls computed (documents attended one by one skip the blocks
+    between them: model/attention_mask.py), applied after the halving: a share of the whole square, halved, is the
+    causal half of each document's own square. layer_number (from 1) says whether the layer is MoE; None: a dense
+    layer."""
     moe = layer_number is not None and is_moe_layer(model, layer_number)
     mlp = moe_forward_flops(model) if moe else mlp_forward_flops(model)
     core = attention_core_forward_flops(model) * (0.5 if causal else 1.0)
@@ -335,7 +338,7 @@ def attention_core_forward_flops(model: ModelConfig) -> float:
 
 def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
                                       attention_share: float = 1.0, first_layer: int = 1,
-                                      depths: Optional[int] = None) -> float:
+                                      depths: Optional[int] = None, *, causal: bool) -> float:
     """Forward FLOPs per token that recompute runs again over the whole model. torch's checkpoint stops
     recomputing once it has rebuilt every tensor backward needs (set_checkpoint_early_stop, on by
     default), so the last matmul of a recomputed region, whose output nothing keeps, is not run again:
@@ -345,8 +348,9 @@ def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Opti
     of --recompute-method count per stage, the first stage starting at layer `first_layer` (which
     layers are MoE); attention_share: as training_flops_per_token's. depths: the Multi-Token Prediction depths
     among them (default: all the model's), whose layers selective recompute reruns as any; full recompute runs
-    the stages' transformer layers again, not the depths' (model/recompute.py). Checked against torch's FLOP
-    counter."""
+    the stages' transformer layers again, not the depths' (model/recompute.py). causal: the attention rerun over
+    the s/2 keys a token attends to (as the logged count has the forward's: training_flops_per_token), or over
+    all s (what the fused path runs again; checked against torch's FLOP counter)."""
     m = model
     stages = layers_per_stage if layers_per_stage is not None else [m.num_layers]
     if m.recompute_granularity == "selective":
@@ -354,7 +358,7 @@ def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Opti
         # micro-batch's last document's (whose output nothing keeps): counted whole.
         rerun = attention_scores_forward_flops(m) if attention_share == 1.0 else attention_core_forward_flops(m)
         mtp = (m.mtp_num_layers or 0) if depths is None else depths
-        return (sum(stages) + mtp) * rerun * attention_share
+        return (sum(stages) + mtp) * rerun * (0.5 if causal else 1.0) * attention_share
     if m.recompute_granularity != "full":
         return 0.0
     total, offset = 0.0, first_layer
@@ -362,25 +366,30 @@ def recompute_forward_flops_per_token(model: ModelConfig, layers_per_stage: Opti
         for start, end, again in recompute_chunks(m.recompute_method, m.recompute_num_layers, layers):
             if again:
                 numbers = range(offset + start, offset + end)
-                total += (sum(layer_forward_flops(m, False, attention_share, n) for n in numbers)
+                total += (sum(layer_forward_flops(m, causal, attention_share, n) for n in numbers)
                           - _last_matmul_flops(m, numbers[-1]))
         offset += layers
     return total
 
 
 def training_flops_per_token(model: ModelConfig, layers_per_stage: Optional[Sequence[int]] = None,
-                             attention_share: float = 1.0) -> float:
-    """Megatron-LM's count behind TFLOP/s and MFU: 3x the forward (forward, two backward matmuls),
-    plus what activation recompute runs again (recompute_forward_flops_per_token); attention counted
-    over all s keys, times the share of it computed (attention_share: model/attention_mask.py
-    AttentionWork, below 1 when documents are attended one by one). MoE layers count the k experts a
-    token is routed to (`moe_forward_flops`), so MFU follows active parameters, not total. Multi-Token
-    Prediction's depths add their eh_proj and decoder layer (`mtp_forward_flops`) and a head GEMM each, as
-    Megatron-LM adds them; the cross entropy, like every elementwise op, is not counted."""
+                             attention_share: float = 1.0, *, causal: bool = True) -> float:
+    """The count behind TFLOP/s and MFU, Megatron-LM's (training.py `num_floating_point_operations`) term by term
+    but where tests/cost/test_megatron_flops.py shows otherwise: 3x the forward (forward, two backward matmuls),
+    plus what activation recompute runs again (recompute_forward_flops_per_token; Megatron-LM counts none). The
+    attention core counts the causal half of the keys as Megatron-LM does (model FLOPs: the masked half is not
+    work, whether or not a kernel computes it), in the forward and in what recompute reruns alike; causal=False
+    counts every key, as torch's FLOP counter does. attention_share (model/attention_mask.py AttentionWork, below
+    1 when documents are attended one by one) scales that halved core: the causal half of each document's square.
+    A sliding window or a document mask computed through the mask has share 1: counted as plain causal attention.
+    MoE layers count the k experts a token is routed to (`moe_forward_flops`; the router's GEMM too, which
+    Megatron-LM leaves out), so MFU follows active parameters, not total. Multi-Token Prediction's depths add their
+    eh_proj and decoder layer (`mtp_forward_flops`) and a head GEMM each, as Megatron-LM adds them; the cross
+    entropy, like every elementwise op (norms included, which Megatron-LM counts under MLA and MTP), is not
+    counted."""
     v = model.padded_vocab_size or model.vocab_size or 0
-    layers = 3 * sum(layer_forward_flops(model, False, attention_share, n) for n in range(1, model.num_layers + 1))
+    layers = 3 * sum(layer_forward_flops(model, causal, attention_share, n) for n in range(1, model.num_layers + 1))
     heads = 1 + (model.mtp_num_layers or 0)
-    return (layers + 3 * mtp_forward_flops(model, False, attention_share)
-            + recompute_forward_flops_per_token(model, layers_per_stage, attention_share)
+    return (layers + 3 * mtp_forward_flops(model, causal, attention_share)
+            + recompute_forward_flops_per_token(model, layers_per_stage, attention_share, causal=causal)
             + 3 * 2 * model.hidden_size * v * heads)
-

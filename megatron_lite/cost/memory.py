@@ -62,6 +62,14 @@ TrainSchedule.num_pipe_buffers): stage i holds min(gas, PP - i); the ZeRO 2/3
 engine (PP = 1) runs one micro-batch at a time. Tied embedding and head are
 two full copies at PP > 1 (first and last stage) and one module at PP = 1; Multi-Token Prediction's
 tied embedding is that module again on the last stage (stages.stage_module_tensors).
+
+--pipeline-schedule dualpipev (2 PP stages, rank r holding r and 2 PP - 1 - r): one StageMemory per pipeline
+rank, its two stages' parameters together (rank 0's embedding and head one module) and their activations
+together: at a rank's peak stage s of 2 PP holds 2 PP - s micro-batches, both of the rank's stages at once (r's
+2 PP - r and 2 PP - 1 - r's r + 1: DeepSpeed's DualPipeVSchedule, replayed in tests/test_deepspeed_compat.py),
+so each rank holds about rank 0's 1F1B activations. DualPipeVEngine frees every stage's outputs after backward
+and keeps one activation-sized buffer between steps (the one `_recv_tensor_meta` allocates); not measured with
+the census.
 """
 from __future__ import annotations
 
@@ -83,16 +91,18 @@ from megatron_lite.cost.model_state import (
 )
 from megatron_lite.cost.mtp_activations import mtp_activation_bytes
 from megatron_lite.cost.stages import (
+    per_rank,
+    rank_module_tensors,
+    rank_parameters,
     stage_bounds,
     stage_expert_parameters,
     stage_layer_numbers,
     stage_matrices,
-    stage_module_tensors,
     stage_mtp_layer_numbers,
-    stage_parameters,
 )
 from megatron_lite.cost.step_memory import step_transient_bytes
 from megatron_lite.deepspeed_config import sends_partitioned
+from megatron_lite.model.virtual_stages import rank_stages, stage_count
 
 GIB = 1024 ** 3
 DEFAULT_BUCKET = int(5e8)
@@ -205,11 +215,13 @@ def step_gradient_bytes(parameters: int, zero_stage: int, precision: str, partit
     return (4 if precision == "fp32" else 2) * parameters
 
 
-def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int) -> int:
+def pipeline_buffer_bytes(stage: int, pp: int, boundary: int, partitions: int, schedule: str = "1f1b") -> int:
     """Bytes of the pipeline engine's buffers kept between steps on a stage (see above): `boundary` is an
     activation's bytes, `partitions` the TP degree DeepSpeed cuts its sends into (1 when it sends whole)."""
     if pp == 1:
         return 0
+    if schedule == "dualpipev":
+        return boundary
     receive = boundary // partitions
     return receive + (2 * boundary if stage == pp - 1 else 0)
 
@@ -235,14 +247,16 @@ def head_gradient_bytes(config: Config) -> int:
 
 
 def micro_batches_in_flight(config: Config, stage: int) -> int:
+    """At the peak, on stage `stage` (of 2 PP under dualpipev): min(gas, stages - stage)."""
     pp, gas = config.parallel.pipeline_model_parallel_size, config.batch.gradient_accumulation_steps
     if config.parallel.zero_stage >= 2:
         return 1
-    return max(1, min(gas, pp - stage))
+    return max(1, min(gas, stage_count(pp, config.parallel.pipeline_schedule) - stage))
 
 
 def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = "cuda") -> List[StageMemory]:
-    """One StageMemory per pipeline stage for a validated config (vocabulary padded).
+    """One StageMemory per pipeline stage (per pipeline rank: two stages under dualpipev) for a validated config
+    (vocabulary padded).
 
     ds_config: the DeepSpeed dict the engine gets (deepspeed_config.py `deepspeed_config(config)`;
     its zero_optimization settings size the buffers). device: "cuda" or "cpu" (only the dropout masks differ).
@@ -251,39 +265,45 @@ def estimate(config: Config, ds_config: Optional[Dict[str, Any]], device: str = 
     par = config.parallel
     precision = config.precision.dtype_name
     bounds = stage_bounds(config, estimate=True)
-    params = stage_parameters(config, bounds)
-    experts = stage_expert_parameters(config, bounds)
-    matrices = stage_matrices(config, bounds)
-    stage_modules = stage_module_tensors(config, bounds)
+    # Per pipeline rank: its stage, or under dualpipev its two stages together.
+    params = rank_parameters(config, bounds)
+    experts = per_rank(config, stage_expert_parameters(config, bounds))
+    matrices = per_rank(config, stage_matrices(config, bounds), combine=lambda parts: [x for p in parts for x in p])
+    rank_modules = rank_module_tensors(config, bounds)
     settings = _zero_settings(ds_config)
     comm = communication_bytes(config, ds_config)
-    pp = par.pipeline_model_parallel_size
+    pp, schedule, count = par.pipeline_model_parallel_size, par.pipeline_schedule, len(bounds) - 1
     layer_numbers, depths = stage_layer_numbers(config, bounds), stage_mtp_layer_numbers(config, bounds)
     boundary = activations.stage_output_bytes(config)  # [b, S/CP, h] or its sequence-parallel shard
     stages = []
-    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        layers, first, last = len(layer_numbers[i]), a == 0, i == pp - 1
-        modules = stage_modules[i]  # one per spec, the embedding's once however many tied specs use it
+    for i in range(pp):
+        here = rank_stages(pp, schedule, i)
+        layers, last = sum(len(layer_numbers[s]) for s in here), count - 1 in here
+        modules = rank_modules[i]  # one per spec, the embedding's once however many tied specs use it
         threshold = settings["persistence_threshold"]
         persistent = zero3_persistent_parameters([n for module in modules for n in module], threshold)
         states = stage_model_state_bytes(config, params[i], experts[i], par.cpu_offload, settings["offload_param"],
                                          persistent, muon_parameters(config, matrices[i]))
-        per_mb, rebuilt = activations.stage_layer_bytes(config, layers, device, layer_numbers[i].start)
-        if first:
-            per_mb += activations.embedding_activation_bytes(config, device)
-        if depths[i]:
-            per_mb += mtp_activation_bytes(config, device)
-        if last:
-            per_mb += activations.head_activation_bytes(config, device)
-        else:
-            per_mb += boundary  # this stage's output, kept for the send
-        inflight = micro_batches_in_flight(config, i)
+        per_mb, held, inflight, rebuilt = 0, 0, 0, 0
+        for s in here:
+            stage_mb, stage_rebuilt = activations.stage_layer_bytes(config, len(layer_numbers[s]), device,
+                                                                    layer_numbers[s].start)
+            if bounds[s] == 0:
+                stage_mb += activations.embedding_activation_bytes(config, device)
+            if depths[s]:
+                stage_mb += mtp_activation_bytes(config, device)
+            if s == count - 1:
+                stage_mb += activations.head_activation_bytes(config, device)
+            else:
+                stage_mb += boundary  # this stage's output, kept for the send
+            per_mb, held = per_mb + stage_mb, held + stage_mb * micro_batches_in_flight(config, s)
+            inflight, rebuilt = inflight + micro_batches_in_flight(config, s), max(rebuilt, stage_rebuilt)
         stages.append(StageMemory(
             stage=i, transformer_layers=layers, parameters=params[i], weights=states["weights"],
             gradients=states["gradients"], optimizer_states=states["optimizer_states"],
-            communication_buffers=comm + pipeline_buffer_bytes(i, pp, boundary, pipe_partitions(config)),
+            communication_buffers=comm + pipeline_buffer_bytes(i, pp, boundary, pipe_partitions(config), schedule),
             activations_per_micro_batch=per_mb, micro_batches_in_flight=inflight,
-            activations=per_mb * inflight,
+            activations=held,
             # The head's weight gradient comes once the 16-bit logits and their gradient are gone (measured).
             transient=max(activations.head_transient_bytes(config) if last else 0,
                           head_gradient_bytes(config) if last else 0, rebuilt,

@@ -23,9 +23,10 @@ from megatron_lite.cost.arithmetic import (
     spec_tensors,
 )
 from megatron_lite.cost.matrices import HiddenMatrix, layer_matrices, mtp_matrices
-from megatron_lite.cost.pipeline_efficiency import predicted_pipeline_efficiency
+from megatron_lite.cost.pipeline_efficiency import dualpipev_bubble_efficiency, predicted_pipeline_efficiency, rank_costs
 from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.model.partition import PipelineSplit, SpecCost, partition
+from megatron_lite.model.virtual_stages import rank_ranges, rank_stages, stage_count
 
 
 def stage_matrices(config: Config, bounds: Sequence[int]) -> List[List[HiddenMatrix]]:
@@ -66,7 +67,8 @@ def spec_costs(config: Config, seconds: Optional[Sequence[float]] = None) -> Lis
 
 
 def stage_bounds(config: Config, seconds: Optional[Sequence[float]] = None, estimate: bool = False) -> List[int]:
-    """Spec boundaries of the pipeline stages: stage i holds specs[bounds[i]:bounds[i + 1]].
+    """Spec boundaries of the pipeline stages: stage i holds specs[bounds[i]:bounds[i + 1]]; PP stages, or 2 PP
+    under --pipeline-schedule dualpipev (model/virtual_stages.py says which rank holds which).
 
     `profile` splits on measured `seconds`, known only once running; with `estimate=True`
     (memory estimates, the planner) the FLOP cost stands in for them."""
@@ -77,7 +79,7 @@ def stage_bounds(config: Config, seconds: Optional[Sequence[float]] = None, esti
             raise ValueError("--pipeline-partition-method profile needs the measured seconds of every spec")
         method = "cost"
     require_vocab(config)
-    return list(_bounds(config.model, p.pipeline_model_parallel_size, method,
+    return list(_bounds(config.model, stage_count(p.pipeline_model_parallel_size, p.pipeline_schedule), method,
                         None if seconds is None else tuple(seconds)))
 
 
@@ -91,17 +93,44 @@ def stage_module_tensors(config: Config, bounds: Sequence[int]) -> List[List[Lis
     """Each stage's modules' parameter tensors on one rank (`spec_tensors`, spec by spec), the embedding module
     once however many of its tied specs the stage holds (arithmetic.embedding_specs: with the tied head, and
     Multi-Token Prediction's on the last stage)."""
+    return [_module_tensors(config, range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _module_tensors(config: Config, specs: Sequence[int]) -> List[List[int]]:
     tensors, tied = spec_tensors(config), embedding_specs(config.model)
-    stages = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        again = [i for i in tied if a <= i < b][1:]
-        stages.append([tensors[i] for i in range(a, b) if i not in again])
-    return stages
+    again = [i for i in tied if i in specs][1:]
+    return [tensors[i] for i in specs if i not in again]
+
+
+def rank_specs(config: Config, bounds: Sequence[int]) -> List[List[int]]:
+    """The specs each pipeline rank holds: its stage's, or under --pipeline-schedule dualpipev its two stages'
+    (model/virtual_stages.py)."""
+    p = config.parallel
+    pp, schedule = p.pipeline_model_parallel_size, p.pipeline_schedule
+    return [[i for a, b in rank_ranges(bounds, pp, schedule, r) for i in range(a, b)] for r in range(pp)]
+
+
+def rank_module_tensors(config: Config, bounds: Sequence[int]) -> List[List[List[int]]]:
+    """`stage_module_tensors` of each pipeline rank: under dualpipev rank 0's two stages share one embedding
+    module (the first stage's, tied to the last stage's head)."""
+    return [_module_tensors(config, specs) for specs in rank_specs(config, bounds)]
 
 
 def stage_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
     """Parameters one rank of each stage holds (after the TP split): `stage_module_tensors`, summed."""
     return [sum(map(sum, modules)) for modules in stage_module_tensors(config, bounds)]
+
+
+def rank_parameters(config: Config, bounds: Sequence[int]) -> List[int]:
+    """Parameters each pipeline rank holds (after the TP split): `rank_module_tensors`, summed."""
+    return [sum(map(sum, modules)) for modules in rank_module_tensors(config, bounds)]
+
+
+def per_rank(config: Config, per_stage: Sequence, combine=sum) -> list:
+    """A per-stage list as a per-pipeline-rank one: each rank's stages (one, or two under dualpipev) combined."""
+    p = config.parallel
+    pp, schedule = p.pipeline_model_parallel_size, p.pipeline_schedule
+    return [combine([per_stage[s] for s in rank_stages(pp, schedule, r)]) for r in range(pp)]
 
 
 def transformer_layers_per_stage(config: Config, bounds: Sequence[int]) -> List[int]:
@@ -147,9 +176,11 @@ def stage_costs(specs: Sequence[SpecCost], bounds: Sequence[int], measured: bool
     return [sum((s.seconds if measured else s.flops) for s in specs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int], num_micro_batches: int) -> str:
+def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int], num_micro_batches: int,
+                schedule: str = "1f1b") -> str:
     """One line per stage (layers, parameters, cost relative to the mean stage, measured ms where
-    profiled) and the predicted pipeline efficiency for `num_micro_batches` per step."""
+    profiled) and the predicted pipeline efficiency for `num_micro_batches` per step (under dualpipev, of the
+    ranks' two stages together)."""
     measured = all(s.seconds is not None for s in specs)
     costs = stage_costs(specs, bounds, measured)
     mean = sum(costs) / len(costs)
@@ -161,10 +192,19 @@ def stage_table(specs: Sequence[SpecCost], bounds: Sequence[int], num_micro_batc
         lines.append(f"{stage:>5} {f'{a}-{b - 1}':>9} {sum(s.is_transformer for s in part):>11} "
                      f"{sum(s.parameters for s in part):>12,} {costs[stage] / mean:>9.2f}"
                      + (f" {costs[stage] * 1e3:>10.1f}" if measured else "") + f"  {names}")
+    source = "measured" if measured else "FLOP"
+    if schedule == "dualpipev":
+        ranks = rank_costs(costs, schedule)
+        lines.append(f"dualpipev: rank r holds stages r and {len(costs) - 1} - r; predicted pipeline efficiency at "
+                     f"{num_micro_batches} micro-batches per step: "
+                     f"{predicted_pipeline_efficiency(costs, num_micro_batches, schedule):.3f} (bubble "
+                     f"{dualpipev_bubble_efficiency(len(ranks), num_micro_batches):.3f} x balance of the ranks "
+                     f"{sum(ranks) / len(ranks) / max(ranks):.3f}, from {source} stage costs)")
+        return "\n".join(lines)
     efficiency = predicted_pipeline_efficiency(costs, num_micro_batches)
     lines.append(f"predicted pipeline efficiency at {num_micro_batches} micro-batches per step: {efficiency:.3f} "
                  f"(bubble {num_micro_batches}/{num_micro_batches + len(costs) - 1} x balance "
-                 f"{mean / max(costs):.3f}, from {'measured' if measured else 'FLOP'} stage costs)")
+                 f"{mean / max(costs):.3f}, from {source} stage costs)")
     return "\n".join(lines)
 
 
@@ -173,6 +213,7 @@ def pipeline_split(config: Config, seconds: Optional[Sequence[float]] = None) ->
     """Where the GPT's pipeline module cuts its specs, with the stage table it prints; `seconds`: each spec's
     measured time, needed by `--pipeline-partition-method profile` only (training/model_setup.py)."""
     bounds = stage_bounds(config, seconds)
-    table = stage_table(spec_costs(config, seconds), bounds, config.batch.gradient_accumulation_steps)
+    table = stage_table(spec_costs(config, seconds), bounds, config.batch.gradient_accumulation_steps,
+                        config.parallel.pipeline_schedule)
     return PipelineSplit(bounds, transformer_layers_per_stage(config, bounds),
                          f"pipeline stages ({config.parallel.pipeline_partition_method}):\n{table}")

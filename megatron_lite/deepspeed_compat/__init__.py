@@ -7,6 +7,8 @@ setup.py pins DeepSpeed to the range these were checked against.
 
 Callers import the module of the concern they use (nothing is re-exported here):
     pipeline          our stage split, layer files, tied copies, wrappers of the engine's instructions
+    dualpipev         --pipeline-schedule dualpipev: our module as DualPipeVModule, a rank's two stages, the schedules'
+                      instruction streams
     checkpoint_files  file names, classes allowed when loading, checkpoint IO, parameter owners
     optimizer_state   the wrapped optimizer: partitions, master weights, moments, loss scaler, step counters
     startup           print()ed start-up lines, log level, process groups' time-out

@@ -69,6 +69,16 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer", "param_groups, max_group_size"),
     ("deepspeed.runtime.engine.MoE", "module name"),
     ("deepspeed.runtime.engine.DeepSpeedEngine.has_moe_layers", "attribute"),
+    # --pipeline-schedule dualpipev (dualpipev.py): deepspeed.initialize builds DualPipeVEngine for a DualPipeVModule,
+    # whose _partition_layers doubles the stages and calls ours; its two stages' layers and bounds; the schedules
+    # instruction_streams replays.
+    ("deepspeed.DualPipeVModule", "module name"),
+    ("deepspeed.runtime.pipe.dualpipev.DualPipeVModule._partition_layers", "self, method"),
+    ("deepspeed.runtime.pipe.dualpipev.DualPipeVModule.activate_phase", "self, phase"),
+    ("deepspeed.runtime.pipe.dualpipev.DualPipeVModule.phase_bounds", "attribute"),
+    ("deepspeed.runtime.pipe.dualpipev.DualPipeVModule.phase_funcs", "attribute"),
+    ("deepspeed.runtime.pipe.schedule.DualPipeVSchedule.__init__", "self, micro_batches, stages, stage_id"),
+    ("deepspeed.runtime.pipe.schedule.TrainSchedule.__init__", "self, micro_batches, stages, stage_id"),
 )
 
 

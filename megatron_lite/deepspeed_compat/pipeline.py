@@ -3,10 +3,11 @@ wrappers around the engine's instructions (timing, the gradient reduction, the l
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 
 
 class OwnPartitionPipelineModule(PipelineModule):
@@ -48,13 +49,28 @@ class OwnPartitionPipelineModule(PipelineModule):
             super()._synchronize_tied_weights()
 
 
+def is_dualpipev(engine_or_module) -> bool:
+    """Whether a pipeline engine (or module) runs DeepSpeed's DualPipeV schedule."""
+    return isinstance(engine_or_module, (DualPipeVEngine, DualPipeVModule))
+
+
+def stage_layer_functions(module) -> List[Tuple[int, list]]:
+    """(first spec index, layer functions) of each stage this rank's pipeline module holds: one under 1F1B, two
+    under DualPipeV (its `phase_bounds` and `phase_funcs`, phase 0 first)."""
+    if isinstance(module, DualPipeVModule):
+        return [(start, list(functions)) for (start, _), functions in zip(module.phase_bounds, module.phase_funcs)]
+    return [(module._local_start, list(module.forward_funcs))]
+
+
 def layer_file_modules(module: PipelineModule) -> Dict[int, torch.nn.Module]:
     """Spec index -> the module whose state dict is that spec's layer file on this rank.
 
     Why: a resume checks each file against what this rank will load it into. DeepSpeed's save_state_dict
     and load_state_dir pair `forward_funcs[i]` with layer `_local_start + i`, and skip entries without a
-    state dict (a tied head is a function of the embedding module, which has the file)."""
-    return {module._local_start + i: f for i, f in enumerate(module.forward_funcs) if hasattr(f, "state_dict")}
+    state dict (a tied head is a function of the embedding module, which has the file); under DualPipeV they
+    do so for each of the rank's two stages (stage_layer_functions)."""
+    return {start + i: f for start, functions in stage_layer_functions(module) for i, f in enumerate(functions)
+            if hasattr(f, "state_dict")}
 
 
 def is_pipe_replicated_copy(param: torch.Tensor) -> bool:
@@ -157,7 +173,11 @@ def free_last_stage_outputs_after_backward(engine) -> None:
     clear `pipe_buffers['outputs']` on the other stages, so the logits of up to num_pipe_buffers (2)
     micro-batches stay alive through the next forward and the optimizer step. Nothing reads them after
     their backward: on the last stage the outputs are not sent, and eval_batch keeps what it returns
-    in `engine.outputs`, not in the pipe buffer."""
+    in `engine.outputs`, not in the pipe buffer. DeepSpeed's DualPipeVEngine clears every stage's outputs after
+    their backward itself (and its BackwardPass takes a phase): nothing to do there."""
+    if is_dualpipev(engine):
+        return
+
     def wrap(backward):
         def backward_then_free(self, buffer_id):
             result = backward(self, buffer_id=buffer_id)

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from megatron_lite.checkpoint.layout import saved_schedule
 from megatron_lite.checkpoint.reader import CheckpointReader
 from megatron_lite.checkpoint.reshard import target_config
 from megatron_lite.config import Config, ConfigError, format_split
@@ -44,17 +45,19 @@ class EvalResult:
 
 def _eval_config(source: Config, world: int, tp: int, pp: int, partition_method: str, data_path, split,
                  eval_iters: Optional[int], load: str, ep: int = 1, tokenizer: Optional[dict] = None,
-                 global_batch_size: Optional[int] = None) -> Config:
+                 global_batch_size: Optional[int] = None, schedule: str = "1f1b") -> Config:
     """The run's config under the evaluation's layout, checked by the same validation training uses. EP is the
     evaluation's own (default 1: every expert on every rank), whatever the run's: the layer files hold every
     expert, and each rank loads its block (model/moe.py). `tokenizer`: data fields naming another tokenizer
-    (checkpoint/tokenizer.py's, which checked that it fits)."""
+    (checkpoint/tokenizer.py's, which checked that it fits). `schedule`: the pipeline schedule (the checkpoint's
+    when evaluating at its own layout and split, else 1f1b, which any PP runs)."""
     config = source.replace(
         **{f"data__{field}": value for field, value in (tokenizer or {}).items()},
         parallel__tensor_model_parallel_size=tp, parallel__pipeline_model_parallel_size=pp,
         parallel__expert_model_parallel_size=ep,
         parallel__data_parallel_size=None, parallel__context_parallel_size=1, parallel__zero_stage=0, parallel__cpu_offload=False,
         parallel__pipeline_partition_method=partition_method, parallel__distributed_backend=None,
+        parallel__pipeline_schedule=schedule,
         batch__gradient_accumulation_steps=None, batch__rampup_batch_size=None, model__padded_vocab_size=None,
         batch__global_batch_size=global_batch_size or source.batch.global_batch_size,
         data__data_path=tuple(data_path) if data_path else source.data.data_path,
@@ -79,15 +82,16 @@ def evaluate_checkpoint(load_dir: str, iteration: Optional[int] = None,
     source = reader.config
     tp = tp or reader.tp
     pp = pp or reader.pp
-    method = source.parallel.pipeline_partition_method
+    method, schedule = source.parallel.pipeline_partition_method, "1f1b"
     if (tp, pp) != (reader.tp, reader.pp):
         # a bad layout fails on every rank, before any rank waits for another
         method = target_config(source, tp, pp, None).parallel.pipeline_partition_method
     elif reader.metadata.get("layers_per_stage"):  # a `profile` split is known only from the checkpoint
         method = ",".join(map(str, reader.metadata["layers_per_stage"]))
+        schedule = saved_schedule(reader.metadata)  # its counts are 2 PP stages' under dualpipev
     try:
         config = _eval_config(source, world, tp, pp, method, data_path, split, eval_iters, load_dir, ep, tokenizer,
-                              global_batch_size)
+                              global_batch_size, schedule)
         if not config.data.data_path:  # before any group: every rank stops here alike
             raise ConfigError("--data-path is required: the prefix of a .bin/.idx pair")
         state.initialize(tp, pp, expert_model_parallel_size=ep)

@@ -42,7 +42,7 @@ from megatron_lite.parallel.context_parallel import (
 )
 from megatron_lite.parallel.layers import RowParallelLinear, _master_slice, _parameter
 from megatron_lite.parallel.qkv import QKVParallelLinear
-from megatron_lite.parallel.random import checkpoint, get_rng_tracker, layer_split_rng
+from megatron_lite.parallel.random import checkpoint, dropout_draws, layer_split_rng, run_in_stream
 from megatron_lite.parallel.tp import tp_world_size
 
 
@@ -167,20 +167,24 @@ class ParallelAttention(nn.Module):
             positions = positions_in_documents(documents) if self.document_positions and documents is not None else None
             q, k = self.rotary(q, k, offset, positions)
         mask, segments = None, None
-        if self.document_mask and documents is not None and not offset:
-            segments = document_segments(documents)  # few documents: attend document by document
+        if self.document_mask and documents is not None and not offset and not torch.compiler.is_compiling():
+            # Few documents: attend document by document. Not in a compiled layer: the ranges are read to the
+            # host and shape the work, so it takes the mask below (every block computed, and counted so).
+            segments = document_segments(documents)
         if segments is None and not offset and (self.window is not None or self.document_mask):
             mask = allowed_keys(q.shape[2], q.device, documents if self.document_mask else None, self.window)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # [b, ng, offset + s, hd]: groups are cached, not heads
         core = self._core if segments is None else functools.partial(self._by_document, segments=segments)
-        if kv_cache is None and self.training:
+        if kv_cache is None and self.training and not torch.compiler.is_compiling():
+            # A compiled layer records nothing (its Python counters would be guarded and recompile each step);
+            # it computes every block, share 1, what `take` gives when nothing was recorded.
             full = q.shape[0] * q.shape[2] ** 2
             ATTENTION_WORK.record(full if segments is None else sum((e - a) ** 2 for r in segments for a, e in r), full)
         if self.recompute_core and kv_cache is None and torch.is_grad_enabled():
             # Only q, k, v (views of qkv) and the context are kept; the [b, np, s, s] scores,
             # probabilities and dropout mask are made again in backward, with the same mask.
-            context = checkpoint(core, q, k, v, 0, mask)
+            context = checkpoint(core, q, k, v, 0, mask, draws=dropout_draws(self.attention_dropout))
         else:
             context = core(q, k, v, offset, mask)
         context = sequence_to_heads(context)  # context parallel: [b, np/C, s, hd] -> [b, np, s/C, hd]
@@ -232,39 +236,44 @@ class ParallelAttention(nn.Module):
 
         A group's np/ng query heads are adjacent, so viewing q as [b, ng, (np/ng) s, hd] multiplies each
         group's keys and values once, without repeating them per head."""
+        if dropout_draws(self.attention_dropout):
+            # Heads are split across TP ranks, so their dropout masks must differ per rank.
+            return run_in_stream(self.dropout_rng, self._core_without_stream, q, k, v, offset, mask)
+        return self._core_without_stream(q, k, v, offset, mask)
+
+    def _core_without_stream(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0,
+                             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, heads, s, hd = q.shape
         groups = k.shape[1]
         sinks = self._sinks(heads)
-        # Heads are split across TP ranks, so their dropout masks must differ per rank.
-        with get_rng_tracker().fork(self.dropout_rng):
-            if self.backend == "sdpa" and not offset and sinks is not None:
-                p = self.attention_dropout.p if self.training else 0.0
-                return sdpa_with_sinks(q, k, v, mask, sinks, self.scale, p)
-            if self.backend == "sdpa" and not offset:
-                # One kernel for scores, causal softmax, dropout and values (grouped keys and values
-                # read per group); its dropout draws from the stream forked above like nn.Dropout would.
-                # Values narrower than queries and keys (MLA) are padded to their width, as transformers' FA2
-                # path and Megatron-LM's packed-sequence path do: CPU's flash kernel refuses them otherwise
-                # and the math path keeps [b, np, s, s] (benchmarks/bench_mla.py --part core).
-                p = self.attention_dropout.p if self.training else 0.0
-                width = v.shape[-1]
-                if width != hd:
-                    v = F.pad(v, (0, hd - width))
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
-                                                     scale=self.scale, enable_gqa=groups != heads)
-                return out if width == hd else out[..., :width]
-            grouped_q = q.reshape(b, groups, heads // groups * s, hd)
-            scores = torch.matmul(grouped_q, k.transpose(-2, -1)).view(b, heads, s, -1)  # [b, np, s, s']
-            if offset:
-                # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
-                # that SDPA's is_causal and the fused kernel handle.
-                probs = self.attention_dropout(self._softmax_after_cache(scores, offset, sinks))
-            elif mask is not None:
-                probs = self.attention_dropout(self.masked_softmax(scores, ~mask, sinks))
-            else:
-                probs = self.attention_dropout(self.softmax(scores, sinks=sinks))
-            context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd_v]
-            return context.view(b, heads, s, v.shape[-1])
+        if self.backend == "sdpa" and not offset and sinks is not None:
+            p = self.attention_dropout.p if self.training else 0.0
+            return sdpa_with_sinks(q, k, v, mask, sinks, self.scale, p)
+        if self.backend == "sdpa" and not offset:
+            # One kernel for scores, causal softmax, dropout and values (grouped keys and values
+            # read per group); its dropout draws from the stream _core swapped in, as nn.Dropout would.
+            # Values narrower than queries and keys (MLA) are padded to their width, as transformers' FA2
+            # path and Megatron-LM's packed-sequence path do: CPU's flash kernel refuses them otherwise
+            # and the math path keeps [b, np, s, s] (benchmarks/bench_mla.py --part core).
+            p = self.attention_dropout.p if self.training else 0.0
+            width = v.shape[-1]
+            if width != hd:
+                v = F.pad(v, (0, hd - width))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=mask is None,
+                                                 scale=self.scale, enable_gqa=groups != heads)
+            return out if width == hd else out[..., :width]
+        grouped_q = q.reshape(b, groups, heads // groups * s, hd)
+        scores = torch.matmul(grouped_q, k.transpose(-2, -1)).view(b, heads, s, -1)  # [b, np, s, s']
+        if offset:
+            # Decoding after cached tokens: scores are [s, offset + s], not the square causal case
+            # that SDPA's is_causal and the fused kernel handle.
+            probs = self.attention_dropout(self._softmax_after_cache(scores, offset, sinks))
+        elif mask is not None:
+            probs = self.attention_dropout(self.masked_softmax(scores, ~mask, sinks))
+        else:
+            probs = self.attention_dropout(self.softmax(scores, sinks=sinks))
+        context = torch.matmul(probs.reshape(b, groups, heads // groups * s, -1), v)  # [b, ng, (np/ng) s, hd_v]
+        return context.view(b, heads, s, v.shape[-1])
 
     def _softmax_after_cache(self, scores: torch.Tensor, offset: int, sinks: Optional[torch.Tensor] = None
                              ) -> torch.Tensor:

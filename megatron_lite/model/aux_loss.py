@@ -5,33 +5,40 @@ Megatron-LM's MoEAuxLossAutoScaler does: the loss never joins the language-model
 hidden states crosses pipeline stages. The scale is set once per step by the training engine to what the
 language-model loss's gradient goes through: the loss scale (fp16) x CP (DeepSpeed averages gradients over
 DP x CP while a micro-batch's loss is split over its CP ranks) / gradient-accumulation steps.
+
+The scale is a CPU tensor changed in place, not a Python float: a compiled layer (model/compile.py) takes it as
+an input, where a float would be a constant dynamo recompiles for at every new value (fp16's loss scale moves).
+Multiplying a device tensor by a CPU scalar tensor reads nothing from the device.
 """
 from __future__ import annotations
 
 import torch
 
-_scale = 1.0
+_scale = torch.ones((), dtype=torch.float64)
 
 
 def set_scale(scale: float) -> None:
-    global _scale
-    _scale = float(scale)
+    _scale.fill_(float(scale))
 
 
 def scale() -> float:
-    return _scale
+    return float(_scale)
 
 
 class _Attach(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, loss):
-        ctx.loss_shape = loss.shape
-        ctx.device, ctx.dtype = loss.device, loss.dtype
-        return x.view_as(x)
+        ctx.loss_shape, ctx.dtype = loss.shape, loss.dtype
+        ctx.scale = _scale  # on ctx, not saved: nothing for the activation census to count
+        # Compiled, a copy: aot autograd rebuilds a view that leaves a graph (the routing weights do at EP > 1,
+        # whose dispatch runs eagerly) from its base, without this backward, and the loss's gradient was lost.
+        # Eager keeps the view: nothing more is stored.
+        return x.clone() if torch.compiler.is_compiling() else x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output, torch.full(ctx.loss_shape, _scale, dtype=ctx.dtype, device=ctx.device)
+        # ones x scale is the scale rounded to the loss's dtype, as torch.full(shape, scale) gave
+        return grad_output, grad_output.new_ones(ctx.loss_shape, dtype=ctx.dtype) * ctx.scale
 
 
 def attach(x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ the plain formula (the sink's own column has no upstream gradient), and the sink
 """
 import functools
 import importlib
+import math
 import warnings
 from typing import Optional
 
@@ -54,6 +55,7 @@ def _compiled():
             stacklevel=3,
         )
         return None
+    _register_fake_kernels()
     return compiled
 
 
@@ -61,12 +63,36 @@ def kernel_available(scores: torch.Tensor) -> bool:
     """Whether a compiled kernel takes these scores (the caller has checked them)."""
     if scores.dtype not in KERNEL_DTYPES:
         return False
-    compiled = _compiled()
-    if compiled is None:
+    if not _kernels_on(scores.device.type):
         return False
-    if scores.device.type == "cpu":
-        return True
-    return scores.device.type == "cuda" and compiled.with_cuda and scores.size(-1) <= CUDA_MAX_KEYS
+    return scores.device.type == "cpu" or scores.size(-1) <= CUDA_MAX_KEYS
+
+
+@torch.compiler.assume_constant_result
+def _kernels_on(device_type: str) -> bool:
+    """Whether the extension loaded with kernels for this kind of device. A constant to a compiled layer
+    (model/compile.py): dynamo cannot trace the import, and the answer does not change within a process."""
+    compiled = _compiled()
+    return compiled is not None and (device_type == "cpu" or (device_type == "cuda" and compiled.with_cuda))
+
+
+def _register_fake_kernels() -> None:
+    """Output shapes of the four ops for tracing (torch.compile runs them on fake tensors first): the
+    probabilities and gradients are the scores' shape and dtype; the sink probabilities and row dots one fp32
+    number per row."""
+    def rows(t):
+        return t.new_empty((math.prod(t.shape[:-1]),), dtype=torch.float32)
+
+    torch.library.register_fake("megatron_lite::scaled_masked_softmax_forward",
+                                lambda scores, mask, scale, causal: torch.empty_like(scores, memory_format=torch.contiguous_format))
+    torch.library.register_fake("megatron_lite::scaled_masked_softmax_backward",
+                                lambda grad, probs, scale, causal: torch.empty_like(probs, memory_format=torch.contiguous_format))
+    torch.library.register_fake("megatron_lite::scaled_masked_softmax_sink_forward",
+                                lambda scores, mask, sinks, scale, causal: (
+                                    torch.empty_like(scores, memory_format=torch.contiguous_format), rows(scores)))
+    torch.library.register_fake("megatron_lite::scaled_masked_softmax_row_dot_backward",
+                                lambda grad, probs, scale, causal: (
+                                    torch.empty_like(probs, memory_format=torch.contiguous_format), rows(probs)))
 
 
 class ScaledMaskedSoftmax(torch.autograd.Function):

@@ -32,6 +32,7 @@ from torch import nn
 
 from megatron_lite.config import Config, ModelConfig, require_vocab
 from megatron_lite.deepspeed_compat import startup
+from megatron_lite.deepspeed_compat.dualpipev import DualPipeVStages
 from megatron_lite.deepspeed_compat.pipeline import OwnPartitionPipelineModule
 from megatron_lite.model.mlp import normal_init
 from megatron_lite.model.mtp import MultiTokenPredictionPipe, carries_depth_tokens, embed_depth_tokens, mtp_loss
@@ -39,6 +40,7 @@ from megatron_lite.model.norms import RMSNorm
 from megatron_lite.model.partition import PipelineSplit
 from megatron_lite.model.recompute import run_stage
 from megatron_lite.model.transformer import TransformerLayer
+from megatron_lite.model.virtual_stages import stage_count
 from megatron_lite.parallel.chunked_cross_entropy import OutputLayerInput, output_layer_input
 from megatron_lite.parallel.cross_entropy import masked_mean, vocab_parallel_cross_entropy, weighted_sum
 from megatron_lite.parallel.layers import (
@@ -250,14 +252,24 @@ class GPTPipe(OwnPartitionPipelineModule):
         return run_stage(functions, x, self._config.model)
 
     def stage_boundaries(self, num_stages: int) -> List[int]:
-        assert num_stages == len(self._split.bounds) - 1 == self._config.parallel.pipeline_model_parallel_size
+        p = self._config.parallel
+        assert num_stages == len(self._split.bounds) - 1 == stage_count(p.pipeline_model_parallel_size,
+                                                                        p.pipeline_schedule)
         self.layers_per_stage = list(self._split.layers_per_stage)
         self.stage_table = self._split.table
         return list(self._split.bounds)
 
 
+class GPTDualPipeV(DualPipeVStages, GPTPipe):
+    """The same GPT under --pipeline-schedule dualpipev: `split` cuts 2 PP stages, and this rank builds stages
+    r and 2 PP - 1 - r (model/virtual_stages.py), as DeepSpeed's DualPipeVModule, for its DualPipeVEngine."""
+
+
 def build(config: Config, topology, split: PipelineSplit) -> GPTPipe:
-    """The GPT as a PipelineModule for DeepSpeed's pipeline engine, on this rank's stage."""
+    """The GPT as a PipelineModule for DeepSpeed's pipeline engine, on this rank's stage (two stages under
+    --pipeline-schedule dualpipev)."""
+    if config.parallel.pipeline_schedule == "dualpipev":
+        return GPTDualPipeV(config, topology, split)
     return GPTPipe(config, topology, split)
 
 

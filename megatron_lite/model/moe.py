@@ -15,6 +15,14 @@ Each expert is split over TP as the dense MLP is: its [2F, h] (gated: [gate; up]
 expert gets come from a generator seeded by its global index, so any EP and TP layout builds the same model.
 The routing weights pass through TP's copy (or gather) on their way in because their gradient, like the
 expert outputs, is partial over TP.
+
+Host syncs and torch.compile: at EP 1 the layer reads nothing from the device, forward or backward (counts by
+scatter-add, a static number of dispatched rows, the experts' grouped GEMM on device offsets), so it traces
+into one graph. At EP > 1 the all-to-all's split sizes are read once per layer, in parallel/experts.py's
+`_dispatch_over_ep`, which with `_return_over_ep` runs outside torch.compile. The per-expert loop (CUDA without
+--moe-grouped-gemm, or what torch's grouped GEMM does not take: model/grouped_linear.py) reads the row counts,
+once per layer, and runs eagerly. The metrics (router.local_load, step_sums) are device buffers added to in place;
+training/expert_balance.py reads them once per step.
 """
 from __future__ import annotations
 
@@ -27,11 +35,18 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.activation import mlp_activation
-from megatron_lite.model.grouped_linear import grouped_linear
+from megatron_lite.model.grouped_linear import grouped_linear, grouped_mm_linear, grouped_mm_takes
 from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
-from megatron_lite.model.router import TopKRouter, within_capacity
-from megatron_lite.parallel.experts import combine, dispatch, local_experts, mark_expert_parameter, token_shards
+from megatron_lite.model.router import TopKRouter, capacity, within_capacity
+from megatron_lite.parallel.experts import (
+    DispatchPlan,
+    combine,
+    dispatch,
+    local_experts,
+    mark_expert_parameter,
+    token_shards,
+)
 from megatron_lite.parallel.layers import (
     _master_slice,
     equal_sections,
@@ -122,27 +137,41 @@ class GroupedExperts(nn.Module):
             if saved is not None and saved.shape[0] == module.num_experts != len(module.local_range):
                 state_dict[prefix + name] = saved.narrow(0, module.local_range.start, len(module.local_range))
 
-    def forward(self, rows: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-        """rows [N, h] grouped by local expert (tokens_per_expert[e] rows each) -> [N, h], partial over TP."""
-        if self.grouped_gemm and rows.is_cuda and hasattr(torch, "_grouped_mm"):
-            counts = torch.tensor(tokens_per_expert, device=rows.device)
-            offsets = counts.cumsum(0).to(torch.int32)
+    def forward(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """rows [N, h] grouped by local expert (dispatch's, ending at plan.offsets) -> [N, h], partial over TP."""
+        # One grouped GEMM per projection, where each expert's rows end a device tensor: on the CPU always (its
+        # _grouped_mm is one GEMM per expert, the loop's numbers), on CUDA with --moe-grouped-gemm.
+        if grouped_mm_takes(rows, self.weight1, self.weight2) and (self.grouped_gemm or not rows.is_cuda):
+            return self._mlp(rows, lambda x, w, bias: grouped_mm_linear(x, w, plan.offsets, bias, plan.padded))
+        return self._looped(rows, plan)
 
-            def linear(x, weight, bias):  # one grouped GEMM over every expert's rows
-                y = torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-                return y if bias is None else y + bias.repeat_interleave(counts, 0, output_size=x.shape[0])
-        else:
-            def linear(x, weight, bias):  # one GEMM per expert, a loop over experts, never over tokens
-                return grouped_linear(x, weight, tokens_per_expert, bias)
+    def _mlp(self, rows: torch.Tensor, linear) -> torch.Tensor:
         inner = linear(rows, self.weight1, self.bias1)
         # bias2 is inside each expert's output, so the routing weight scales it too: y = sum_k w_k (W2_k a + b2_k)
         return linear(self.activation(inner), self.weight2, None if self.bias2 is None else self._output_bias())
+
+    @torch.compiler.disable
+    def _looped(self, rows: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """One GEMM per expert, a loop over experts, never over tokens. Its sizes are host numbers: at EP > 1 those
+        the all-to-all read anyway, at EP 1 one copy of the offsets (this path's one host sync per layer)."""
+        counts = plan.tokens_per_local_expert
+        if counts is None:
+            counts = _host_counts(plan.offsets, rows.shape[0])
+        return self._mlp(rows, lambda x, w, bias: grouped_linear(x, w, counts, bias))
 
     def _output_bias(self) -> torch.Tensor:
         """bias2 on TP rank 0, zeros elsewhere: the outputs are partial sums over TP, the bias counts once. Zero
         times the bias, not nothing, so every TP rank has a gradient for the TP sum (parallel/sequence_parallel.py)
         to add up: a rank without one would send a shorter buffer and the all-reduce would never match."""
         return self.bias2 if tp_rank() == 0 else self.bias2 * 0.0
+
+
+def _host_counts(offsets: torch.Tensor, rows: int) -> List[int]:
+    """Rows per expert from the offsets (the per-expert loop's one device-to-host copy at EP 1), and the
+    padding rows after the last expert's, if any."""
+    ends = offsets.tolist()
+    counts = [end - start for start, end in zip([0] + ends, ends)]
+    return counts + [rows - ends[-1]] if rows > ends[-1] else counts
 
 
 class MoELayer(nn.Module):
@@ -182,12 +211,17 @@ class MoELayer(nn.Module):
             weights = gather_from_sequence_parallel_region(weights)
             indices = gather_along_sequence(indices)
         else:
-            tokens, weights = copy_to_tensor_model_parallel_region(x), copy_to_tensor_model_parallel_region(weights)
+            tokens = copy_to_tensor_model_parallel_region(x)
         k = indices.shape[-1]
         tokens, weights, indices = tokens.reshape(-1, h), weights.reshape(-1, k), indices.reshape(-1, k)
         keep = within_capacity(indices, weights, self.num_experts, self.capacity_factor, self.drop_policy)
-        rows, plan = dispatch(tokens, indices, self.num_experts, keep)
-        outputs = combine(self.experts(rows, plan.tokens_per_local_expert), plan)  # [T, k, h] partial over TP
+        limit = None if keep is None else capacity(tokens.shape[0], k, self.num_experts, self.capacity_factor)
+        rows, plan = dispatch(tokens, indices, self.num_experts, keep, limit)
+        outputs = combine(self.experts(rows, plan), plan)  # [T, k, h] partial over TP
+        if not self.sequence_parallel:
+            # After combine, not before dispatch: at EP > 1 both run eagerly (model/compile.py), and the copy's
+            # output (its input itself, forward) would cross that graph break without the copy's backward.
+            weights = copy_to_tensor_model_parallel_region(weights)
         # [T, k, h] x [T, k] summed over k: elementwise (einsum would run it as T tiny bmm products)
         y = (outputs * weights.unsqueeze(-1)).sum(1).view(b, -1, h)  # [b, s, h] (SP: whole s), partial over TP
         if self.sequence_parallel:
@@ -196,10 +230,10 @@ class MoELayer(nn.Module):
             y = reduce_from_tensor_model_parallel_region(y)
         if self.training:
             zero, share = self.step_sums.new_zeros(()), 1.0 / token_shards(self.sequence_parallel)
-            losses = self.router.last_losses
+            aux = zero if routing.aux_loss is None else routing.aux_loss
+            z = zero if routing.z_loss is None else routing.z_loss
             dropped = zero if keep is None else 1.0 - keep.float().mean()
-            self.step_sums += torch.stack([losses.get("aux_loss", zero), losses.get("z_loss", zero), dropped * share,
-                                           zero + share])
+            self.step_sums += torch.stack([aux, z, dropped * share, zero + share])  # in place on the device
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

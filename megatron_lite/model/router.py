@@ -26,7 +26,7 @@ from torch import nn
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.aux_loss import attach
-from megatron_lite.parallel.experts import sum_over_token_shards, token_shards
+from megatron_lite.parallel.experts import expert_counts, sum_over_token_shards, token_shards
 from megatron_lite.parallel.layers import set_sequence_parallel_attribute, set_tensor_model_parallel_attributes
 
 
@@ -35,6 +35,10 @@ class Routing(NamedTuple):
     """[T, k] each chosen expert's weight (the input's dtype)."""
     indices: torch.Tensor
     """[T, k] global expert ids (int64)."""
+    aux_loss: Optional[torch.Tensor] = None
+    """This rank's share of the load-balancing loss (detached, for the metrics), in training, else None."""
+    z_loss: Optional[torch.Tensor] = None
+    """This rank's share of the z-loss, likewise."""
 
 
 class TopKRouter(nn.Module):
@@ -65,9 +69,6 @@ class TopKRouter(nn.Module):
         self.register_buffer("local_load", torch.zeros(m.num_experts), persistent=False)
         self.last_load = None
         """Routed copies per expert over the last global batch (update_expert_bias), for the metrics."""
-        self.last_losses = {}
-        """This rank's shares (detached tensors) of the last micro-batch's losses (aux_loss, z_loss), for the
-        metrics: summed once per step with the rest (training/expert_balance.py), not per micro-batch here."""
 
     def forward(self, x: torch.Tensor, samples: int) -> Routing:
         """x [T, h] this rank's tokens (T = samples x its part of the sequence)."""
@@ -89,11 +90,11 @@ class TopKRouter(nn.Module):
             weights = chosen
         if self.scaling_factor is not None:
             weights = weights * self.scaling_factor
-        local = torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
+        local = expert_counts(indices, self.num_experts).float()
         if self.training:
-            self.local_load += local
-        weights = self._attach_losses(weights, logits, indices, local, samples)
-        return Routing(weights.to(x.dtype), indices)
+            self.local_load += local  # a device tensor, added to in place: no host read, nothing for compile to guard
+        weights, aux, z = self._attach_losses(weights, logits, indices, local, samples)
+        return Routing(weights.to(x.dtype), indices, aux, z)
 
     @staticmethod
     def _zero_bias_if_missing(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
@@ -115,17 +116,19 @@ class TopKRouter(nn.Module):
         return scores.topk(self.topk, dim=-1).indices
 
     def _attach_losses(self, weights, logits, indices, local_load, samples):
-        """Make backward add the gradients of the aux and z losses (this rank's shares: self.last_losses)."""
-        self.last_losses = {}
+        """Make backward add the gradients of the aux and z losses; (weights, this rank's shares of the aux
+        and z losses, detached, or None where there is none)."""
+        aux = z = None
         if self.training and self.balancing != "none" and self.aux_coeff > 0:
             aux = self._balancing_loss(logits, indices, local_load, samples)
             weights = attach(weights, aux)
+            aux = aux.detach()
         if self.training and self.z_coeff:
             total = logits.shape[0] * token_shards(self.sequence_parallel)
-            z_local = self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
-            self.last_losses["z_loss"] = z_local.detach()
-            weights = attach(weights, z_local)
-        return weights
+            z = self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum() / total
+            weights = attach(weights, z)
+            z = z.detach()
+        return weights, aux, z
 
     def _balancing_loss(self, logits, indices, local_load, samples) -> torch.Tensor:
         """This rank's share of coeff x E / k x sum_e f_e P_e (f: routed fraction, P: mean probability),
@@ -149,7 +152,6 @@ class TopKRouter(nn.Module):
             total = logits.shape[0] * shards
             tokens_per_expert = sum_over_token_shards(local_load, self.sequence_parallel)
             aux = (probs.sum(0) * tokens_per_expert).sum() * (E * self.aux_coeff / (k * total * total))
-        self.last_losses["aux_loss"] = aux.detach()
         return aux
 
     @torch.no_grad()
@@ -182,9 +184,8 @@ def within_capacity(indices: torch.Tensor, weights: torch.Tensor, num_experts: i
         order = by_weight[torch.argsort(experts[by_weight], stable=True)]
     else:
         order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=num_experts)
+    counts = expert_counts(experts, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.arange(T * k, device=indices.device) - starts[experts[order]]
-    keep = torch.zeros(T * k, dtype=torch.bool, device=indices.device)
-    keep[order] = rank_in_expert < limit
+    keep = torch.empty(T * k, dtype=torch.bool, device=indices.device).scatter_(0, order, rank_in_expert < limit)
     return keep.view(T, k)

@@ -31,7 +31,7 @@ from megatron_lite.model.mlp import ParallelMLP
 from megatron_lite.model.moe import MoELayer
 from megatron_lite.model.moe_options import is_moe_layer
 from megatron_lite.model.norms import build_norm
-from megatron_lite.parallel.random import get_rng_tracker, layer_rng, layer_sequence_shard_rng
+from megatron_lite.parallel.random import dropout_draws, layer_rng, layer_sequence_shard_rng, run_in_stream
 
 
 class TransformerLayer(nn.Module):
@@ -56,8 +56,9 @@ class TransformerLayer(nn.Module):
         self.dropout_rng = layer_sequence_shard_rng(layer_number) if sequence_parallel else layer_rng(layer_number)
 
     def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        with get_rng_tracker().fork(self.dropout_rng):
-            return x + self.hidden_dropout(branch)
+        if not dropout_draws(self.hidden_dropout):
+            return x + branch
+        return x + run_in_stream(self.dropout_rng, self.hidden_dropout, branch)
 
     def forward(self, x, kv_cache=None):
         """x: hidden states [b, s, h]; or (hidden states, [document ids [b, s]], [Multi-Token Prediction's tokens

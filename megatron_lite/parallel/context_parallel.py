@@ -50,18 +50,26 @@ def cp_group():
 
 
 def seconds() -> float:
-    """Seconds spent in CP all-to-alls by this process so far (forward and backward)."""
+    """Seconds spent in CP all-to-alls by this process so far (forward and backward), outside compiled layers:
+    in a compiled layer (--compile) the exchange is part of the graph and not timed apart."""
     return _seconds
 
 
 def _all_to_all(chunks: torch.Tensor) -> torch.Tensor:
     """chunks [C, ...]: chunk j goes to rank j; the result's chunk j came from rank j."""
     global _seconds
+    if torch.compiler.is_compiling():  # inside a compiled layer's graph: no host clock to read (model/compile.py)
+        return _exchange(chunks)
     start = time.perf_counter()
+    out = _exchange(chunks)
+    _seconds += time.perf_counter() - start
+    return out
+
+
+def _exchange(chunks: torch.Tensor) -> torch.Tensor:
     chunks = chunks.contiguous()  # first: empty_like keeps a view's strides, all_to_all writes densely
     out = torch.empty_like(chunks)
     dist.all_to_all_single(out, chunks, group=cp_group())
-    _seconds += time.perf_counter() - start
     return out
 
 

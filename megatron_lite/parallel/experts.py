@@ -11,6 +11,15 @@ both collectives, with empty parts, so no rank waits for another.
     combine   [N, h] expert outputs, the plan        -> [T, k, h] in the tokens' order (dropped copies 0)
 
 Without `parallel.state.initialize()`, or at EP = 1, everything stays on this rank.
+
+Host syncs. At EP = 1 nothing is read from the device: the rows are a static number (T k, or with a capacity
+at most C per expert, min(T k, E C), the dropped copies among them padding), sorted by expert, and where each
+expert's rows end stays a device tensor (DispatchPlan.offsets) that the experts' grouped GEMM takes
+(model/grouped_linear.py). So the whole MoE layer traces into one torch.compile graph. At EP > 1 the
+all-to-alls need their split sizes on the host: `_dispatch_over_ep` copies every count the layer needs to the
+host at once, right after the counts' own all-to-all (one device-to-host copy per layer and micro-batch; the
+mirror all-to-all in combine and both backward all-to-alls reuse those numbers). It and `_return_over_ep` run
+outside torch.compile (torch.compiler.disable); the rest of the layer compiles.
 """
 from __future__ import annotations
 
@@ -131,53 +140,92 @@ class _AllToAll(torch.autograd.Function):
 
 @dataclass
 class DispatchPlan:
-    """What combine needs to bring expert outputs back in the tokens' order."""
+    """What the experts and combine need: where each expert's rows end, and how to bring the outputs back."""
     shape: tuple
     """(T, k): tokens and routed copies per token."""
     order: torch.Tensor
-    """Positions (in the flattened [T k] copies) of the copies sent, sorted by expert."""
-    sent_rows: List[int]
-    received_rows: List[int]
-    local_order: Optional[torch.Tensor]
+    """Positions (in the flattened [T k] copies) of the rows sent, sorted by expert."""
+    offsets: torch.Tensor
+    """[E/EP] int32, on the rows' device: local expert e's rows end at offsets[e]."""
+    padded: bool
+    """Rows may follow offsets[-1] (EP 1 with a capacity: the dropped copies among the static bound); their
+    outputs are zeros."""
+    tokens_per_local_expert: Optional[List[int]] = None
+    """The rows per local expert on the host where the all-to-all needed them anyway (EP > 1), else None."""
+    sent_rows: Optional[List[int]] = None
+    received_rows: Optional[List[int]] = None
+    local_order: Optional[torch.Tensor] = None
     """Received rows sorted by local expert (EP > 1), else None."""
-    tokens_per_local_expert: List[int]
 
 
-def dispatch(tokens: torch.Tensor, indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None):
-    """tokens [T, h], indices [T, k] (global expert ids), keep [T, k] bool (capacity; None: keep all) ->
-    (rows [N, h] grouped by this rank's experts in order, the plan for combine)."""
+def expert_counts(experts: torch.Tensor, bins: int) -> torch.Tensor:
+    """[bins] int64: how many of `experts` (ids < bins) name each; what torch.bincount gives without its
+    data-dependent length (which reads the largest id to the host)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(bins, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def dispatch(tokens: torch.Tensor, indices: torch.Tensor, num_experts: int, keep: Optional[torch.Tensor] = None,
+             capacity: Optional[int] = None):
+    """tokens [T, h], indices [T, k] (global expert ids), keep [T, k] bool (within `capacity` copies per expert;
+    None: keep all) -> (rows [N, h] grouped by this rank's experts in order, the plan for the experts and
+    combine)."""
     T, k = indices.shape
     experts = indices.reshape(-1)
     if keep is not None:
-        experts = torch.where(keep.reshape(-1), experts, num_experts)  # dropped copies sort last, never sent
-    order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=num_experts + 1)[:num_experts]
-    kept = int(counts.sum())
-    order = order[:kept]
-    rows = tokens.index_select(0, order // k)  # [kept, h], sorted by expert
+        experts = torch.where(keep.reshape(-1), experts, num_experts)  # dropped copies sort last: never sent
+    order = torch.sort(experts, stable=True).indices
+    counts = expert_counts(experts, num_experts + 1)[:num_experts]
+    if ep_world_size() == 1:
+        # A static number of rows: every copy, or with a capacity at most `capacity` per expert, so that the
+        # count of kept copies never has to reach the host; the dropped copies after them are padding.
+        rows = T * k if capacity is None else min(T * k, num_experts * capacity)
+        order = order[:rows]
+        offsets = counts.cumsum(0).to(torch.int32)
+        plan = DispatchPlan((T, k), order, offsets, padded=keep is not None)
+        return tokens.index_select(0, order // k), plan
+    # Every copy's row, in expert order, made here and not in the eager part: under --compile `tokens` may be the
+    # layer's input itself (TP's copy is the identity forward), and a graph's output that aliases its input is
+    # handed out again without the autograd Function that made it (its backward, TP's all-reduce, lost).
+    return _dispatch_over_ep(tokens.index_select(0, order // k), order, counts, (T, k), num_experts)
+
+
+@torch.compiler.disable
+def _dispatch_over_ep(copies, order, counts, shape, num_experts):
+    """The copies to their experts' EP ranks. The split sizes of the all-to-alls, and the per-expert row counts,
+    are host numbers: this is the layer's one read from the device, one copy of every count it needs."""
+    T, k = shape
     ep = ep_world_size()
-    if ep == 1:
-        per_expert = counts.tolist()
-        return rows, DispatchPlan((T, k), order, [kept], [kept], None, per_expert)
     local = num_experts // ep
-    received = torch.empty(ep * local, dtype=counts.dtype, device=counts.device)
-    dist.all_to_all_single(received, counts, group=ep_group())  # received[j, e]: rank j's copies for my expert e
-    received = received.view(ep, local)
-    sent_rows = counts.view(ep, local).sum(1).tolist()
-    received_rows = received.sum(1).tolist()
-    rows = _AllToAll.apply(rows, received_rows, sent_rows)  # [received, h]: by source rank, then local expert
-    expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=ep_group())  # received[j local + e]: rank j's copies for my e
+    host = torch.cat([counts, received]).tolist()  # the one device-to-host copy
+    sent, got = host[:num_experts], host[num_experts:]
+    sent_rows = [sum(sent[j * local:(j + 1) * local]) for j in range(ep)]
+    received_rows = [sum(got[j * local:(j + 1) * local]) for j in range(ep)]
+    per_expert = [sum(got[e::local]) for e in range(local)]
+    order = order[:sum(sent_rows)]
+    rows = _AllToAll.apply(copies[:order.shape[0]], received_rows, sent_rows)  # by source, then expert
+    expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
+        received, output_size=rows.shape[0])
     local_order = torch.argsort(expert_of_row, stable=True)
-    plan = DispatchPlan((T, k), order, sent_rows, received_rows, local_order, received.sum(0).tolist())
+    offsets = received.view(ep, local).sum(0).cumsum(0).to(torch.int32)
+    plan = DispatchPlan((T, k), order, offsets, False, per_expert, sent_rows, received_rows, local_order)
     return rows.index_select(0, local_order), plan
 
 
 def combine(outputs: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """outputs [N, h] (dispatch's rows, through the experts) -> [T, k, h]; a dropped copy's row is 0."""
     if plan.local_order is not None:
-        back = torch.empty_like(plan.local_order)
-        back[plan.local_order] = torch.arange(len(plan.local_order), device=back.device)
-        outputs = _AllToAll.apply(outputs.index_select(0, back), plan.sent_rows, plan.received_rows)
+        outputs = _return_over_ep(outputs, plan)
     T, k = plan.shape
     whole = outputs.new_zeros((T * k, outputs.shape[-1]))
     return whole.index_copy(0, plan.order, outputs).view(T, k, -1)
+
+
+@torch.compiler.disable
+def _return_over_ep(outputs: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """The experts' outputs back to the ranks that sent the copies, in the order they were sent."""
+    back = torch.empty_like(plan.local_order)
+    back[plan.local_order] = torch.arange(len(plan.local_order), device=back.device)
+    return _AllToAll.apply(outputs.index_select(0, back), plan.sent_rows, plan.received_rows)

@@ -105,7 +105,11 @@ class _GatherRowsFromModelParallelRegion(torch.autograd.Function):
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return x
+        # Eager: the input itself. In a compiled layer (model/compile.py) a copy: AOTAutograd hands a graph output
+        # that aliases the graph's input out again as a view of that input, without this Function's backward, so
+        # where a graph break follows (the MoE dispatch at EP > 1) the gradient skipped TP's all-reduce (measured:
+        # the input gradient 66% off at TP 2 x EP 2; tests/model/test_compile.py).
+        return x.clone() if torch.compiler.is_compiling() else x
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -161,14 +161,41 @@ def model_parallel_seed(seed: int, num_layers: int) -> None:
         _RNG_TRACKER.add(layer_sequence_shard_rng(n), stream_seed(seed, n, "sequence-shard", tp_rank(), *cp))
 
 
-def checkpoint(function, *args):
+def dropout_draws(dropout: torch.nn.Dropout) -> bool:
+    """Whether `dropout` draws a mask now (training, p > 0): otherwise it is the identity and draws nothing,
+    so no stream needs swapping in (which a compiled layer could not trace: model/compile.py)."""
+    return dropout.training and dropout.p > 0
+
+
+@torch.compiler.disable
+def run_in_stream(stream: str, function, *args):
+    """function(*args) drawing from the tracked stream `stream`, always eagerly.
+
+    Why eager: swapping generator states in and out (get/set_rng_state) cannot be traced, and inductor's
+    own random numbers are not eager's, so a compiled layer breaks its graph here and draws exactly the
+    masks an eager layer would (--compile with dropout: model/compile.py)."""
+    with _RNG_TRACKER.fork(stream):
+        return function(*args)
+
+
+def checkpoint(function, *args, draws: bool = True):
     """function(*args) without keeping its activations; backward recomputes them.
 
     torch's checkpoint restores the default CPU and device generators for the
     recompute; the context below does the same for the tracker's streams, so
     dropout masks inside `fork(name)` are the forward's masks too. Streams are put
     back afterwards, so recompute draws nothing from the training's sequence.
+    Inside a compiled layer (model/compile.py) dynamo traces torch's checkpoint only without that context: a
+    function that draws nothing (draws=False) is traced so, one that draws runs eagerly as here.
     """
+    if torch.compiler.is_compiling():
+        if draws:
+            return _checkpoint_eagerly(function, *args)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    return _checkpoint_replaying_streams(function, *args)
+
+
+def _checkpoint_replaying_streams(function, *args):
     forward_states = _RNG_TRACKER.get_states()
 
     @contextlib.contextmanager
@@ -182,3 +209,6 @@ def checkpoint(function, *args):
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                              context_fn=lambda: (contextlib.nullcontext(), replay_tracker()))
+
+
+_checkpoint_eagerly = torch.compiler.disable(_checkpoint_replaying_streams)

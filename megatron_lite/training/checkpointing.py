@@ -51,6 +51,7 @@ from megatron_lite.checkpoint.format import (
     zero3_model_states_file,
     zero_optimizer_file,
 )
+from megatron_lite.checkpoint.layout import saved_schedule
 from megatron_lite.checkpoint.layout_free import storage_of
 from megatron_lite.checkpoint.lock import SaveFolderLock
 from megatron_lite.checkpoint.reader import check_layer_state, check_model_states, check_zero_state
@@ -59,6 +60,7 @@ from megatron_lite.config import Config
 from megatron_lite.data.sidecar import tokenizer_sha256
 from megatron_lite.deepspeed_compat import optimizer_state, pipeline
 from megatron_lite.deepspeed_config import deepspeed_optimizer
+from megatron_lite.model.virtual_stages import stage_count
 from megatron_lite.parallel import state
 from megatron_lite.parallel.experts import is_expert_parameter
 from megatron_lite.training.async_save import AsyncWriter, write_in_turn
@@ -141,6 +143,8 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
             "layout": layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                                 p.context_parallel_size, p.expert_model_parallel_size),
             "layers_per_stage": getattr(engine.module, "layers_per_stage", None),
+            # Which stages each pipeline rank's files hold (checkpoint/layout.py saved_schedule).
+            "pipeline_schedule": p.pipeline_schedule,
             "fused_weights": fused_weights(dataclasses.asdict(config.model)),
             "tokenizer_sha256": _tokenizer_sha256(config),
             "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name,
@@ -232,8 +236,10 @@ def with_saved_stages(config: Config) -> Config:
     if config.parallel.pipeline_partition_method != "profile" or not directory:
         return config
     tag = probe_load_dir(directory)
-    counts = read_metadata(directory, tag).get("layers_per_stage") if tag else None
-    if not counts or len(counts) != config.parallel.pipeline_model_parallel_size:
+    metadata, p = (read_metadata(directory, tag) if tag else {}), config.parallel
+    counts = metadata.get("layers_per_stage")  # 2 PP stages' under dualpipev
+    if (not counts or saved_schedule(metadata) != p.pipeline_schedule
+            or len(counts) != stage_count(p.pipeline_model_parallel_size, p.pipeline_schedule)):
         return config
     return config.replace(parallel__pipeline_partition_method=",".join(map(str, counts)))
 
@@ -286,13 +292,15 @@ def _preload(engine, folder: str, config: Config, load_optimizer: bool) -> Optio
 
 
 def _same_places(engine, config: Config, metadata: dict) -> bool:
-    """Whether every rank finds its layers' files where it would have saved them: the same TP, PP and stage
-    split (a layout-free folder has no such files), and its random streams: the same CP."""
+    """Whether every rank finds its layers' files where it would have saved them: the same TP, PP, pipeline
+    schedule (which stages a rank holds) and stage split (a layout-free folder has no such files), and its random
+    streams: the same CP."""
     p, saved = config.parallel, metadata["layout"]
     split = getattr(engine.module, "layers_per_stage", None)
     return (metadata.get("format") != UNIVERSAL_FORMAT
             and saved["tensor_model_parallel_size"] == p.tensor_model_parallel_size
             and saved["pipeline_model_parallel_size"] == p.pipeline_model_parallel_size
+            and saved_schedule(metadata) == p.pipeline_schedule
             and (saved.get("context_parallel_size") or 1) == p.context_parallel_size
             and (split is None or metadata.get("layers_per_stage") in (None, split)))
 

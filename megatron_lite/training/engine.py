@@ -28,6 +28,7 @@ from megatron_lite.deepspeed_compat.experts import (engine_finds_experts, expert
                                                     register_expert_groups)
 from megatron_lite.deepspeed_config import clips_in_optimizer, deepspeed_config
 from megatron_lite.model import aux_loss, mtp
+from megatron_lite.model.compile import CompileCounter, compile_layers
 from megatron_lite.model.gpt import GPTModel
 from megatron_lite.model.moe import GroupedExperts, MoELayer
 from megatron_lite.parallel import state
@@ -68,6 +69,10 @@ class Engine:
         else:
             self.module = GPTModel(config)
             mpu = state.ModelParallelUnit()
+        self.compile_counter = None
+        if config.model.compile:  # each transformer layer on its own; counted from here (model/compile.py)
+            self.compile_counter = CompileCounter()
+            compile_layers(self.module, config.model.compile_backend)
         # Initialisation used private seeds; training randomness (dropout) starts from the run seed.
         model_parallel_seed(config.training.seed, config.model.numbered_layers)
         self.experts = config.model.num_experts is not None

@@ -23,14 +23,17 @@ def update_expert_biases(module: torch.nn.Module, sequence_parallel: bool) -> No
     layers = moe_layers(module)
     if not layers:
         return  # a pipeline stage without MoE layers: nothing to sum, and its peers have none either
+    # The forward passes only added to device buffers (router.local_load, step_sums); this is where they are read.
     packed = sum_over_batch(torch.stack([torch.cat([m.router.local_load, m.step_sums]) for m in layers]),
                             sequence_parallel)
+    loads = packed[:, :-4]  # [layers, E]
+    balance = loads.amax(1) / loads.mean(1).clamp_min(1e-9)
+    scalars = torch.cat([packed[:, -4:], balance.unsqueeze(1)], 1).tolist()  # the step's one device-to-host copy
     # Each rank added its share of every micro-batch's router losses, dropped fraction and count (model/moe.py):
     # summed over the batch's ranks, their ratio is the mean over the batch's micro-batches.
-    for layer, sums in zip(layers, packed):
-        load, (aux, z, dropped, micro) = sums[:-4], sums[-4:].tolist()
+    for layer, load, (aux, z, dropped, micro, max_over_mean) in zip(layers, loads, scalars):
         micro = max(micro, 1.0)
-        layer.last_step = {"load": load.clone(), "load_max_over_mean": float(load.max() / load.mean().clamp_min(1e-9)),
+        layer.last_step = {"load": load.clone(), "load_max_over_mean": max_over_mean,
                            "aux_loss": aux / micro, "z_loss": z / micro, "dropped_fraction": dropped / micro}
         layer.router.update_expert_bias(load)
         layer.step_sums.zero_()

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megatron_lite.checkpoint.format import CheckpointError, data_ranks, layout_of
-from megatron_lite.checkpoint.layout import ModelLayout
+from megatron_lite.checkpoint.layout import ModelLayout, saved_schedule
 from megatron_lite.checkpoint.layout_free import LayoutFreeReader, storage_of
 from megatron_lite.config import Config
 from megatron_lite.deepspeed_compat import checkpoint_files, optimizer_state
@@ -46,11 +46,12 @@ def agree(action):
     return result
 
 
-def _describe_layout(layout: dict, storage) -> str:
+def _describe_layout(layout: dict, storage, schedule: str = "1f1b") -> str:
     zero, precision = storage
     cp, ep = layout.get("context_parallel_size") or 1, layout.get("expert_model_parallel_size") or 1
     return (f"TP {layout['tensor_model_parallel_size']}{f' x CP {cp}' if cp > 1 else ''} x PP "
-            f"{layout['pipeline_model_parallel_size']} x DP {layout.get('data_parallel_size')}"
+            f"{layout['pipeline_model_parallel_size']}{f' ({schedule})' if schedule != '1f1b' else ''} x DP "
+            f"{layout.get('data_parallel_size')}"
             f"{f' (EP {ep})' if ep > 1 else ''} (ZeRO {zero}, {precision})")
 
 
@@ -116,8 +117,8 @@ def load_layout_free(engine, config: Config, folder: str, metadata: dict, same_p
         randomness = "random generators reseeded from --seed (the ranks' places in the layout changed)"
     ours = layout_of(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                      p.context_parallel_size, p.expert_model_parallel_size)
-    note = (f"resharded {_describe_layout(saved, storage_of(metadata))} -> "
-            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name))}: fp32 weights, "
+    note = (f"resharded {_describe_layout(saved, storage_of(metadata), saved_schedule(metadata))} -> "
+            f"{_describe_layout(ours, (p.zero_stage, config.precision.dtype_name), p.pipeline_schedule)}: fp32 weights, "
             f"{'Muon momentum and Adam' if config.optimizer.optimizer == 'muon' else 'Adam'} moments "
             f"and step, LR schedule, step counters{', loss scale' if config.precision.fp16 else ''}; {randomness}")
     return Resumed(run.iteration, run.consumed_samples, note)

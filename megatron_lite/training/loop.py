@@ -67,6 +67,7 @@ class Run:
     save_folder: Optional[checkpointing.SaveFolder] = None
     stage_timer: Optional[StageTimer] = None
     memory_reported: bool = False
+    compile_reported: bool = False
     iteration: int = 0
     consumed_samples: int = 0
     last_saved: Optional[int] = None
@@ -239,6 +240,8 @@ def maybe_log(run: Run, stats: StepStats) -> None:
                       **scalars)
     if not run.memory_reported:
         report_memory_estimate(run)
+    if run.engine.compile_counter is not None and not run.compile_reported:
+        report_compile(run)
     if run.stage_timer is not None:
         stages = stage_timing.gather_stages(run.stage_timer.take(interval.seconds))
         if stages:
@@ -264,6 +267,19 @@ def report_memory_estimate(run: Run) -> None:
         {"stage": stage, "estimated_bytes": estimate, "measured_peak_bytes": peak}
         for stage, (estimate, peak) in stages])
     run.memory_reported = True
+
+
+def report_compile(run: Run) -> None:
+    """Once, at the first log line (the layers compile in the first step): each stage's compiled graphs, graph
+    breaks and compile seconds (model/compile.py), a line per stage and a `compile` record."""
+    counts = run.engine.compile_counter.counts()
+    stages = stage_timing.gather_stages(counts)
+    for stage, c in stages:
+        print_rank0(f"{c.line(run.config.model.compile_backend)} (stage {stage})")
+    run.records.write("compile", backend=run.config.model.compile_backend, stages=[
+        {"stage": stage, "graphs": c.graphs, "graph_breaks": c.graph_breaks, "compile_seconds": c.seconds,
+         "break_reasons": c.break_reasons} for stage, c in stages])
+    run.compile_reported = True
 
 
 def maybe_evaluate(run: Run) -> None:

@@ -1,10 +1,12 @@
 """Throughput, FLOPs, memory and the per-interval log line (console + TensorBoard).
 
-FLOPs follow Megatron-LM's accounting (cost/arithmetic.py `training_flops_per_token`):
-per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 4sh (attention
-scores and weighted values, counted in full), the head 2hV; training costs 3x the
-forward, plus what activation recompute runs again (the recomputed layers, or every
-layer's attention scores under selective recompute; arithmetic.py says exactly what).
+FLOPs follow Megatron-LM's accounting but for the router, norms and recompute (cost/arithmetic.py
+`training_flops_per_token`; the comparison: docs/training.md, tests/cost/test_megatron_flops.py):
+per token, each layer does 8h^2 + 4hf (QKV, projection, MLP) plus 2sh (attention scores and
+weighted values over the causal half of the keys, as Megatron-LM counts them), the head 2hV;
+training costs 3x the forward, plus what activation recompute runs again (the recomputed layers,
+or every layer's attention scores under selective recompute, their attention halved alike;
+arithmetic.py says exactly what).
 """
 from __future__ import annotations
 

@@ -27,6 +27,9 @@ CATEGORY = {
     "LoadMicroBatch": "load", "ForwardPass": "forward", "BackwardPass": "backward",
     "SendActivation": "send", "SendGrad": "send", "RecvActivation": "recv", "RecvGrad": "recv",
     "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce", "OptimizerStep": "optimizer", "AggregateLoss": "loss",
+    # --pipeline-schedule dualpipev: its sends and receives only queue; CommitP2P launches them and waits for the
+    # peers, so the time blocked on them (what recv is under 1F1B) is spent there.
+    "CommitP2P": "recv",
 }
 COLUMNS = ("forward", "backward", "recv", "send", "reduce", "optimizer", "loss", "load", "other")
 

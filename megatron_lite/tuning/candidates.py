@@ -17,7 +17,7 @@ from megatron_lite.validation import validate
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                  "expert_model_parallel_size", "micro_batch_size", "gradient_accumulation_steps", "zero_stage",
                  "cpu_offload", "sequence_parallel", "recompute_activations", "recompute_granularity",
-                 "recompute_method", "recompute_num_layers")
+                 "recompute_method", "recompute_num_layers", "pipeline_schedule")
 """Config fields each candidate sets (the user's values for them are replaced)."""
 LAYOUT_FLAGS = tuple(flag_for(name) for name in LAYOUT_FIELDS)
 ZERO_LADDER = ((0, False, False), (1, False, False), (2, False, False), (2, True, False), (3, False, False),
@@ -123,6 +123,8 @@ class Candidate:
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    pipeline_schedule: str = "1f1b"
+    """1f1b, or dualpipev where the plan predicts it faster and it fits (recipe.py `_faster_schedule`)."""
     saver: str = ""
     """The memory saver that made it fit ("none" when the fastest setting fits; "context parallel C + ..."
     at CP > 1)."""
@@ -157,7 +159,7 @@ class Candidate:
         ep = self.expert_model_parallel_size
         return (f"tp{self.tensor_model_parallel_size}_cp{self.context_parallel_size}_"
                 f"pp{self.pipeline_model_parallel_size}_dp{self.data_parallel_size}{f'_ep{ep}' if ep > 1 else ''}"
-                f"_mb{self.micro_batch_size}")
+                f"_mb{self.micro_batch_size}{'_dualpipev' if self.pipeline_schedule == 'dualpipev' else ''}")
 
 
 def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[str]) -> Config:
@@ -169,7 +171,7 @@ def candidate_config(base: Config, c: Candidate, offload_param_json: Optional[st
         parallel__pipeline_model_parallel_size=c.pipeline_model_parallel_size,
         parallel__expert_model_parallel_size=c.expert_model_parallel_size,
         parallel__zero_stage=c.zero_stage, parallel__cpu_offload=c.cpu_offload,
-        parallel__sequence_parallel=c.sequence_parallel,
+        parallel__sequence_parallel=c.sequence_parallel, parallel__pipeline_schedule=c.pipeline_schedule,
         batch__micro_batch_size=c.micro_batch_size, batch__gradient_accumulation_steps=None,
         model__recompute_activations=False, model__recompute_granularity=c.recompute_granularity,
         model__recompute_method=c.recompute_method, model__recompute_num_layers=c.recompute_num_layers, **extra)
@@ -179,14 +181,15 @@ SAVER_FLAGS = ("cpu_offload", "sequence_parallel", "recompute_granularity", "rec
 
 
 def layout_argv(c: Candidate, config: Config) -> List[str]:
-    """A candidate's layout flags, TP / CP / PP / micro batch / ZeRO always spelled out, EP too for an MoE model
-    (and the DeepSpeed JSON that asks for ZeRO-3 parameter offload, which replaces the user's)."""
+    """A candidate's layout flags, TP / CP / PP / micro batch / ZeRO always spelled out, EP too for an MoE model,
+    the savers and --pipeline-schedule where not the default (and the DeepSpeed JSON that asks for ZeRO-3 parameter
+    offload, which replaces the user's)."""
     shown = ("tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
              "micro_batch_size", "zero_stage")
     if config.model.num_experts is not None:
         shown += ("expert_model_parallel_size",)
     return (config_to_argv(config, fields=shown, include_defaults=True)
-            + config_to_argv(config, fields=SAVER_FLAGS)
+            + config_to_argv(config, fields=SAVER_FLAGS + ("pipeline_schedule",))
             + (config_to_argv(config, fields=("deepspeed_config",)) if c.offload_param else []))
 
 

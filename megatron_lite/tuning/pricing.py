@@ -2,6 +2,7 @@
 times of this model where it has them), and the key of the plan's default order (Shaden's)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import List, Optional, Sequence
@@ -14,13 +15,14 @@ from megatron_lite.cost.arithmetic import (embedding_parameters, layer_parameter
 from megatron_lite.cost.moe_activations import routed_copies
 from megatron_lite.cost.muon import MuonWork, stage_work
 from megatron_lite.cost.pipeline_efficiency import predicted_pipeline_efficiency
-from megatron_lite.cost.stages import (stage_bounds, stage_expert_parameters, stage_flops, stage_layer_numbers,
-                                       stage_matrices, stage_mtp_layer_numbers)
+from megatron_lite.cost.stages import (per_rank, stage_bounds, stage_expert_parameters, stage_flops,
+                                       stage_layer_numbers, stage_matrices, stage_mtp_layer_numbers)
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer
 from megatron_lite.model.recompute_options import recompute_chunks
 from megatron_lite.tuning.calibration import Profile
 from megatron_lite.tuning.candidates import Candidate
-from megatron_lite.tuning.throughput import Experts, Hardware, predict_from_model_times, predict_step_seconds
+from megatron_lite.tuning.throughput import (Experts, Hardware, pipeline_periods, predict_from_model_times,
+                                             predict_step_seconds)
 
 
 def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profile] = None) -> None:
@@ -31,12 +33,22 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     flops = stage_flops(config, bounds)
     layers = [len(n) + len(d) for n, d in zip(numbers, depths)]
     params = [st["parameters"] for st in c.stage_memory]
-    again = [recompute_forward_flops_per_token(m, [len(n)], first_layer=n.start, depths=len(d))
+    # Time, not the logged count: the rerun priced over every key, as the fused path runs it.
+    again = [recompute_forward_flops_per_token(m, [len(n)], first_layer=n.start, depths=len(d), causal=False)
              for n, d in zip(numbers, depths)]
     redone = [len(_recomputed_layer_numbers(m, n)) for n in numbers]
     bytes_per_value = 2 if config.precision.dtype_name != "fp32" else 4
     experts = expert_costs(config, bounds, bytes_per_value)
     muon = muon_costs(config, bounds)
+    schedule = config.parallel.pipeline_schedule
+    stage_costs = list(flops)
+    if schedule == "dualpipev":  # priced per pipeline rank, each holding two of the 2 PP stages
+        flops, layers, again, redone = (per_rank(config, x) for x in (flops, layers, again, redone))
+        if experts is not None:
+            experts = dataclasses.replace(
+                experts, stage_moe_layers=per_rank(config, experts.stage_moe_layers),
+                stage_recomputed_moe_layers=per_rank(config, experts.stage_recomputed_moe_layers),
+                stage_parameters=per_rank(config, experts.stage_parameters))
     generic = predict_step_seconds(flops, layers, params, hw, hidden=m.hidden_size, seq=m.seq_length,
                                    tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
                                    dp=c.data_parallel_size, micro=c.micro_batch_size,
@@ -45,7 +57,8 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
                                    sequence_parallel=c.sequence_parallel, cp=c.context_parallel_size,
                                    cp_all_to_all_bytes=context_parallel_all_to_all_bytes(config),
                                    recomputed_layers=redone, profile=profile, bytes_per_value=bytes_per_value,
-                                   experts=experts, muon=muon, muon_precision=config.optimizer.muon_fp32_matmul_prec)
+                                   experts=experts, muon=muon, muon_precision=config.optimizer.muon_fp32_matmul_prec,
+                                   schedule=schedule)
     times = _predict_from_model_times(c, config, profile, layers, params, redone, bytes_per_value, muon)
     if times is not None:
         c.predicted_from = "model times"
@@ -55,20 +68,23 @@ def _predict(c: Candidate, config: Config, hw: Hardware, profile: Optional[Profi
     else:
         c.predicted_from = "profile" if profile is not None else "constants"
         times = generic
-    c.predicted_ep_comm_seconds = times.get("ep_comm_seconds", 0.0) * (c.gradient_accumulation_steps
-                                                                         + c.pipeline_model_parallel_size - 1)
-    c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(list(flops), c.gradient_accumulation_steps)
+    c.predicted_ep_comm_seconds = times.get("ep_comm_seconds", 0.0) * pipeline_periods(
+        schedule, c.gradient_accumulation_steps, c.pipeline_model_parallel_size)
+    c.predicted_pipeline_efficiency = predicted_pipeline_efficiency(stage_costs, c.gradient_accumulation_steps,
+                                                                    schedule)
     c.predicted_parts = dict(times)
     c.predicted_step_seconds = times["step_seconds"]
     c.predicted_tokens_per_s = config.batch.global_batch_size * m.seq_length / times["step_seconds"]
 
 
 def muon_costs(config: Config, bounds: Sequence[int]) -> Optional[List[MuonWork]]:
-    """Each stage's Muon step on one rank (cost/muon.py) under --optimizer muon; None under adam."""
+    """Each pipeline rank's Muon step (cost/muon.py) under --optimizer muon (its two stages' matrices under
+    dualpipev); None under adam."""
     if config.optimizer.optimizer != "muon":
         return None
+    ranks = per_rank(config, stage_matrices(config, bounds), combine=lambda parts: [x for p in parts for x in p])
     return [stage_work(config, matrices, model_state.zero_partitions(config), model_state.expert_data_partitions(config))
-            for matrices in stage_matrices(config, bounds)]
+            for matrices in ranks]
 
 
 def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Profile], layers: Sequence[int],
@@ -97,7 +113,8 @@ def _predict_from_model_times(c: Candidate, config: Config, profile: Optional[Pr
         gas=c.gradient_accumulation_steps, hidden=m.hidden_size, seq=m.seq_length,
         sequence_parallel=c.sequence_parallel, selective=m.recompute_granularity == "selective", recomputed_layers=redone,
         tied_embedding_parameters=0 if m.untie_embeddings_and_output_weights else m.padded_vocab_size * m.hidden_size // tp,
-        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload, muon=muon, cp=cp)
+        bytes_per_value=bytes_per_value, zero_stage=c.zero_stage, cpu_offload=c.cpu_offload, muon=muon, cp=cp,
+        schedule=config.parallel.pipeline_schedule)
 
 
 def _recomputed_layer_numbers(m, numbers: range) -> List[int]:

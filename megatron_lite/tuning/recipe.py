@@ -55,6 +55,11 @@ all-reduces, and EP's all-to-alls move only the routed copies; the MoE guide mea
 EP 4 x TP 2 for Mixtral 8x7B), micro batch 1 before larger ones, the saver's place in its tier, and
 predicted throughput last. `throughput`
 orders by the predicted tokens/s of tuning/throughput.py alone.
+At PP > 1 each fitting candidate is priced under --pipeline-schedule dualpipev too (`_faster_schedule`): the
+same layout and saver, where validation allows it (gas >= 2 x PP, 2 x PP stages with a layer each) and its
+peak fits (each rank keeps about the first 1F1B stage's activations); the plan keeps the schedule it predicts
+faster (cost/pipeline_efficiency.py: the V's smaller bubble, the ranks' two stages' balance) and records the
+other's step in predicted_parts.
 Samyam's micro-batch probe (`micro_batch_probe`): one node, the model cut to a
 few layers at full hidden size, PP = 1, micro batch 1..64 at gas 1.
 
@@ -69,14 +74,16 @@ import os
 from dataclasses import asdict
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_lite.arguments import build_parser, given_fields
+from megatron_lite.arguments import build_parser, config_to_argv, given_fields
 from megatron_lite.atomic import write_text
 from megatron_lite.config import Config, ConfigError, flag_for
 from megatron_lite.cost import memory
 from megatron_lite.model.moe_options import layer_freq_for
 from megatron_lite.tuning.calibration import Profile
+from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.candidates import (Candidate, LAYOUT_FIELDS, OFFLOAD_PARAM, OFFLOAD_PARAM_JSON, _try_savers,
-                                             context_parallel_sizes, divisors, expert_parallel_sizes)
+                                             candidate_config, context_parallel_sizes, divisors,
+                                             expert_parallel_sizes, layout_argv, validate_candidate)
 from megatron_lite.tuning.plan_output import Plan
 from megatron_lite.tuning.pricing import _layout_kind, _predict, _shaden_key, _unmeasured, generic_scale
 from megatron_lite.tuning.throughput import Hardware
@@ -142,6 +149,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
                     continue
                 for c, config in fitting or [(c, config)]:
                     _predict(c, config, hw, profile)
+                    c = _faster_schedule(c, config, planned, model_fields, world, budget, device, offload_param_json,
+                                         hw, profile)
                     kept.append(c)
                 if progress:
                     progress(len(kept), len(rejected))
@@ -186,6 +195,35 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
         cluster["profile"] = {"device": profile.device, "device_name": profile.device_name, "backend": profile.backend,
                               "torch_version": profile.torch_version, "date": profile.date}
     return Plan(mode, cluster, model_argv, budget, kept, rejected, notes)
+
+
+def _faster_schedule(c: Candidate, config: Config, model: Config, model_fields: Sequence[str], world: int,
+                     budget: int, device: str, offload_param_json: str, hw: Hardware,
+                     profile: Optional[Profile]) -> Candidate:
+    """`c` (priced, 1f1b) or the same layout and saver under --pipeline-schedule dualpipev, whichever is predicted
+    faster; dualpipev only where validation allows it and its peak fits `budget`. The chosen one's predicted_parts
+    hold the other's step (`<schedule>_step_seconds`)."""
+    if c.pipeline_model_parallel_size == 1:
+        return c
+    other = Candidate(**{**asdict(c), "pipeline_schedule": "dualpipev", "argv": [], "pretrain_argv": [],
+                         "predicted_parts": {}})
+    planned = candidate_config(model, other, offload_param_json)
+    try:
+        other_config = validate_candidate(planned, world)
+    except ConfigError:
+        return c
+    stages = memory.estimate(other_config, deepspeed_config(other_config), device=device)
+    if max(st.peak for st in stages) > budget:
+        return c
+    other.peak_bytes_per_stage = [st.peak for st in stages]
+    other.stage_memory = [st.to_dict() for st in stages]
+    other.argv = layout_argv(other, planned)
+    shown = [f for f in model_fields if not (other.offload_param and f == "deepspeed_config")]
+    other.pretrain_argv = config_to_argv(planned, fields=shown, include_defaults=True) + other.argv
+    _predict(other, other_config, hw, profile)
+    faster, slower = (other, c) if other.predicted_step_seconds < c.predicted_step_seconds else (c, other)
+    faster.predicted_parts[f"{slower.pipeline_schedule}_step_seconds"] = slower.predicted_step_seconds
+    return faster
 
 
 _SAVER_FIELDS = ("zero_stage", "cpu_offload", "sequence_parallel", "recompute_activations", "recompute_granularity",

@@ -193,7 +193,7 @@ def _result_line(candidate: Dict[str, Any], status: str, run: Dict[str, Any],
             "pipeline_model_parallel_size", "data_parallel_size", "expert_model_parallel_size", "micro_batch_size",
             "gradient_accumulation_steps", "zero_stage", "cpu_offload",
             "sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers", "saver",
-            "predicted_pipeline_efficiency", "predicted_tokens_per_s", "predicted_step_seconds", "predicted_from",
+            "pipeline_schedule", "predicted_pipeline_efficiency", "predicted_tokens_per_s", "predicted_step_seconds", "predicted_from",
             "predicted_ep_comm_seconds", "predicted_relative_throughput", "peak_bytes_per_stage", "argv")
     line = {k: candidate.get(k) for k in keys}
     line["predicted_peak_gib_per_stage"] = [b / 2 ** 30 for b in candidate.get("peak_bytes_per_stage") or []]

@@ -46,7 +46,10 @@ pair again. Each rank keeps 1/e of the rows and sends (e-1)/e:
                fp32 over TP (duplicated mode)
 
 The (g + p - 1) x max term is the 1F1B schedule (bubble x balance, see
-cost/pipeline_efficiency.py). Tokens/s = global batch x S / step. The numbers
+cost/pipeline_efficiency.py). Under --pipeline-schedule dualpipev (`schedule`) the stage lists are the pipeline
+ranks' (two stages each), p - 1 becomes DualPipeV's bubble in such periods (pipeline_efficiency.bubble_periods:
+(5p - 6) / 6 at B = 2F), each rank sends twice as often (activations and gradients of both stages, p2p x 2), the
+loss stage is rank 0, and the tied embedding and head are one module (no tied all-reduce). Tokens/s = global batch x S / step. The numbers
 are for ranking layouts against each other; only the sweep measures.
 
 With a measured profile (tuning/calibration.py, `tune_parallelism.py calibrate`) the constants give way
@@ -76,6 +79,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_lite.cost.muon import MuonWork
+from megatron_lite.cost.pipeline_efficiency import bubble_periods
 from megatron_lite.tuning.calibration import Profile
 
 DP_BUCKET_BYTES = 5e8
@@ -141,6 +145,19 @@ def gemm_efficiency(tokens: int) -> float:
     return tokens / (tokens + 256.0)
 
 
+def pipeline_periods(schedule: str, gas: int, pp: int) -> float:
+    """The step's pipeline in periods of the slowest rank's micro-batch: gas + the fill and drain."""
+    return gas + (bubble_periods(schedule, pp) if pp > 1 else 0.0)
+
+
+def p2p_sends(schedule: str, gas: int, pp: int) -> float:
+    """A rank's activation and gradient sends per step (module docstring): 2 x pipeline_periods, twice that under
+    dualpipev; 0 without a pipeline."""
+    if pp == 1:
+        return 0.0
+    return 2 * pipeline_periods(schedule, gas, pp) * (2 if schedule == "dualpipev" else 1)
+
+
 def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: Sequence[int],
                          stage_parameters: Sequence[int], hw: Hardware, *, hidden: int, seq: int,
                          tp: int, pp: int, dp: int, micro: int, gas: int, zero_stage: int,
@@ -148,8 +165,10 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                          sequence_parallel: bool = False, cp: int = 1, cp_all_to_all_bytes: int = 0,
                          recomputed_layers: Sequence[int] = (), profile: Optional[Profile] = None,
                          bytes_per_value: int = 2, experts: Optional[Experts] = None,
-                         muon: Optional[Sequence[MuonWork]] = None, muon_precision: str = "highest") -> Dict[str, float]:
-    """recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
+                         muon: Optional[Sequence[MuonWork]] = None, muon_precision: str = "highest",
+                         schedule: str = "1f1b") -> Dict[str, float]:
+    """The stage lists are per pipeline rank (two stages each under schedule dualpipev).
+    recompute_flops: forward FLOPs per token that activation recompute runs again, per stage;
     cp_all_to_all_bytes: A above; recomputed_layers: layers per stage whose forward full recompute runs again;
     profile: measured hardware instead of hw's constants (bytes_per_value is used with it only);
     experts: the routed experts of an MoE model (None: a dense model). ep_comm_seconds in the result: the
@@ -161,7 +180,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
                                      recompute_flops=recompute_flops, cpu_offload=cpu_offload,
                                      sequence_parallel=sequence_parallel, cp=cp,
                                      cp_all_to_all_bytes=cp_all_to_all_bytes, recomputed_layers=recomputed_layers,
-                                     bytes_per_value=bytes_per_value, experts=experts, muon=muon)
+                                     bytes_per_value=bytes_per_value, experts=experts, muon=muon, schedule=schedule)
     tokens = micro * seq // cp
     rate = lambda rows: hw.peak_tflops * 1e12 * gemm_efficiency(rows)  # noqa: E731
     gbps = lambda inside_node: (hw.intra_node_gbps if inside_node else hw.inter_node_gbps) * 1e9  # noqa: E731
@@ -188,7 +207,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     # Rank order is (pipe, data, model), data = DP x CP: a stage spans tp x cp x dp consecutive ranks.
     sent = act_bytes / tp if sequence_parallel else act_bytes
     stage_ranks = tp * cp * dp
-    p2p = 2 * (gas + pp - 1) * sent / gbps(stage_ranks * 2 <= hw.gpus_per_node) if pp > 1 else 0.0
+    p2p = p2p_sends(schedule, gas, pp) * sent / gbps(stage_ranks * 2 <= hw.gpus_per_node)
     reduced = dp * cp  # gradients are reduced over DP x CP, the routed experts' over DP x CP / EP
 
     def all_reduce(parameters: float, ranks: int) -> float:
@@ -204,7 +223,7 @@ def predict_step_seconds(stage_flops_per_token: Sequence[float], stage_layers: S
     optimizer = muon_seconds(muon, lambda rows: matmul * gemm_efficiency(rows),
                              lambda nbytes, ranks, messages: 2 * (ranks - 1) / ranks * nbytes / stage_bw,
                              lambda nbytes, messages: (tp - 1) / tp * nbytes / tp_bw)
-    return _step(per_stage, ep_comms, cp_comms, gas, pp, p2p, dp_comm, offload, optimizer)
+    return _step(per_stage, ep_comms, cp_comms, gas, pp, p2p, dp_comm, offload, optimizer, schedule)
 
 
 def _stage_experts(experts: Optional[Experts], stages: int) -> List[Tuple[int, int]]:
@@ -230,10 +249,10 @@ def _compute_seconds(flops: float, again: float, moe_layers: int, moe_redone: in
 
 
 def _step(per_stage: List[float], ep_comms: List[float], cp_comms: List[float], gas: int, pp: int, p2p: float,
-          dp_comm: float, offload: float, muon: float = 0.0) -> Dict[str, float]:
+          dp_comm: float, offload: float, muon: float = 0.0, schedule: str = "1f1b") -> Dict[str, float]:
     """The step's terms: ep_comm_seconds and cp_comm_seconds are the slowest stage's per micro-batch."""
     slowest = max(range(len(per_stage)), key=lambda i: per_stage[i])
-    pipeline = (gas + pp - 1) * per_stage[slowest]
+    pipeline = pipeline_periods(schedule, gas, pp) * per_stage[slowest]
     step = pipeline + p2p + dp_comm + offload + muon
     return {"step_seconds": step, "pipeline_seconds": pipeline, "dp_comm_seconds": dp_comm,
             "p2p_seconds": p2p, "offload_seconds": offload, "stage_seconds": per_stage[slowest],
@@ -246,8 +265,8 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
                           pp: int, dp: int, micro: int, gas: int, zero_stage: int, recompute_flops: Sequence[float],
                           cpu_offload: bool, sequence_parallel: bool, cp: int, cp_all_to_all_bytes: int,
                           recomputed_layers: Sequence[int], bytes_per_value: int,
-                          experts: Optional[Experts] = None, muon: Optional[Sequence[MuonWork]] = None
-                          ) -> Dict[str, float]:
+                          experts: Optional[Experts] = None, muon: Optional[Sequence[MuonWork]] = None,
+                          schedule: str = "1f1b") -> Dict[str, float]:
     """The same terms as predict_step_seconds, priced by a measured profile (module docstring)."""
     tokens = micro * seq // cp
     comm = profile.collective_seconds
@@ -274,7 +293,7 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
         ep_comms.append(ep_comm)
         cp_comms.append(cp_comm)
     sent = act_bytes / tp if sequence_parallel else act_bytes
-    p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
+    p2p = p2p_sends(schedule, gas, pp) * comm("send_recv", 2, sent) if pp > 1 else 0.0
     reduced = dp * cp
 
     def all_reduce(parameters: float, ranks: int) -> float:
@@ -287,7 +306,7 @@ def _predict_with_profile(stage_flops_per_token: Sequence[float], stage_layers: 
     largest = max(stage_parameters)
     offload = 16.0 * largest / reduced / (profile.memory_gbps * 1e9) if cpu_offload else 0.0
     return _step(per_stage, ep_comms, cp_comms, gas, pp, p2p, dp_comm, offload,
-                 profile_muon_seconds(profile, muon, tp))
+                 profile_muon_seconds(profile, muon, tp), schedule)
 
 
 def profile_muon_seconds(profile: Profile, muon: Optional[Sequence[MuonWork]], tp: int) -> float:
@@ -303,7 +322,8 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
                              micro: int, gas: int, hidden: int, seq: int, sequence_parallel: bool,
                              selective: bool, recomputed_layers: Sequence[int], tied_embedding_parameters: int,
                              bytes_per_value: int, zero_stage: int = 0, cpu_offload: bool = False,
-                             muon: Optional[Sequence[MuonWork]] = None, cp: int = 1) -> Dict[str, float]:
+                             muon: Optional[Sequence[MuonWork]] = None, cp: int = 1,
+                             schedule: str = "1f1b") -> Dict[str, float]:
     """A step priced by the model's own measured times (tuning/measure_model.py) at this TP, CP, EP and micro
     batch (a layer's and the ends' times at CP c are those of the rank's S / c tokens, the CP all-to-alls
     included; at EP e the expert all-to-alls and the experts' GEMMs at their rows):
@@ -327,7 +347,8 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
     fits (reduce-scatter the gradients, all-gather the updated parameters); ZeRO 3 adds two all-gathers of the
     parameters per micro-batch (forward and backward) to the stage; offload adds 16 bytes x P_i / DP over the
     measured copy bandwidth. These ZeRO terms are the fits' prices, not measured engines. The times were measured
-    with AdamW: --optimizer muon's step (`muon`) adds profile_muon_seconds to fixed."""
+    with AdamW: --optimizer muon's step (`muon`) adds profile_muon_seconds to fixed. Under schedule dualpipev the
+    stage lists are the pipeline ranks' (module docstring): the ends are rank 0's, and there is no tied term."""
     comm = profile.collective_seconds
     sp = sequence_parallel and tp > 1
     prefix = "sp_" if sp else ""
@@ -336,7 +357,8 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
     reduced = dp * cp  # gradients are reduced, and ZeRO partitions, over DP x CP
     stages = []
     for i, (layers, redone) in enumerate(zip(stage_layers, recomputed_layers)):
-        ends = point["ends_s"] if i == len(stage_layers) - 1 else 0.0
+        loss_rank = 0 if schedule == "dualpipev" else len(stage_layers) - 1
+        ends = point["ends_s"] if i == loss_rank else 0.0
         gathers = 2 * comm("all_gather", reduced, stage_parameters[i] * bytes_per_value) if zero_stage == 3 else 0.0
         stages.append(layers * point["layer_s"] + (layers - redone) * extra + redone * again + ends
                       + point["engine_per_micro_s"] + gathers)
@@ -357,9 +379,10 @@ def predict_from_model_times(point: Dict[str, float], profile: Profile, *, world
         fixed.append(optimizer + reduction + offload)
     step_fixed = max(fixed) + point["engine_s"] + profile_muon_seconds(profile, muon, tp)
     sent = micro * seq // cp * hidden * bytes_per_value / (tp if sp else 1)
-    p2p = 2 * (gas + pp - 1) * comm("send_recv", 2, sent) if pp > 1 else 0.0
-    tied = comm("all_reduce", 2, tied_embedding_parameters * bytes_per_value) if pp > 1 else 0.0
-    pipeline = (gas + pp - 1) * max(stages)
+    p2p = p2p_sends(schedule, gas, pp) * comm("send_recv", 2, sent) if pp > 1 else 0.0
+    tied = comm("all_reduce", 2, tied_embedding_parameters * bytes_per_value) if pp > 1 and schedule != "dualpipev" \
+        else 0.0
+    pipeline = pipeline_periods(schedule, gas, pp) * max(stages)
     step = pipeline + step_fixed + p2p + tied
     return {"step_seconds": step, "pipeline_seconds": pipeline, "fixed_seconds": step_fixed,
             "p2p_seconds": p2p + tied, "offload_seconds": 0.0, "stage_seconds": max(stages)}

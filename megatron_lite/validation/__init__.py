@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.validation.compile import compile_rules
 from megatron_lite.validation.numbers import numbers_of
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
 from megatron_lite.validation.moe import moe_pipeline_rules
+from megatron_lite.validation.pipeline_schedule import pipeline_schedule_rules
 from megatron_lite.validation.rules import (
     batch_rules,
     logging_rules,
@@ -37,6 +39,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("parallel", parallel_rules, (NUMBERS["parallel"], NUMBERS["model"])),
     ("model", model_rules, ("parallel",)),
     ("batch", batch_rules, ("parallel", NUMBERS["batch"])),
+    ("pipeline-schedule", pipeline_schedule_rules, ("parallel", "model", "batch")),
     ("training", training_rules, (NUMBERS["training"],)),
     ("optimizer", optimizer_rules, (NUMBERS["optimizer"], NUMBERS["training"])),
     ("muon", muon_rules, ("parallel", "optimizer")),
@@ -48,6 +51,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("tokenizer-data", tokenizer_matches_data, ("tokenizer", "data")),
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
     ("checkpoint", checkpoint_rules, ("parallel", "model", "tokenizer")),
+    ("compile", compile_rules, ("parallel", "model")),
 )
 
 

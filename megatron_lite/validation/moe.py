@@ -107,13 +107,12 @@ def moe_pipeline_rules(config: Config, notes: List[str]) -> Config:
     if (m.num_experts is None or pp == 1 or not per_group_norm or m.padded_vocab_size is None
             or p.pipeline_partition_method == "profile"):  # a profile split is known only once running
         return config
-    from megatron_lite.cost.stages import stage_bounds
+    from megatron_lite.cost.stages import rank_specs, stage_bounds
     from megatron_lite.model.moe_options import is_moe_layer
 
-    bounds = stage_bounds(config)
-    without = [stage for stage in range(pp)
-               if not any(1 <= spec <= m.num_layers and is_moe_layer(m, spec)
-                          for spec in range(bounds[stage], bounds[stage + 1]))]
+    # Per pipeline rank: its stage, or its two stages under --pipeline-schedule dualpipev.
+    without = [stage for stage, specs in enumerate(rank_specs(config, stage_bounds(config)))
+               if not any(1 <= spec <= m.num_layers and is_moe_layer(m, spec) for spec in specs)]
     if without:
         optimizer = "--bf16" if config.precision.bf16 else "--fp16"
         raise ConfigError(f"pipeline stage{'s' * (len(without) > 1)} {', '.join(map(str, without))} of "

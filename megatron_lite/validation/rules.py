@@ -66,7 +66,9 @@ def parallel_rules(config: Config, notes: List[str]) -> Config:
         )
     if p.distributed_backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"--distributed-backend {p.distributed_backend} is not nccl or gloo")
-    check_partition_method(p.pipeline_partition_method, config.model.num_layers, pp)
+    # Layer counts list every stage: 2 x PP of them under --pipeline-schedule dualpipev (model/virtual_stages.py).
+    check_partition_method(p.pipeline_partition_method, config.model.num_layers,
+                           2 * pp if p.pipeline_schedule == "dualpipev" else pp)
     return config.replace(parallel__data_parallel_size=world // (tp * pp * cp))
 
 

@@ -3,6 +3,7 @@ the losses after the resume are the uninterrupted run's (fp32: layout invariance
 import os
 
 import pytest
+import torch
 
 from tests.cost.engine_census import imports_frozen
 from tests.harness import run_distributed
@@ -223,3 +224,33 @@ def test_adam_moments_after_a_to_b_to_a_are_bit_identical(tmp_path):
         for field in ("fp32", "exp_avg", "exp_avg_sq"):
             assert getattr(state, field).equal(getattr(returned[key], field)), (key, field)
         assert state.step == returned[key].step == 2.0
+
+
+DUALPIPEV = ("--pipeline-schedule", "dualpipev")
+
+
+@pytest.mark.parametrize("source, target", [(DUALPIPEV, DUALPIPEV), (DUALPIPEV, ()), ((), DUALPIPEV)],
+                         ids=["dualpipev-to-dualpipev", "dualpipev-to-1f1b", "1f1b-to-dualpipev"])
+def test_a_checkpoint_moves_between_the_1f1b_and_dualpipev_schedules_with_the_uninterrupted_losses(tmp_path, source,
+                                                                                                    target):
+    """Under dualpipev pipeline rank r's files hold stages r and 2 PP - 1 - r: the same schedule resumes through
+    DeepSpeed's own loader, the other through the layout-free form; reshard and the reader take its files apart."""
+    from megatron_lite.checkpoint.reader import CheckpointReader
+    from megatron_lite.checkpoint.reshard import reshard
+
+    extra = ["--zero-stage", "1"]
+    full, resumed, note = _uninterrupted_then_resumed(tmp_path, (1, 2, 1), (1, 2, 1), extra + list(source),
+                                                      extra + list(target))
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert _relative(resumed[step], full[step]) <= 1e-5, (step, resumed[step], full[step])
+    if source == target:
+        assert note is None  # DeepSpeed's own loader
+    else:
+        assert note.startswith(f"resharded TP 1 x PP 2{' (dualpipev)' if source else ''} x DP 1 (ZeRO 1, fp32) -> "
+                               f"TP 1 x PP 2{' (dualpipev)' if target else ''} x DP 1"), note
+    if source and not target:  # offline: a dualpipev checkpoint resharded to one stage holds the same weights
+        ckpt, one = str(tmp_path / "ckpt"), str(tmp_path / "pp1")
+        reshard(ckpt, one, 1, 1, log=lambda line: None)
+        saved, moved = CheckpointReader(ckpt).full_weights(), CheckpointReader(one).full_weights()
+        assert saved.keys() == moved.keys() and all(torch.equal(saved[k], moved[k]) for k in saved)

@@ -111,14 +111,14 @@ def _keeping_checkpoint_inputs(keep):
 
     real = random_checkpoint
 
-    def counted(function, *args):
+    def counted(function, *args, **options):
         for arg in args:
             # A chunk's input under full recompute may be (hidden states, document ids): the ids are the
             # stage's input, kept once per stage whatever recompute does (stage_output_bytes counts them).
             for t in (arg if isinstance(arg, tuple) else (arg,)):
                 if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool:
                     keep(t)
-        return real(function, *args)
+        return real(function, *args, **options)
 
     recompute.checkpoint, attention.checkpoint = counted, counted
     try:

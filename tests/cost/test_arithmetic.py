@@ -171,7 +171,7 @@ def test_forward_flops_per_token_match_torchs_flop_counter(variant):
     counted = counter.get_total_flops() / (b * s)
     forward = m.num_layers * arithmetic.layer_forward_flops(m, causal=False) + arithmetic.head_forward_flops(m)
     assert counted == pytest.approx(forward, rel=1e-6)
-    assert arithmetic.training_flops_per_token(m) == pytest.approx(3 * forward)
+    assert arithmetic.training_flops_per_token(m, causal=False) == pytest.approx(3 * forward)
 
 
 RECOMPUTE = {"selective": ("--recompute-granularity", "selective"),
@@ -199,21 +199,35 @@ def test_training_flops_per_token_match_torchs_flop_counter_over_forward_backwar
     with FlopCounterMode(display=False) as counter:
         model(tokens, torch.arange(s).expand(b, s), tokens, torch.ones(b, s)).backward()
     counted = counter.get_total_flops() / (b * s)
-    assert counted == pytest.approx(arithmetic.training_flops_per_token(m), rel=1e-6)
+    assert counted == pytest.approx(arithmetic.training_flops_per_token(m, causal=False), rel=1e-6)
     # What recompute adds, by hand: torch's checkpoint does not rerun a region's last matmul (nothing keeps
     # its output): selective reruns the scores (half the attention core), full each chunk but its last
     # MLP projection (2 chunks of 2 layers, or the first layer under block 1).
     layer, projection = arithmetic.layer_forward_flops(m, causal=False), 2 * m.hidden_size * m.ffn_hidden_size
     added = {None: 0, "selective": m.num_layers * arithmetic.attention_core_forward_flops(m) / 2,
              "full": m.num_layers * layer - 2 * projection, "block": layer - projection}[recompute]
-    assert arithmetic.recompute_forward_flops_per_token(m) == pytest.approx(added)
+    assert arithmetic.recompute_forward_flops_per_token(m, causal=False) == pytest.approx(added)
+
+
+@pytest.mark.parametrize("recompute", [None, "selective", "full", "block"])
+def test_logged_training_flops_count_the_causal_half_of_the_attention_core_run_or_rerun(recompute):
+    """TFLOP/s and MFU count attention as Megatron-LM does, over the s/2 keys a token attends to: in the forward,
+    both backward matmuls and what recompute runs again; every other matmul as torch counts it (above)."""
+    m = tiny_config(1, 1, 1, RECOMPUTE.get(recompute, ())).model
+    core, scores = arithmetic.attention_core_forward_flops(m), arithmetic.attention_scores_forward_flops(m)
+    rerun = {None: 0, "selective": m.num_layers * scores, "full": m.num_layers * core, "block": core}[recompute]
+    every_key = arithmetic.training_flops_per_token(m, causal=False)
+    halved = (3 * m.num_layers * core + rerun) / 2
+    assert arithmetic.training_flops_per_token(m) == pytest.approx(every_key - halved)
+    assert arithmetic.recompute_forward_flops_per_token(m, causal=True) == pytest.approx(
+        arithmetic.recompute_forward_flops_per_token(m, causal=False) - rerun / 2)
 
 
 def test_block_recompute_counts_its_layers_on_every_pipeline_stage():
     config = tiny_config(1, 2, 1, RECOMPUTE["block"])
     m = config.model
     layer = arithmetic.layer_forward_flops(m, causal=False) - 2 * m.hidden_size * m.ffn_hidden_size
-    assert arithmetic.recompute_forward_flops_per_token(m, [2, 2]) == pytest.approx(2 * layer)
+    assert arithmetic.recompute_forward_flops_per_token(m, [2, 2], causal=False) == pytest.approx(2 * layer)
     assert recompute_options.recompute_chunks("uniform", 3, 4) == [(0, 3, True), (3, 4, True)]
     assert recompute_options.recompute_chunks("block", 3, 4) == [(0, 1, True), (1, 2, True), (2, 3, True), (3, 4, False)]
     assert recompute_options.recompute_chunks("block", 5, 2) == [(0, 1, True), (1, 2, True)]
@@ -258,8 +272,14 @@ def test_documents_attended_one_by_one_count_only_their_attention_in_the_trainin
     counted = counter.get_total_flops() / (b * s)
     # Selective recompute reruns x V for every document but the micro-batch's last, which the count includes.
     last = 2 * 16 ** 2 * m.hidden_size * m.num_layers / (b * s) if recompute == "selective" else 0
-    assert counted == pytest.approx(arithmetic.training_flops_per_token(m, attention_share=share) - last, rel=1e-6)
-    assert counted < arithmetic.training_flops_per_token(m)
+    every_key = arithmetic.training_flops_per_token(m, attention_share=share, causal=False)
+    assert counted == pytest.approx(every_key - last, rel=1e-6)
+    assert counted < arithmetic.training_flops_per_token(m, causal=False)
+    # The logged count halves what the share leaves: the causal half of each document's square, forward, backward
+    # and rerun alike.
+    rerun = {None: 0, "selective": m.num_layers, "full": m.num_layers}[recompute]
+    halved = (3 * m.num_layers + rerun) * arithmetic.attention_core_forward_flops(m) * share / 2
+    assert arithmetic.training_flops_per_token(m, attention_share=share) == pytest.approx(every_key - halved)
 
 
 EXPERTS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48")
@@ -392,7 +412,7 @@ def test_moe_training_flops_count_the_k_routed_experts_as_torchs_flop_counter_do
                          + RECOMPUTE.get(recompute, ()))
     m = config.model
     counted, _ = _counted_flops(config, backward=True)
-    assert counted == pytest.approx(arithmetic.training_flops_per_token(m), rel=1e-6)
+    assert counted == pytest.approx(arithmetic.training_flops_per_token(m, causal=False), rel=1e-6)
     if recompute is None:
         forward, _ = _counted_flops(config, backward=False)
         layers = sum(arithmetic.layer_forward_flops(m, False, layer_number=i) for i in range(1, m.num_layers + 1))

@@ -152,7 +152,9 @@ def _measured_peaks(tp, pp, extra, tmp_path, free_last_stage_outputs=True):
 @pytest.mark.parametrize("tp, extra", [
     (1, ()), (1, LLAMA), pytest.param(2, (), marks=pytest.mark.slow),
     pytest.param(2, ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow),
-    pytest.param(2, LLAMA + ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow)])
+    pytest.param(2, LLAMA + ("--sequence-parallel", "--recompute-granularity", "selective"), marks=pytest.mark.slow),
+    # each pipeline rank: two stages (measured 0.985 and 1.076 of the estimate, 2026-12-07)
+    pytest.param(1, ("--pipeline-schedule", "dualpipev"), marks=pytest.mark.slow)])
 def test_every_stages_estimated_peak_is_within_10_percent_of_the_measured_peak_at_pp2(tp, extra, tmp_path):
     results = _measured_peaks(tp, 2, extra, tmp_path)
     config = results[0]["config"]

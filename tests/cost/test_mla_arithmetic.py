@@ -127,12 +127,14 @@ def test_mla_forward_flops_per_token_match_torchs_flop_counter(variant):
 def test_mla_training_flops_match_torchs_flop_counter_and_selective_recompute_reruns_the_scores_alone(recompute):
     config = tiny_config(1, 1, 1, MLA + ("--attention-backend", "fused") + RECOMPUTE.get(recompute, ()))
     m = config.model
-    assert _flops_counted(config, train=True) == pytest.approx(arithmetic.training_flops_per_token(m), rel=1e-6)
+    assert _flops_counted(config, train=True) == pytest.approx(arithmetic.training_flops_per_token(m, causal=False),
+                                                               rel=1e-6)
     scores = 2 * 32 * 4 * 12  # s x a x (d_n + d_r), not half of the core: values are 10 wide
     assert arithmetic.attention_scores_forward_flops(m) == scores
     assert arithmetic.attention_core_forward_flops(m) == scores + 2 * 32 * 4 * 10
     if recompute == "selective":
-        assert arithmetic.recompute_forward_flops_per_token(m) == m.num_layers * scores
+        assert arithmetic.recompute_forward_flops_per_token(m, causal=False) == m.num_layers * scores
+        assert arithmetic.recompute_forward_flops_per_token(m, causal=True) == m.num_layers * scores / 2
 
 
 def megatron_lm_mla_attention_flops(m):

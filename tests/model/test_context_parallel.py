@@ -163,6 +163,9 @@ DOCUMENTS = ("--reset-attention-mask", "--reset-position-ids", "--window-size", 
     (2, 2, 1, 1, ("--recompute-granularity", "selective")),  # the checkpointed core takes the mask or documents
     (1, 1, 2, 2, ("--zero-stage", "1", "--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1")),  # a chunk's input is (hidden states, document ids)
+    # DualPipeV sends the int32 document ids out to the last rank and back, with CP and recompute
+    pytest.param(1, 2, 2, 1, ("--pipeline-schedule", "dualpipev", "--recompute-granularity", "full",
+                              "--recompute-method", "uniform", "--recompute-num-layers", "1"), marks=pytest.mark.slow),
 ])
 def test_document_masking_and_a_sliding_window_match_the_dense_losses_under_every_layout(tp, cp, pp, dp, extra,
                                                                                          backend, path):

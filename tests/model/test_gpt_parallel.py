@@ -127,3 +127,26 @@ def test_the_fused_softmax_attention_backend_matches_its_dense_run_at_tp2_pp2():
     extra = ("--attention-backend", "fused")
     config = tiny_config(extra=extra)
     assert_matches(run_layout(2, 2, 1, extra=extra), dense_losses(config, global_batches(config, STEPS)))
+
+
+DUALPIPEV = ("--pipeline-schedule", "dualpipev")
+GAS4_AT_DP2 = ("--global-batch-size", "8")  # DualPipeV runs at least 2 x PP micro-batches per step
+
+
+def assert_equal_to_1f1b(dualpipev, one_f_one_b):
+    for a, b in zip(dualpipev, one_f_one_b):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-5), (a["coord"], a["losses"], b["losses"])
+
+
+def test_dualpipev_losses_equal_1f1bs_and_the_dense_gpts_at_pp2_dp2():
+    dualpipev = run_layout(1, 2, 2, extra=GAS4_AT_DP2 + DUALPIPEV)
+    assert_equal_to_1f1b(dualpipev, run_layout(1, 2, 2, extra=GAS4_AT_DP2))
+    config = tiny_config(extra=GAS4_AT_DP2)
+    assert_matches(dualpipev, dense_losses(config, global_batches(config, STEPS)))
+
+
+@pytest.mark.slow
+def test_dualpipev_losses_equal_1f1bs_and_the_dense_gpts_at_tp2_pp2(reference):
+    dualpipev = run_layout(2, 2, 1, extra=DUALPIPEV)
+    assert_equal_to_1f1b(dualpipev, run_layout_once(2, 2, 1, ()))
+    assert_matches(dualpipev, reference)

@@ -114,6 +114,13 @@ def test_moe_under_expert_parallelism_matches_the_dense_losses_norms_and_loads(t
     assert_matches(run_layout(tp, pp, dp, cp, ep, extra), reference)
 
 
+@pytest.mark.slow
+def test_moe_under_dualpipev_with_experts_over_ep2_matches_the_dense_losses_norms_and_loads():
+    gas4 = ("--global-batch-size", "8")  # DualPipeV runs at least 2 x PP micro-batches per step
+    assert_matches(run_layout(1, 2, 2, 1, 2, gas4 + ("--zero-stage", "1", "--pipeline-schedule", "dualpipev")),
+                   dense_reference(gas4))
+
+
 def test_yarn_on_part_of_each_head_with_experts_over_ep2_and_cp2_matches_the_dense_losses_norms_and_loads():
     yarn = ("--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
             "--yarn-original-max-position-embeddings", "1000", "--rotary-percent", "0.5", "--rotary-base", "100")

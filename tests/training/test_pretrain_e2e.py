@@ -311,6 +311,31 @@ def test_timing_breakdown_accounts_for_each_stages_step_and_reaches_tensorboard(
             assert f"timing/stage{stage}/{column}" in tags
 
 
+def test_dualpipev_trains_evaluates_saves_and_times_each_ranks_instructions(corpus, tmp_path):
+    result = pretrain(corpus, 2, layout(1, 2) + ["--pipeline-schedule", "dualpipev", "--num-layers", "4",
+                                                 "--hidden-size", "128", "--seq-length", "128", "--train-iters", "4",
+                                                 "--log-interval", "2", "--timing-breakdown", "--eval-interval", "2",
+                                                 "--save", str(tmp_path / "ckpt"), "--save-interval", "4"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(losses_by_iteration(result.stdout)) == [2, 4]
+    assert "validation at iteration 2 | loss" in result.stdout
+    assert "dualpipev: rank r holds stages r and 3 - r" in result.stdout  # the stage table
+    assert re.search(r"memory stage 1: estimated [\d.]+ GiB", result.stdout)
+    tables = stage_tables(result.stdout)
+    assert len(tables) == 2 and all(sorted(t) == [0, 1] for t in tables)
+    for table in tables:
+        for rank, row in table.items():
+            instructions = sum(v for k, v in row.items() if k not in ("other", "step"))
+            assert abs(instructions - row["step"]) <= 0.1 * row["step"], (rank, row)
+            assert row["forward"] > 0 and row["backward"] > 0 and row["recv"] > 0  # recv: CommitP2P's waits
+    saved = tmp_path / "ckpt" / "iter_0000004"
+    assert sorted(p.name for p in saved.glob("layer_*")) == [f"layer_{i:02d}-model_00-model_states.pt" for i in range(6)]
+    import json
+    metadata = json.loads((saved / "megatron_lite.json").read_text())
+    assert metadata["pipeline_schedule"] == "dualpipev" and sum(metadata["layers_per_stage"]) == 4
+    assert len(metadata["layers_per_stage"]) == 4
+
+
 def test_a_profile_partitioned_run_resumes_with_the_stages_it_saved(corpus, tmp_path):
     import json
 

@@ -276,3 +276,24 @@ def test_a_muon_plan_books_one_moment_per_matrix_and_prices_the_newton_schulz_wo
     rate = hw.fp32_tflops * 1e12 * h / (h + 256.0)  # throughput.gemm_efficiency at m = h rows
     name = next(n for n in single if muon[n].tensor_model_parallel_size == 1 and muon[n].zero_stage == 0)
     assert muon[name].predicted_step_seconds - adam[name].predicted_step_seconds == pytest.approx(flops / rate)
+
+
+def test_at_pp2_the_plan_keeps_dualpipev_where_its_bubble_wins_and_1f1b_where_rank_0_would_hold_both_heavy_ends(
+        tmp_path):
+    def pp2(vocab, layers):
+        argv = ["--num-layers", str(layers), "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length",
+                "128", "--vocab-size", str(vocab), "--global-batch-size", "4"]
+        p = _plan(argv, tmp_path, nodes=1, gpus_per_node=2, gpu_memory_gb=16, max_micro_batch=1, device="cpu")
+        return next(c for c in p.candidates if c.pipeline_model_parallel_size == 2)
+
+    # Balanced stages at gas 4 = 2 x PP: the V's bubble (4 of 28 forward units) beats 1F1B's (6 of 30).
+    v = pp2(512, 8)
+    assert v.pipeline_schedule == "dualpipev" and v.layout.endswith("_dualpipev")
+    assert v.predicted_step_seconds < v.predicted_parts["1f1b_step_seconds"]
+    assert v.argv[-2:] == ["--pipeline-schedule", "dualpipev"]
+    config = parse_args(v.pretrain_argv, world_size=2)[0]
+    assert config.parallel.pipeline_schedule == "dualpipev" and config.batch.gradient_accumulation_steps == 4
+    # A head of two layers' cost: under dualpipev rank 0 would hold it, the embedding and two layers.
+    one = pp2(6400, 4)
+    assert one.pipeline_schedule == "1f1b" and "--pipeline-schedule" not in one.argv
+    assert one.predicted_parts["dualpipev_step_seconds"] > 1.2 * one.predicted_step_seconds
