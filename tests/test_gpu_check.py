@@ -28,7 +28,7 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     assert {r["step"]: r["status"] for r in results} == {"env": "pass", "install": "skip", "build": "pass",
                                                           "a": "pass", "b": "pass", "calibrate": "pass", "c": "pass",
                                                           "d": "pass", "moe": "pass", "mla": "pass",
-                                                          "gptoss": "pass"}
+                                                          "gptoss": "pass", "compile": "pass"}
     markdown = (report / "gpu_check.md").read_text()
     table_start = markdown.index("| step | what | status |")
     assert all(markdown.index(f"\n## {key}:") > table_start for key in ("a", "b", "c", "d"))
@@ -41,6 +41,8 @@ def test_dry_run_passes_every_step_and_writes_a_report_with_the_summary_table_fi
     assert {r["step"]: r for r in results}["moe"]["numbers"]["loop"]["tokens_per_s"] > 0
     assert {r["step"]: r for r in results}["mla"]["numbers"]["mla-moe-mtp"]["tokens_per_s"] > 0
     assert {r["step"]: r for r in results}["gptoss"]["numbers"]["sdpa"]["tokens_per_s"] > 0
+    compiled = {r["step"]: r for r in results}["compile"]["numbers"]
+    assert compiled["dense compiled"]["tokens_per_s"] > 0 and compiled["dense compiled_over_eager"] > 0
 
 
 def test_each_failing_tests_traceback_is_written_when_it_fails_not_at_the_end(tmp_path):

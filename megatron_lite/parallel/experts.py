@@ -184,14 +184,11 @@ def dispatch(tokens: torch.Tensor, indices: torch.Tensor, num_experts: int, keep
         offsets = counts.cumsum(0).to(torch.int32)
         plan = DispatchPlan((T, k), order, offsets, padded=keep is not None)
         return tokens.index_select(0, order // k), plan
-    # Every copy's row, in expert order, made here and not in the eager part: under --compile `tokens` may be the
-    # layer's input itself (TP's copy is the identity forward), and a graph's output that aliases its input is
-    # handed out again without the autograd Function that made it (its backward, TP's all-reduce, lost).
-    return _dispatch_over_ep(tokens.index_select(0, order // k), order, counts, (T, k), num_experts)
+    return _dispatch_over_ep(tokens, order, counts, (T, k), num_experts)
 
 
 @torch.compiler.disable
-def _dispatch_over_ep(copies, order, counts, shape, num_experts):
+def _dispatch_over_ep(tokens, order, counts, shape, num_experts):
     """The copies to their experts' EP ranks. The split sizes of the all-to-alls, and the per-expert row counts,
     are host numbers: this is the layer's one read from the device, one copy of every count it needs."""
     T, k = shape
@@ -205,7 +202,7 @@ def _dispatch_over_ep(copies, order, counts, shape, num_experts):
     received_rows = [sum(got[j * local:(j + 1) * local]) for j in range(ep)]
     per_expert = [sum(got[e::local]) for e in range(local)]
     order = order[:sum(sent_rows)]
-    rows = _AllToAll.apply(copies[:order.shape[0]], received_rows, sent_rows)  # by source, then expert
+    rows = _AllToAll.apply(tokens.index_select(0, order // k), received_rows, sent_rows)  # by source, then expert
     expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(
         received, output_size=rows.shape[0])
     local_order = torch.argsort(expert_of_row, stable=True)

@@ -15,6 +15,8 @@ Every record has "kind" and "time" (Unix seconds):
                 "measured_peak_bytes"}, and "measured" (what the peak is: GPU allocator, or process RSS)
   validation    "iteration", "loss", "perplexity"
   stage_timing  with --timing-breakdown: "iteration" and the per-stage milliseconds
+  compile       with --compile, once, at the first log line: "backend" and per stage "stage", "graphs",
+                "graph_breaks", "compile_seconds" and "break_reasons" (reason -> count) (model/compile.py)
   summary       the run ends: "status" (completed, stopped: a signal or --exit-interval,
                 nonfinite_loss), "iteration", "consumed_samples", "seconds", "first_loss",
                 "last_loss", "validation_loss", "tokens_per_s"
@@ -29,7 +31,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 FILE_NAME = "metrics.jsonl"
-KINDS = ("start", "interval", "stage_memory", "validation", "stage_timing", "summary")
+KINDS = ("start", "interval", "stage_memory", "validation", "stage_timing", "compile", "summary")
 
 
 def records_directory(tensorboard_dir: Optional[str], save_dir: Optional[str]) -> Optional[str]:

@@ -13,8 +13,6 @@ import os
 import shutil
 from typing import List
 
-import torch
-
 from megatron_lite.config import Config, ConfigError
 
 
@@ -39,6 +37,8 @@ def compile_rules(config: Config, notes: List[str]) -> Config:
 
 def _inductor_missing() -> str:
     """What inductor lacks on this machine's device to generate kernels, or ''."""
+    import torch  # here: the tools validate their flags before they pay torch's import (tests/test_tool_startup.py)
+
     if torch.cuda.is_available():
         return "" if importlib.util.find_spec("triton") else "needs triton on CUDA: pip install triton (the version torch pins)"
     compiler = os.environ.get("CXX") or "g++"

@@ -162,7 +162,7 @@ def test_compile_refuses_inductor_without_a_cpu_compiler_and_names_aot_eager(mon
 
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setattr(rules.shutil, "which", lambda name: None)
-    monkeypatch.setattr(rules.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs a C[+][+] compiler on CPU .no-such-compiler not found.*aot_eager"):
         rules.compile_rules(tiny_config(extra=["--compile"]), [])
     rules.compile_rules(tiny_config(extra=["--compile", "--compile-backend", "aot_eager"]), [])
