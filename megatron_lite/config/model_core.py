@@ -112,6 +112,10 @@ class MultiTokenPredictionConfig:
     then 0.1); the logged loss stays the language model's, the depths' are logged apart."""
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+"""--compile-backend's choices (model/compile.py compiles with them)."""
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """torch.compile of the transformer layers (model/compile.py)."""
@@ -119,6 +123,6 @@ class CompileConfig:
     """Compile each transformer layer with torch.compile (the embedding, head and loss stay eager); graphs and
     graph breaks are reported at the first log line. Off by default until measured faster on the device
     (docs/benchmarks.md)."""
-    compile_backend: str = option("inductor", "--compile-backend", choices=("inductor", "aot_eager"))
+    compile_backend: str = option("inductor", "--compile-backend", choices=COMPILE_BACKENDS)
     """With --compile: inductor (generated fused kernels) or aot_eager (the same traced graphs run by eager
     kernels: checks tracing, no speed-up)."""

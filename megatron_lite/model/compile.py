@@ -29,11 +29,8 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
+from megatron_lite.config.model_core import COMPILE_BACKENDS
 from megatron_lite.model.transformer import TransformerLayer
-
-COMPILE_BACKENDS = ("inductor", "aot_eager")
-"""--compile-backend: inductor (fused kernels, the speed) or aot_eager (the same traced forward and backward
-graphs run by eager kernels: a check that tracing keeps the numbers, without code generation)."""
 
 RECOMPILE_LIMIT = 16
 """Graphs dynamo may keep per compiled code: every kind of layer (dense, MoE, windowed, ...) in training and in
@@ -42,7 +39,7 @@ evaluation is one. Torch's default (8) can be reached by a model with four kinds
 
 @dataclass(frozen=True)
 class CompileCounts:
-    """What dynamo did since `start_counting`: graphs compiled, graph breaks (and why), seconds in compile."""
+    """What dynamo did since a CompileCounter was made: graphs compiled, graph breaks (and why), seconds in compile."""
     graphs: int
     graph_breaks: int
     break_reasons: Dict[str, int]
@@ -86,4 +83,4 @@ def _compile_seconds() -> float:
     """Seconds spent in dynamo's compile entry point so far (its own timing table)."""
     from torch._dynamo.utils import compilation_time_metrics
 
-    return float(sum(sum(times) for name, times in compilation_time_metrics.items() if name == "_compile.compile_inner"))
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
