@@ -144,8 +144,8 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, token
         for path, name in tokenizer_files:
             shutil.copy2(path, os.path.join(tmp, name))
             files.append(name)
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above; atomic_folder renames into its place next
+        if not overwrite and os.path.isdir(output):
+            os.rmdir(output)  # empty, checked above; atomic_folder renames into its place next (--overwrite: it swaps)
     return {"tag": reader.tag, "architecture": hf_config["architectures"][0],
             "vocab_size": hf_config["vocab_size"], "files": files,
             "parameters": sum(t.numel() for t in tensors.values())}
