@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from megatron_lite import config as config_module
 from megatron_lite.config import Config, ConfigError, flag_fields, parse_data_path, parse_split  # noqa: F401
 from megatron_lite.flag_numbers import number
+from megatron_lite.refusal import refuse
 from megatron_lite.training.distributed import is_rank_zero_from_environment
 from megatron_lite.validation import validate
 from megatron_lite.validation.numbers import bounds_of, example_of
@@ -234,9 +235,7 @@ def parse_args_or_exit(argv: Optional[Sequence[str]] = None) -> Config:
     try:
         config, notes = parse_args(argv)
     except ConfigError as e:
-        if is_rank_zero_from_environment():
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(f"pretrain_gpt.py: error: {e}")  # every rank refuses; seen once under any launcher (refusal.py)
     if is_rank_zero_from_environment():
         for note in notes:
             print(note, file=sys.stderr, flush=True)

@@ -55,7 +55,13 @@ PRETRAIN = {
     "--muon-extra-scale-factor": ["0", "1e4"], "--loss-scale": ["0"], "--initial-loss-scale": ["0", "1e20"],
     "--min-loss-scale": ["0", "2e12"], "--loss-scale-window": ["0"], "--hysteresis": ["0"], "--num-workers": ["-1"],
     "--train-iters": ["0"], "--eval-interval": ["0"], "--eval-iters": ["-1"], "--save-interval": ["0"],
-    "--keep-last": ["0"], "--exit-interval": ["0"], "--seed": ["-1"], "--log-interval": ["0"],
+    "--keep-last": ["0"], "--exit-interval": ["0"], "--iterations-to-skip": ["0", "-3"], "--seed": ["-1"],
+    "--log-interval": ["0"],
+    "--skip-update-sigma": ["0", "-1", "2e6"], "--skip-update-window": ["1", "2.5"],
+    "--straggler-minmax-count": ["0"],
+    "--watchdog-startup-timeout-minutes": ["0", "1e15"], "--watchdog-step-timeout-minutes": ["0", "-1"],
+    "--watchdog-checkpoint-timeout-minutes": ["0"], "--watchdog-evaluation-timeout-minutes": ["0"],
+    "--watchdog-timeout-factor": ["0.5", "1e7"], "--watchdog-min-timeout-minutes": ["0"],
 }
 RAMPUP = ("--rampup-batch-size", ["0 1 1", "1 -1 1", "1 1 nan", "1 1 99999999999999"])
 

@@ -5,6 +5,7 @@ import pytest
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.validation import validate
+from megatron_lite.validation.dependent_flags import dependent_flag_rules
 from megatron_lite.validation.numbers import number_rules
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_rules
 from megatron_lite.validation.rules import (
@@ -76,8 +77,8 @@ RULES = [
                  r"sees, must be 1 or more; e\.g\. --window-size 127,0", id="window-empty"),
     pytest.param(model_rules, cfg(model__window_size=(8, 2)), r"^--window-size 8,2: R, the later tokens a token sees, "
                  r"must be 0 in causal training; use --window-size 8,0$", id="window-looks-ahead"),
-    pytest.param(model_rules, cfg(model__window_attn_skip_freq=2), r"^--window-attn-skip-freq 2 chooses the global "
-                 r"layers among windowed ones; add --window-size L", id="skip-freq-without-window"),
+    pytest.param(dependent_flag_rules, cfg(model__window_attn_skip_freq=2), r"^--window-attn-skip-freq 2 chooses "
+                 r"the global layers among windowed ones; add --window-size L", id="skip-freq-without-window"),
     pytest.param(number_rules, layout(1, model__hidden_dropout=1.0), r"^--hidden-dropout must be less than 1, got 1; e\.g\. 0\.1$",
                  id="dropout-range"),
     pytest.param(model_rules, layout(1, model__position_embedding_type="rope", model__hidden_size=60,

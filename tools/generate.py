@@ -58,11 +58,12 @@ def main(argv=None) -> int:
 
     from megatron_lite.checkpoint.dense import load_dense_model
     from megatron_lite.inference.generation import SamplingOptions, generate
+    from megatron_lite.inference.prompt import prompt_ids
 
     try:
         config, model = load_dense_model(args.load, args.iteration)
         _, tokenizer = checkpoint_tokenizer(config, given_tokenizer(args), f"the model in {args.load}")
-        prompt = tokenizer.tokenize(args.prompt)
+        prompt = prompt_ids(tokenizer, args.prompt)
         options = SamplingOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                   top_p=args.top_p, seed=args.seed, use_kv_cache=not args.no_kv_cache,
                                   stop_token=None if args.no_stop_at_eod else tokenizer.eod)

@@ -65,10 +65,14 @@ def main(argv=None) -> int:
                       f"which leaves no file; give a --min-doc-bytes of at most {args.max_doc_bytes}")
     if not os.path.isdir(args.root):
         return refuse(f"--root {args.root} is not a folder")
+    files = source_files(args.root)
+    if not files:  # an empty corpus would only fail later, in train_tokenizer or preprocess_data
+        return refuse(f"--root {args.root} holds no .py file (outside site-packages); give a folder of Python "
+                      f"sources, such as a checkout of a Python project")
     start = time.perf_counter()
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        docs, total = write_corpus(args)
+        docs, total = write_corpus(args, files)
     except WriteError as e:
         print(f"make_corpus.py: error: {e}; nothing was written", file=sys.stderr)
         return 1
@@ -80,10 +84,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_corpus(args):
+def write_corpus(args, files):
     docs = total = 0
     with atomic_file(args.output, "w", encoding="utf-8") as out:
-        for rel in source_files(args.root):
+        for rel in files:
             if docs >= args.max_docs:
                 break
             path = os.path.join(args.root, rel)

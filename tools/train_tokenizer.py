@@ -280,6 +280,11 @@ def main(argv=None) -> int:
     why = file_problem(args.input)
     if why:
         return refuse(f"--input {args.input}: {why}")
+    stream = SentenceStream(args.input, args.json_keys, args.max_sentence_length)
+    if next(iter(stream), None) is None:  # SentencePiece says only "[!sentences_.empty()]", after any vocab check
+        return refuse(f"--input {args.input} holds no text to train on ({stream.documents} documents, all "
+                      f"blank; {stream.bad_lines} lines not JSON with {'/'.join(args.json_keys)}); give a file "
+                      f"with text (tools/make_corpus.py writes one)")
     try:  # before the training, which may take hours: a folder that cannot be made fails now
         os.makedirs(os.path.dirname(os.path.abspath(args.model_prefix)), exist_ok=True)
     except OSError as e:

@@ -17,7 +17,6 @@ sweep: launcher placeholders are listed by `sweep --help`. report: markdown, CSV
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,7 +95,7 @@ def _plan(argv) -> int:
     hw = Hardware(gpus_per_node=own.gpus_per_node, peak_tflops=own.peak_tflops,
                   intra_node_gbps=own.intra_node_gbps, inter_node_gbps=own.inter_node_gbps)
     # The ZeRO-3 parameter-offload candidates name a DeepSpeed JSON written next to the plan.
-    workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else tempfile.mkdtemp(prefix="plan_")
+    workdir = os.path.dirname(os.path.abspath(own.output)) if own.output else None  # None: plan makes a temporary one
     start = time.time()
     p = recipe.plan(model_argv, own.nodes, own.gpus_per_node, own.gpu_memory_gb, own.memory_margin,
                     own.max_micro_batch, own.order, hw, own.device, workdir, own.micro_batch_probe, own.probe_layers,
@@ -164,6 +163,13 @@ def _calibrate(argv) -> int:
     if model_argv and args.device != "cpu":
         parser.error("model times (flags after --) are measured on CPU ranks only; on a GPU the GEMM and "
                      "collective fits price the step")
+    if model_argv:  # the model flags are checked before a minute of measurements, not after
+        from megatron_lite.arguments import build_parser, given_fields
+        from megatron_lite.config import Config
+        from megatron_lite.tuning.candidates import validate_model_flags
+
+        # measure_model.model_base's Config, built here without importing torch
+        validate_model_flags(Config().replace(**given_fields(build_parser().parse_args(model_argv))))
     from megatron_lite.tuning.measure import measure  # imports torch, so after the flags are checked
 
     start = time.time()

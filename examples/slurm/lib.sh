@@ -87,12 +87,21 @@ run_step() {  # srun ARGS...: the step in the background, so the batch shell can
     trap - USR1 TERM
 }
 
+open_fault_log() {  # CHECKPOINT_DIR: this attempt's fault log, where a run that ends on a fault says which and where
+    # (megatron_lite/fault_log.py: the watchdog's hang, the numerical guard's NaN, the rerun's verdict); the step's
+    # exit status cannot say it (under torchrun a rank's 42 reaches us as the agent's 1).
+    MEGATRON_LITE_FAULT_LOG="$1/faults/job-$SLURM_JOB_ID-restart-${SLURM_RESTART_COUNT:-0}.jsonl"
+    export MEGATRON_LITE_FAULT_LOG
+    mkdir -p "$1/faults"
+    rm -f "$MEGATRON_LITE_FAULT_LOG"
+}
+
 requeue_if_unfinished() {  # CHECKPOINT_DIR TRAIN_ITERS ITERATION_BEFORE
     local now
     now=$(latest_iteration "$1")
     if ((STEP_STATUS != 0)); then
-        note "training step failed (exit $STEP_STATUS) at checkpoint iteration $now"
-        exit "$STEP_STATUS"
+        requeue_after_fault "$1" "$now" "$3"
+        return
     fi
     if ((now >= $2)); then
         note "training done: $now of $2 iterations"
@@ -102,5 +111,77 @@ requeue_if_unfinished() {  # CHECKPOINT_DIR TRAIN_ITERS ITERATION_BEFORE
         scontrol requeue "$SLURM_JOB_ID" || note "scontrol requeue failed; resubmit this script to resume"
     else
         note "stopped at iteration $now of $2; resubmit this script to resume from $1"
+    fi
+}
+
+# What each fault's exit code asks of the scheduler (megatron_lite/exit_codes.py; docs/slurm.md):
+#   42 hang (the watchdog), 16 a fault reproduced in place: again from the last checkpoint, without the node named
+#   17 a fault not reproduced (transient), 18 NaN/Inf stopped before any update: requeued from the last checkpoint
+#   anything else: the step failed; the job fails with its code
+# After MAX_REQUEUES_WITHOUT_PROGRESS such restarts in a row without the checkpoint advancing: stop with 93.
+requeue_after_fault() {  # CHECKPOINT_DIR ITERATION_NOW ITERATION_BEFORE
+    local code=$STEP_STATUS hosts="" counter="$1/faults/requeues_without_progress" count=0
+    if [[ -s ${MEGATRON_LITE_FAULT_LOG:-} ]]; then
+        code=$("$PYTHON" -m megatron_lite.fault_log code "$MEGATRON_LITE_FAULT_LOG")
+        hosts=$("$PYTHON" -m megatron_lite.fault_log hosts "$MEGATRON_LITE_FAULT_LOG")
+    fi
+    case $code in
+        42 | 16 | 17 | 18) ;;
+        *)
+            note "training step failed (exit $STEP_STATUS) at checkpoint iteration $2"
+            exit "$STEP_STATUS"
+            ;;
+    esac
+    if (($2 > $3)); then
+        count=0
+    else
+        count=$(($(cat "$counter" 2>/dev/null || echo 0) + 1))
+    fi
+    echo "$count" >"$counter"
+    note "fault (exit $code${hosts:+ on $hosts}) at checkpoint iteration $2 (this attempt started at $3); $count restart(s) in a row without progress"
+    if ((count >= MAX_REQUEUES_WITHOUT_PROGRESS)); then
+        note "no progress over $count restarts after faults: not requeueing (exit 93); see $MEGATRON_LITE_FAULT_LOG"
+        exit 93
+    fi
+    if [[ $REQUEUE != 1 ]]; then
+        note "REQUEUE=$REQUEUE: resubmit this script to resume from $1"
+        exit "$code"
+    fi
+    if [[ -n $hosts && ($code == 42 || $code == 16) ]]; then
+        resubmit_excluding "$hosts"
+        exit "$code"
+    fi
+    note "requeueing job $SLURM_JOB_ID after the fault (exit $code)"
+    scontrol requeue "$SLURM_JOB_ID" || { note "scontrol requeue failed; resubmit this script to resume"; exit "$code"; }
+}
+
+# Slurm takes a job's excluded nodes only while it is pending, and `scontrol requeue` ends this script at once (the
+# job is pending only after that), so a job cannot requeue itself without a node. It submits its successor instead:
+# the same script, its #SBATCH lines, the environment it was given (sbatch exports it), and what `scontrol show
+# job` says of this job's request (nodes, CPUs per task, time limit, partition, account, GPUs per node, output file,
+# excluded nodes), plus HOSTS excluded. The successor resumes from the same CHECKPOINT_DIR and appends to the same
+# output file.
+resubmit_excluding() {  # HOSTS (comma-separated)
+    local info script excluded output limit gres successor
+    info=$(scontrol show job "$SLURM_JOB_ID")
+    field() { { grep -o "\b$1=[^ ]*" <<<"$info" || true; } | head -n1 | cut -d= -f2-; }
+    script=$(field Command)
+    output=$(field StdOut)
+    limit=$(field TimeLimit)
+    gres=$(field TresPerNode)
+    excluded=$(field ExcNodeList)
+    [[ $excluded == "(null)" ]] && excluded=""
+    excluded=${excluded:+$excluded,}$1
+    local args=(--parsable --job-name "$SLURM_JOB_NAME" --nodes "$SLURM_JOB_NUM_NODES" --exclude "$excluded"
+        --output "$output" --open-mode append)
+    [[ -n ${SLURM_CPUS_PER_TASK:-} ]] && args+=(--cpus-per-task "$SLURM_CPUS_PER_TASK")
+    [[ -n $limit && $limit != UNLIMITED ]] && args+=(--time "$limit")
+    [[ -n ${SLURM_JOB_PARTITION:-} ]] && args+=(--partition "$SLURM_JOB_PARTITION")
+    [[ -n ${SLURM_JOB_ACCOUNT:-} ]] && args+=(--account "$SLURM_JOB_ACCOUNT")
+    [[ $gres =~ ^gres[/:](.+)$ ]] && args+=(--gres "${BASH_REMATCH[1]}")
+    if successor=$(cd "$(field WorkDir)" && sbatch "${args[@]}" "$script"); then
+        note "resubmitted as job $successor without node(s) $excluded, to resume from the last checkpoint"
+    else
+        note "could not resubmit without $excluded (sbatch failed); resubmit this script to resume"
     fi
 }

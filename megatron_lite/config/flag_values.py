@@ -2,6 +2,7 @@
 (field value -> flag text), and the vocabulary padding the --make-vocab-size-divisible-by flag asks for."""
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Sequence, Tuple
 
 from megatron_lite.config.errors import ConfigError
@@ -62,32 +63,45 @@ def parse_window_size(text: str) -> Tuple[int, int]:
     return window if len(window) == 2 else (window[0], 0)
 
 
+MOE_LAYERS_MAX = 10 ** 6
+"""The most layers a --moe-layer-freq pattern may describe (and the largest N): checked on the counts, before a
+list is built, so ([0]*99999999999+[1]) is refused instead of allocated."""
+_LIST = r"\[[01](?:,[01])*\]"
+_TERM = re.compile(rf"({_LIST})(?:\*([0-9]{{1,12}}))?", re.ASCII)
+_SUM = re.compile(rf"{_LIST}(?:\*[0-9]{{1,12}})?(?:\+{_LIST}(?:\*[0-9]{{1,12}})?)*", re.ASCII)
+
+
 def parse_moe_layer_freq(text: str) -> Tuple[str, Optional[Tuple[int, ...]]]:
-    """--moe-layer-freq's syntax -> (its canonical text, the pattern or None for an int N). An int N >= 1, or a
-    pattern of 0s and 1s: a list [0,1,1] or Megatron-LM's ([0]*1+[1]*5) (list literals of 0/1 joined by +, each
-    optionally times a count); parsed, never evaluated as code."""
+    """--moe-layer-freq's syntax -> (its canonical text, the pattern or None for an int N). Two forms and nothing
+    else: an integer N >= 1 (every N-th layer from the first), or one 0 (dense) or 1 (MoE) per layer, as a list
+    [0,1,1] or Megatron-LM's sum of lists times counts ([0]*1+[1]*5) (parentheses optional). ASCII digits only;
+    parsed, never evaluated as code, and its length checked before the pattern is built."""
     body = text.replace(" ", "")
-    if body.isdigit() and int(body) >= 1:
+    shown = body if len(body) <= 60 else body[:57] + "..."
+    forms = (f"--moe-layer-freq '{shown}' must be an integer N >= 1 (every N-th layer is MoE) or a pattern of "
+             f"0 (dense) and 1 (MoE) per layer like ([0]*1+[1]*3) or [0,1,1,1]")
+    if re.fullmatch(r"[0-9]{1,12}", body, re.ASCII):
+        if not 1 <= int(body) <= MOE_LAYERS_MAX:
+            raise ConfigError(forms if int(body) < 1 else f"{forms}; N is at most {MOE_LAYERS_MAX}")
         return body, None
-    if body.startswith("(") and body.endswith(")"):
-        body = body[1:-1]
-    pattern: List[int] = []
-    for term in body.split("+") if body else [""]:
-        items, _, times = term.partition("]*")
-        if not items.startswith("[") or (times and not times.isdigit()):
-            pattern = []
-            break
-        if not times:
-            items = items.rstrip("]")
-        values = items[1:].split(",")
-        if not all(v in ("0", "1") for v in values):
-            pattern = []
-            break
-        pattern += [int(v) for v in values] * (int(times) if times else 1)
-    if not pattern:
-        raise ConfigError(f"--moe-layer-freq '{text}' must be an integer N >= 1 (every N-th layer is MoE) or a "
-                          f"pattern of 0 (dense) and 1 (MoE) per layer like ([0]*1+[1]*3) or [0,1,1,1]")
-    return text.replace(" ", ""), tuple(pattern)
+    inner = body[1:-1] if body.startswith("(") and body.endswith(")") else body
+    if not _SUM.fullmatch(inner):
+        raise ConfigError(forms)
+    terms = [(items[1:-1].split(","), int(count) if count else 1) for items, count in _TERM.findall(inner)]
+    layers = sum(len(items) * count for items, count in terms)
+    if not 1 <= layers <= MOE_LAYERS_MAX:
+        raise ConfigError(f"{forms}; this one describes {layers} layers (at most {MOE_LAYERS_MAX})")
+    return body, tuple(int(v) for items, count in terms for v in items * count)
+
+
+def moe_layer_list(text: str, num_layers: int) -> Tuple[int, ...]:
+    """The layers --moe-layer-freq `text` makes MoE at `num_layers` layers (1: MoE, 0: dense), whichever form it
+    is written in: how two patterns are compared (a resume's `1` and `[1,1]` at 2 layers are the same model)."""
+    _, pattern = parse_moe_layer_freq(text)
+    if pattern is None:  # every N-th layer from the first, as Megatron-LM's int form
+        every = int(text.replace(" ", ""))
+        return tuple(int(i % every == 0) for i in range(num_layers))
+    return pattern
 
 
 def format_window_size(window: Tuple[int, int]) -> List[str]:

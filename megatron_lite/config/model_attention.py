@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron_lite.config.flag_values import format_window_size, parse_window_size
-from megatron_lite.config.option import option
+from megatron_lite.config.option import Needs, given, option
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+WINDOW = Needs("model.window_size", given, "chooses the global layers among windowed ones",
+               "--window-size L (e.g. 127)")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class AttentionKernelConfig:
     """Sliding-window attention, as Megatron-LM and Transformer Engine write it: a token attends to the L
     tokens before it and itself (R, the tokens after it, is 0 for causal training); 127,0 is gpt-oss's
     128-token window. A single number L means L,0. Default: no window."""
-    window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1)
+    window_attn_skip_freq: Optional[int] = option(None, "--window-attn-skip-freq", minimum=1, needs=(WINDOW,))
     """With --window-size: every N-th layer (layer numbers N, 2N, ... counted from 1) attends globally, the
     others through the window (gpt-oss: 2)."""
     softmax_type: str = option("vanilla", "--softmax-type", choices=SOFTMAX_TYPES)

@@ -7,6 +7,8 @@ from typing import Any, Dict, Iterator, Tuple
 
 from megatron_lite.config.errors import ConfigError
 from megatron_lite.config.model import ModelConfig
+from megatron_lite.config.numerical_guard import NumericalGuardConfig
+from megatron_lite.config.watchdog import WatchdogConfig
 from megatron_lite.config.sections import (BatchConfig, DataConfig, LoggingConfig, OptimizerConfig, ParallelConfig,
                                            PrecisionConfig, TrainingConfig)
 
@@ -29,6 +31,10 @@ class Config:
     """Iterations, evaluation, checkpoints, seed."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Console, TensorBoard and metrics records."""
+    numerical_guard: NumericalGuardConfig = field(default_factory=NumericalGuardConfig)
+    """NaN/Inf checks of each rank's loss and gradients, skipped updates, fault injection."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Per-phase progress timeouts watched from outside the ranks (training/watchdog.py)."""
 
     def replace(self, **sections) -> "Config":
         """A copy with whole sections or `section__field=value` entries replaced."""

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 from megatron_lite.config.flag_values import format_data_path, format_split, parse_data_path, parse_split
-from megatron_lite.config.option import option
+from megatron_lite.config.model_moe import MOE
+from megatron_lite.config.option import Needs, equals, option
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
                    "NullTokenizer")
@@ -13,6 +14,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 TIMEOUT_MINUTES_MAX = 10 ** 7
 """--distributed-timeout-minutes at most (19 years): Python's timedelta, which torch.distributed takes,
 overflows near 1.4e12 minutes; past this a value is a typo, not a plan."""
+MUON = Needs("optimizer.optimizer", equals("muon"),
+             "configure Muon, and --optimizer adam (the default) is AdamW on every parameter", "--optimizer muon")
+"""What every --muon-* flag needs."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class ParallelConfig:
     p2p (ring attention, Megatron-LM's default) is not built and is refused by validation."""
     data_parallel_size: Optional[int] = None
     """DP degree: world_size / (TP x CP x PP), derived by validation."""
-    expert_model_parallel_size: int = option(1, "--expert-model-parallel-size", minimum=1)
+    expert_model_parallel_size: int = option(1, "--expert-model-parallel-size", minimum=1, needs=(MOE,))
     """EP degree: ranks that split each MoE layer's experts, taken out of DP x CP (so it divides it); each
     holds --num-experts / EP whole experts (split over TP like the dense MLP). Expert gradients are reduced,
     and ZeRO partitions their state, over the DP x CP / EP ranks that hold the same experts."""
@@ -86,6 +90,14 @@ class OptimizerConfig:
     """Iterations of linear warmup from 0 to --lr."""
     lr_decay_iters: Optional[int] = option(None, "--lr-decay-iters", minimum=1)
     """Iterations over which the learning rate decays to --min-lr; when not given, --train-iters."""
+    override_opt_param_scheduler: bool = option(False, "--override-opt-param-scheduler",
+                                                aliases=("--override-opt_param-scheduler",))
+    """On a resume whose schedule flags (--lr, --min-lr, --lr-decay-style, --lr-warmup-iters, --lr-decay-iters or
+    the --train-iters it follows) differ from the checkpoint's: this run's schedule, from the checkpoint's
+    iteration on (Megatron-LM's flag). Without it or the next one such a resume is refused."""
+    use_checkpoint_opt_param_scheduler: bool = option(False, "--use-checkpoint-opt-param-scheduler",
+                                                      aliases=("--use-checkpoint-opt_param-scheduler",))
+    """On such a resume: the checkpoint's schedule, this run's schedule flags set aside (Megatron-LM's flag)."""
     weight_decay: float = option(0.01, "--weight-decay", minimum=0, maximum=10)
     """AdamW weight decay, not applied to biases and norms."""
     adam_beta1: float = option(0.9, "--adam-beta1", minimum=0, below=1)
@@ -101,31 +113,33 @@ class OptimizerConfig:
     and V, gate and up, and every expert its own matrix, orthogonalised whole at any TP, DP and ZeRO
     stage: training/muon.py), AdamW with the --adam-* flags on the rest (embeddings, output head, norms,
     biases, routers)."""
-    muon_momentum: float = option(0.95, "--muon-momentum", minimum=0, below=1)
+    muon_momentum: float = option(0.95, "--muon-momentum", minimum=0, below=1, needs=(MUON,))
     """Muon's momentum: its buffer is the gradients' exponential average with this factor."""
-    muon_nesterov: bool = option(True, "--muon-nesterov", action="boolean_optional")
+    muon_nesterov: bool = option(True, "--muon-nesterov", action="boolean_optional", needs=(MUON,))
     """Orthogonalise the Nesterov look-ahead (the gradient moved toward the buffer by --muon-momentum)
     instead of the buffer itself (--no-muon-nesterov)."""
-    muon_num_ns_steps: int = option(5, "--muon-num-ns-steps", minimum=1, maximum=99)
+    muon_num_ns_steps: int = option(5, "--muon-num-ns-steps", minimum=1, maximum=99, needs=(MUON,))
     """Newton-Schulz iterations per matrix and step."""
     muon_scale_mode: str = option("spectral", "--muon-scale-mode",
-                                  choices=("spectral", "unit_rms_norm", "shape_scaling"))
+                                  choices=("spectral", "unit_rms_norm", "shape_scaling"), needs=(MUON,))
     """How the orthogonalised update of an m x n matrix (m outputs, n inputs) is scaled: spectral
     sqrt(max(m, n)) (with the default --muon-extra-scale-factor 0.2: Moonlight's update of AdamW's RMS,
     torch.optim.Muon's match_rms_adamw, so --lr tuned for AdamW carries over), unit_rms_norm
     sqrt(m / n), shape_scaling sqrt(max(1, m / n)) (Keller Jordan's, torch.optim.Muon's default)."""
-    muon_extra_scale_factor: float = option(0.2, "--muon-extra-scale-factor", above=0, maximum=1e3)
+    muon_extra_scale_factor: float = option(0.2, "--muon-extra-scale-factor", above=0, maximum=1e3, needs=(MUON,))
     """A factor on every Muon update besides --muon-scale-mode's."""
-    muon_split_qkv: bool = option(True, "--muon-no-split-qkv", action="store_false")
+    muon_split_qkv: bool = option(True, "--muon-no-split-qkv", action="store_false", needs=(MUON,))
     """Orthogonalise the fused query/key/value weight as Q, K and V (the default), or as one matrix."""
-    muon_split_gate_up: bool = option(True, "--muon-no-split-gate-up", action="store_false")
+    muon_split_gate_up: bool = option(True, "--muon-no-split-gate-up", action="store_false", needs=(MUON,))
     """Orthogonalise SwiGLU's fused [gate; up] weight as its two halves (the default), or as one matrix."""
-    muon_fp32_matmul_prec: str = option("highest", "--muon-fp32-matmul-prec", choices=("highest", "high", "medium"))
+    muon_fp32_matmul_prec: str = option("highest", "--muon-fp32-matmul-prec", choices=("highest", "high", "medium"),
+                                        needs=(MUON,))
     """Newton-Schulz matmuls: highest in fp32, so every layout gives the dense update to fp32 rounding; high in
     fp32 at torch's "high" matmul precision (TF32 on CUDA); medium in bf16, torch.optim.Muon's (faster on GPUs,
     but the bf16 cast turns the layouts' fp32 rounding differences into bf16-sized ones: 7e-5 relative in the
     third loss of tests/training/test_muon_parallel.py's TP 2 layout, against below 1e-5 at highest)."""
-    muon_tp_mode: str = option("duplicated", "--muon-tp-mode", choices=("duplicated", "blockwise"))
+    muon_tp_mode: str = option("duplicated", "--muon-tp-mode", choices=("duplicated", "blockwise"),
+                               needs=(MUON,))
     """duplicated: each TP rank gathers a split matrix whole and orthogonalises it (the dense update at any
     TP). blockwise: each rank orthogonalises its own shard (Megatron-LM's blockwise mode: cheaper, but not
     the dense update; a different optimizer per TP size)."""
@@ -215,6 +229,10 @@ class TrainingConfig:
     """Save and exit when the iteration is a multiple of this."""
     exit_signal_handler: bool = option(False, "--exit-signal-handler")
     """Save and exit 0 on SIGTERM/SIGUSR1 at the next step boundary."""
+    iterations_to_skip: Tuple[int, ...] = option((), "--iterations-to-skip", nargs="+", minimum=1)
+    """Iterations (1-based, as the log counts them) whose global batch is read and not trained on: the weights,
+    optimizer state and learning-rate schedule stay as they were, the data position and the iteration advance
+    (Megatron-LM's flag; for a batch that spiked or broke a step, given on the resume that follows)."""
     seed: int = option(1234, "--seed", minimum=0)
     """Seed of every random generator."""
     deepspeed_config: Optional[str] = option(None, "--deepspeed-config")
@@ -235,3 +253,8 @@ class LoggingConfig:
     every log line."""
     log_level: str = option("warning", "--log-level", choices=LOG_LEVELS)
     """Level of library logging (DeepSpeed, torch, ours); info also shows DeepSpeed's start-up lines."""
+    log_straggler: bool = option(False, "--log-straggler")
+    """At every log line, name the slowest and fastest ranks (rank, TP/PP/DP place, host) by the time each
+    spent working rather than waiting for the others, with their phase times (training/stragglers.py)."""
+    straggler_minmax_count: int = option(1, "--straggler-minmax-count", minimum=1)
+    """With --log-straggler: how many of the slowest and of the fastest ranks to name."""

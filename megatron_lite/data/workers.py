@@ -75,6 +75,30 @@ def init_worker(trainer_pid: int, worker_id: int) -> None:
     """DataLoader worker_init_fn (bound to the trainer's pid)."""
     ignore_trainer_signals(worker_id)
     end_with_trainer(trainer_pid)
+    _drill_hang()
+
+
+def _drill_hang() -> None:
+    """MEGATRON_LITE_INJECT_HANG=data_worker:RANK:N (training/progress.py): this worker of rank RANK sleeps forever
+    at the N-th sample it loads, as a worker stuck on storage would. Patched on the class, in this process only."""
+    from megatron_lite.drills import hang_forever, injected_hangs
+
+    rank = int(os.environ.get("RANK", "0"))
+    hangs = [n for kind, r, n in injected_hangs() if kind == "data_worker" and r == rank]
+    if not hangs:
+        return
+    import torch.utils.data
+
+    cls = type(torch.utils.data.get_worker_info().dataset)
+    original, loaded = cls.__getitem__, [0]
+
+    def getitem(self, index):
+        loaded[0] += 1
+        if loaded[0] >= hangs[0]:
+            hang_forever("data_worker")
+        return original(self, index)
+
+    cls.__getitem__ = getitem
 
 
 def _stop_workers(iterator_ref, workers) -> None:

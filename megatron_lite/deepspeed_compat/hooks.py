@@ -79,6 +79,16 @@ HOOKS: Tuple[Tuple[str, str], ...] = (
     ("deepspeed.runtime.pipe.dualpipev.DualPipeVModule.phase_funcs", "attribute"),
     ("deepspeed.runtime.pipe.schedule.DualPipeVSchedule.__init__", "self, micro_batches, stages, stage_id"),
     ("deepspeed.runtime.pipe.schedule.TrainSchedule.__init__", "self, micro_batches, stages, stage_id"),
+    # The numerical guard (step_guard.py): each rank's loss before the reduction, a step left out as an overflow is.
+    ("deepspeed.runtime.pipe.engine.PipelineEngine.total_loss", "attribute"),
+    ("deepspeed.runtime.pipe.engine.PipelineEngine._exec_optimizer_step", "self, lr_kwargs"),
+    ("deepspeed.runtime.pipe.module.PipelineModule.loss_fn", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine._step_applied", "attribute"),
+    ("deepspeed.runtime.engine.DeepSpeedEngine.zero_grad", "self"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.zero_grad", "self, set_to_none"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.averaged_gradients", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.cpu_offload", "attribute"),
+    ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.reset_cpu_buffers", "self"),
 )
 
 

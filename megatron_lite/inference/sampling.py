@@ -11,7 +11,14 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     """[b, V] logits -> [b] token ids. temperature 0 is greedy (argmax)."""
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    scaled = logits.float() / temperature
+    # A temperature so small that logits / temperature overflows float32 (1e-300 is 0 in float32) leaves inf - inf
+    # = nan in the softmax: such a row takes its limit as the temperature goes to 0, the most likely token.
+    overflow = ~torch.isfinite(scaled).all(dim=-1, keepdim=True)
+    if overflow.any():
+        top = logits.float() == logits.float().max(dim=-1, keepdim=True).values
+        scaled = torch.where(overflow, torch.where(top, 0.0, float("-inf")), scaled)
+    logits = scaled
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -5,17 +5,14 @@ from __future__ import annotations
 from typing import Tuple
 
 from megatron_lite.config import ModelConfig, parse_moe_layer_freq
+from megatron_lite.config.flag_values import moe_layer_list
 
 
 def moe_layer_pattern(model: ModelConfig) -> Tuple[bool, ...]:
     """One entry per layer (layer 1 first): True where the layer is MoE. Without --num-experts, none is."""
     if model.num_experts is None:
         return (False,) * model.num_layers
-    _, pattern = parse_moe_layer_freq(model.moe_layer_freq)
-    if pattern is None:  # every N-th layer from the first, as Megatron-LM's int form
-        every = int(model.moe_layer_freq)
-        return tuple(i % every == 0 for i in range(model.num_layers))
-    return tuple(bool(v) for v in pattern)
+    return tuple(bool(v) for v in moe_layer_list(model.moe_layer_freq, model.num_layers))
 
 
 def is_moe_layer(model: ModelConfig, layer_number: int) -> bool:

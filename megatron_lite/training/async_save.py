@@ -21,6 +21,8 @@ from typing import Callable, List, Optional
 
 import torch.distributed as dist
 
+from megatron_lite.training import progress
+
 
 def write_in_turn(writes: List[Callable[[], None]], failure: Optional[Exception] = None) -> Optional[Exception]:
     """Each of `writes`, in turn, until one raises WriteError (or while `failure` is None): the first failure,
@@ -57,6 +59,7 @@ class AsyncWriter:
 
     def _run(self, writes, commit, failure) -> None:
         try:
+            progress.maybe_hang_in_finalize(threading.current_thread().name)  # a drill's hook, else nothing
             commit(write_in_turn(writes, failure), self.group)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
             self._error = e

@@ -149,7 +149,8 @@ def _metadata(engine, config: Config, iteration: int, consumed_samples: int) -> 
             "tokenizer_sha256": _tokenizer_sha256(config),
             "storage": {"zero_stage": p.zero_stage, "precision": config.precision.dtype_name,
                         "optimizer": deepspeed_optimizer(config)},
-            "config": config.to_dict()}
+            "config": config.to_dict(),
+            "numerical_guard": engine.guard.state_dict() if hasattr(engine, "guard") else None}
 
 
 def save(engine, config: Config, iteration: int, consumed_samples: int, folder: SaveFolder) -> str:
@@ -348,6 +349,8 @@ def load(engine, config: Config) -> Resumed:
         what = f"the {source['architecture']} imported from {source['path']}" if source else f"{folder} (--finetune)"
         return Resumed(0, 0, f"loaded the weights of {what}: iteration 0, a fresh optimizer and learning-rate "
                              f"schedule, the data from its start")
+    if hasattr(engine, "guard"):  # the skip rules' windows, the same on every rank (training/numerical_guard.py)
+        engine.guard.load_state_dict(metadata.get("numerical_guard"))
     if not _same_layout(engine, config, metadata):
         return load_layout_free(engine, config, folder, metadata, _same_places(engine, config, metadata))
     # A checkpoint resharded with --no-optimizer has no optimizer state to load: the run starts fresh moments.

@@ -45,11 +45,19 @@ def layout_summary(config: Config, backend: str, device: str) -> str:
     return (f"megatron_lite: {p.world_size} processes = TP {p.tensor_model_parallel_size}{cp} x PP "
             f"{p.pipeline_model_parallel_size} x DP {p.data_parallel_size} ({backend}, {device}) | ZeRO {p.zero_stage}"
             f"{' + CPU offload' if p.cpu_offload else ''} | {config.precision.dtype_name}{_gradients(config)} | "
-            f"optimizer {deepspeed_optimizer(config)} | global batch "
+            f"optimizer {_optimizer(config)} | global batch "
             f"{b.global_batch_size} = micro {b.micro_batch_size} x {b.gradient_accumulation_steps} accumulation "
             f"x DP {p.data_parallel_size} | GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} "
             f"heads{_block(m)}, seq {m.seq_length}, vocabulary {m.padded_vocab_size}, "
             f"{_count(total_parameters(config))} parameters{_active(config)}")
+
+
+def _optimizer(config: Config) -> str:
+    """The optimizer DeepSpeed steps: ours (AdamW, or Muon with AdamW on the rest), or its wrapper around ours."""
+    wrapper = deepspeed_optimizer(config)  # "AdamW" where DeepSpeed steps our optimizer unwrapped
+    if config.optimizer.optimizer != "muon":
+        return wrapper
+    return "Muon" if wrapper == "AdamW" else f"Muon in {wrapper}"
 
 
 def _active(config: Config) -> str:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from megatron_lite.checkpoint.engine_io import EngineIO
 from megatron_lite.config import Config
-from megatron_lite.deepspeed_compat import optimizer_state, pipeline
+from megatron_lite.deepspeed_compat import optimizer_state, pipeline, step_guard
 from megatron_lite.deepspeed_compat.experts import (engine_finds_experts, expert_norm_groups_on_every_stage,
                                                     experts_only_in_gradient_reduction, mark_expert_parameters,
                                                     register_expert_groups)
@@ -38,6 +38,9 @@ from megatron_lite.parallel.sequence_parallel import all_reduce_gradients_over_t
 from megatron_lite.training.expert_balance import update_expert_biases
 from megatron_lite.training.model_setup import build_pipeline
 from megatron_lite.training.muon import Muon
+from megatron_lite.training.numerical_guard import NumericalGuard, coordinates
+from megatron_lite.training.rerun import RerunStateMachine
+from megatron_lite.training import progress
 from megatron_lite.training.optimizer import build_lr_scheduler, build_optimizer
 
 
@@ -83,6 +86,7 @@ class Engine:
             mark_expert_parameters(self.module.parameters())
         optimizer = build_optimizer(self.module, config.optimizer, clip_in_optimizer=clips_in_optimizer(config),
                                     experts=self.experts)
+        progress.mark_optimizer_steps(optimizer)
         scheduler = build_lr_scheduler(optimizer, config.optimizer) if with_scheduler else None
         with engine_finds_experts(MoELayer):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
@@ -112,6 +116,31 @@ class Engine:
                 # Once per global batch, from its token counts: the expert bias (training/expert_balance.py).
                 pipeline.before_gradient_reduction(
                     self.engine, lambda: update_expert_biases(self.module, config.parallel.sequence_parallel))
+        self._install_guard()
+
+    def _install_guard(self) -> None:
+        """The numerical guard (training/numerical_guard.py). Under the pipeline engine it checks before any
+        reduction, this hook registered last so that it runs first; at ZeRO 2/3 _train_batch calls it before
+        the last micro-batch's step, on the loss only (validation/numerical_guard.py says why). Gradients are
+        not checked under --fp16, whose loss scaler skips overflowing steps itself. --rerun-mode replays a step
+        under the pipeline engine only (training/rerun.py); report_stats needs the hooks with no check on."""
+        config, engine = self.config, self.engine
+        self.guard = guard = NumericalGuard(config.numerical_guard, self.pipelined and not config.precision.fp16,
+                                            coordinates(), self.device)
+        mode = config.numerical_guard.rerun_mode
+        self.rerun = None
+        if not (self.pipelined and (guard.active or mode == "report_stats")):
+            return
+        if mode != "disabled":
+            self.rerun = RerunStateMachine(config.numerical_guard, guard, engine, config.logging.log_interval,
+                                           config.training.train_iters)
+        step_guard.check_before_gradient_reduction(engine, lambda: guard.check(
+            step_guard.local_loss_sum(engine), engine.gradient_accumulation_steps(),
+            step_guard.local_gradients(engine)))
+        step_guard.skip_optimizer_step_when(engine, lambda: guard.skip_update)
+        if guard.injector.corrupts_loss:
+            step_guard.wrap_loss_function(
+                engine, lambda loss: guard.injector.loss(loss, guard.iteration) if self.module.training else loss)
 
     def _sum_partial_gradients_before_reduction(self) -> None:
         """Once per step, before DeepSpeed reduces gradients: the LayerNorm and row-parallel bias gradients,
@@ -129,7 +158,9 @@ class Engine:
     def device(self) -> torch.device:
         return self.engine.device
 
-    def train_step(self, data_iter: Iterator) -> StepStats:
+    def train_step(self, data_iter: Iterator, iteration: Optional[int] = None) -> StepStats:
+        """iteration: the step's number from 1 (the loop's, resumes included); by default the previous + 1."""
+        self.guard.iteration = self.guard.iteration + 1 if iteration is None else iteration
         lr = self.optimizer.param_groups[0]["lr"]
         if self.experts:  # the router losses' gradients go through what the loss's gradient goes through
             aux_loss.set_scale((optimizer_state.loss_scale(self.optimizer) or 1.0)
@@ -137,7 +168,10 @@ class Engine:
                                / self.engine.gradient_accumulation_steps())
         skipped_before = optimizer_state.skipped_steps(self.engine)
         mtp.take_losses()  # what evaluation recorded
-        loss = self._train_batch(data_iter)
+        def train_batch(data):
+            return self._train_batch(progress.data_phases(data))  # the watchdog sees data waits as such
+
+        loss = self.rerun.train_step(data_iter, train_batch) if self.rerun else train_batch(data_iter)
         return StepStats(
             loss=loss, lr=lr, grad_norm=self._grad_norm(),
             loss_scale=optimizer_state.loss_scale(self.optimizer) if self.config.precision.fp16 else None,
@@ -164,11 +198,14 @@ class Engine:
         if self.pipelined:
             return self.engine.train_batch(data_iter=data_iter).item()
         total = torch.zeros((), device=self.device)
-        for _ in range(self.engine.gradient_accumulation_steps()):
-            loss = self.engine(*self._next_on_device(data_iter))
+        micro_batches = self.engine.gradient_accumulation_steps()
+        for micro_batch in range(micro_batches):
+            loss = self.guard.injector.loss(self.engine(*self._next_on_device(data_iter)), self.guard.iteration)
             self.engine.backward(loss)
-            self.engine.step()
             total += loss.detach().float()
+            if micro_batch == micro_batches - 1 and self.guard.active:  # before the step: raises, or lets it be
+                self.guard.check(total, micro_batches, [])
+            self.engine.step()
         return self._dp_mean(total / self.engine.gradient_accumulation_steps())
 
     @torch.no_grad()

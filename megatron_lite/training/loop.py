@@ -24,10 +24,12 @@ from megatron_lite.data.gpt_dataset import TokenOutOfVocabularyError, build_trai
 from megatron_lite.data.sampler import build_data_iterator
 from megatron_lite.data.tokenizer import build_tokenizer
 from megatron_lite.deepspeed_config import deepspeed_config
+from megatron_lite.exit_codes import EXIT_NUMERICAL_FAULT
 from megatron_lite.model.attention_mask import ATTENTION_WORK
 from megatron_lite.model.attention_options import needs_document_ids
 from megatron_lite.parallel import state
-from megatron_lite.training import checkpointing, stage_timing
+from megatron_lite.refusal import say_once
+from megatron_lite.training import checkpointing, data_skip, progress, stage_timing, stragglers
 from megatron_lite.training.console import configure_logging, layout_summary
 from megatron_lite.training.distributed import agree_over_ranks, collective_timeout, init_distributed
 from megatron_lite.training.distributed import is_rank_zero_from_environment
@@ -35,6 +37,8 @@ from megatron_lite.training.engine import Engine, StepStats
 from megatron_lite.training.exit_signal import ExitSignal
 from megatron_lite.training.expert_balance import moe_scalars
 from megatron_lite.training.interval import Interval
+from megatron_lite.training.numerical_guard import NumericalFault
+from megatron_lite.training.rerun import RerunStop, stop_run
 from megatron_lite.training.metrics import (
     IntervalStats,
     TensorBoardWriter,
@@ -46,6 +50,7 @@ from megatron_lite.training.metrics import (
 )
 from megatron_lite.training.records import RecordWriter, records_directory
 from megatron_lite.training.stage_timing import StageTimer
+from megatron_lite.training.optimizer import continue_schedule
 from megatron_lite.validation.training_inputs import check_training_inputs
 
 
@@ -66,6 +71,7 @@ class Run:
     records: RecordWriter
     save_folder: Optional[checkpointing.SaveFolder] = None
     stage_timer: Optional[StageTimer] = None
+    straggler_report: Optional[stragglers.StragglerReport] = None
     memory_reported: bool = False
     compile_reported: bool = False
     iteration: int = 0
@@ -96,6 +102,9 @@ def train(run: Run, start: float) -> int:
     config, t = run.config, run.config.training
     exit_code, status = 0, "stopped"
     while run.iteration < t.train_iters:
+        if run.iteration + 1 in t.iterations_to_skip:
+            skip_iteration(run)
+            continue
         stats = train_step(run)
         stop_signal, nonfinite = agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)],
                                                   run.engine.device)
@@ -166,6 +175,7 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
         resumed = checkpointing.load(engine, config)
         iteration, consumed = resumed.iteration, resumed.consumed_samples
         if iteration:
+            continue_schedule(engine.lr_scheduler, config.optimizer)  # validation chose whose schedule (resume.py)
             print_rank0(f"resumed from {config.training.load} at iteration {iteration}, {consumed} consumed samples"
                         + (f"; {resumed.note}" if resumed.note else ""))
         elif resumed.note:
@@ -186,7 +196,9 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
     rank0 = dist.get_rank() == 0
     records = RecordWriter(records_directory(config.logging.tensorboard_dir, t.save) if rank0 else None)
     records.write("start", iteration=iteration, train_iters=t.train_iters, layout=summary, config=config.to_dict())
+    straggler_report = stragglers.start(config, engine)  # before the stage timer, whose clocks count its drill
     return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds, save_folder=save_folder,
+               straggler_report=straggler_report,
                tb=TensorBoardWriter(config.logging.tensorboard_dir if rank0 else None),
                exit_signal=ExitSignal(t.exit_signal_handler), records=records,
                stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
@@ -203,7 +215,12 @@ def train_step(run: Run) -> StepStats:
     step_batch = global_batch_size_at(run.config.batch, run.consumed_samples)
     run.engine.set_global_batch_size(step_batch)
     start = time.perf_counter()
-    stats = run.engine.train_step(run.train_iter)
+    progress.phase("forward_backward", run.iteration + 1)  # the watchdog's iteration
+    try:
+        stats = run.engine.train_step(run.train_iter, run.iteration + 1)
+    except RerunStop as stop:  # a fatal fault the replay judged: exit 16 saves the step's start first
+        stop_run(run, stop)
+        raise
     run.iteration += 1
     run.consumed_samples += step_batch
     seconds = time.perf_counter() - start
@@ -212,6 +229,20 @@ def train_step(run: Run) -> StepStats:
     run.first_loss = stats.loss if run.first_loss is None else run.first_loss
     run.last_loss = stats.loss
     return stats
+
+
+def skip_iteration(run: Run) -> None:
+    """--iterations-to-skip: this iteration's global batch is read and dropped (training/data_skip.py)."""
+    config = run.config
+    step_batch = global_batch_size_at(config.batch, run.consumed_samples)
+    data_skip.skip_step(run.train_iter, data_skip.micro_batches_per_step(
+        step_batch, config.batch.micro_batch_size, config.parallel.data_parallel_size))
+    run.iteration += 1
+    run.consumed_samples += step_batch
+    print_rank0(f"iteration {run.iteration}: skipped (--iterations-to-skip): its {step_batch} samples read, "
+                f"not trained on")
+    run.records.write("skipped_iteration", iteration=run.iteration, samples=step_batch,
+                      consumed_samples=run.consumed_samples)
 
 
 def maybe_log(run: Run, stats: StepStats) -> None:
@@ -249,6 +280,8 @@ def maybe_log(run: Run, stats: StepStats) -> None:
             timing = stage_timing.scalars(stages, interval.iterations)
             run.tb.write("timing", timing, run.iteration)
             run.records.write("stage_timing", iteration=run.iteration, ms_per_iteration=timing)
+    if run.straggler_report is not None:  # a collective: every rank logs at the same iterations
+        run.straggler_report.report(run.iteration, interval.iterations, interval.seconds, run.tb, run.records)
     run.interval = Interval()
 
 
@@ -311,6 +344,7 @@ def finish(run: Run) -> None:
         save(run)
 
 
+@progress.in_phase("checkpoint")
 def save(run: Run) -> None:
     start = time.perf_counter()
     folder = run.save_folder
@@ -324,6 +358,7 @@ def save(run: Run) -> None:
                 f"while it is written")
 
 
+@progress.in_phase("checkpoint")
 def wait_for_saves(run: Run) -> None:
     """Before the run ends (its last iteration, --exit-interval, a signal): the save in flight is committed."""
     if run.save_folder is None:
@@ -345,6 +380,7 @@ def evaluate(engine: Engine, dataset, config: Config) -> Optional[float]:
     return sum(losses) / len(losses)
 
 
+@progress.in_phase("evaluation")
 def log_evaluation(run: Run) -> None:
     with run.stage_timer.paused() if run.stage_timer is not None else contextlib.nullcontext():
         loss = evaluate(run.engine, run.valid_dataset, run.config)
@@ -386,10 +422,20 @@ def main(config: Config) -> None:
         check_training_inputs(config)
         code = pretrain(config)
     except (ConfigError, checkpointing.CheckpointError, TokenOutOfVocabularyError) as e:
-        if is_rank_zero_from_environment() or isinstance(e, TokenOutOfVocabularyError):
+        if isinstance(e, TokenOutOfVocabularyError):  # each rank's own data
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        else:  # every rank's: seen once under any launcher (refusal.py)
+            say_once(f"pretrain_gpt.py: error: {e}")
         _release_process_groups()
         sys.exit(2)
+    except NumericalFault as e:  # raised on every rank at once, before any update (training/numerical_guard.py)
+        say_once(f"pretrain_gpt.py: error: {e}; the last checkpoint is kept")
+        _release_process_groups()
+        sys.exit(EXIT_NUMERICAL_FAULT)
+    except RerunStop as e:  # raised on every rank at once, after the replay (training/rerun.py)
+        say_once(f"pretrain_gpt.py: error: {e}")
+        _release_process_groups()
+        sys.exit(e.exit_code)
     except checkpointing.WriteError as e:
         if is_rank_zero_from_environment():
             print(f"pretrain_gpt.py: error: {e}; the last complete checkpoint is kept", file=sys.stderr, flush=True)

@@ -88,3 +88,19 @@ def lr_at(iteration: int, opt: OptimizerConfig) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, opt: OptimizerConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: lr_at(it, opt) / opt.lr)
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, opt: OptimizerConfig) -> None:
+    """After a resume: this run's schedule from the checkpoint's step on. A loaded LambdaLR keeps the step count
+    and the checkpoint's base learning rates (its --lr) while its lambda is this run's lr_at / this run's --lr,
+    which mixed the two; validation (validation/resume.py schedule_on_resume) has made this run's schedule the
+    one to follow (its flags equal the checkpoint's, --override-opt-param-scheduler, or the checkpoint's values
+    taken with --use-checkpoint-opt-param-scheduler). The groups' lr is the next step's, as the scheduler sets it."""
+    if scheduler is None:
+        return
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [opt.lr] * len(groups)
+    for group in groups:
+        group["initial_lr"] = opt.lr
+        group["lr"] = lr_at(scheduler.last_epoch, opt)
+    scheduler._last_lr = [group["lr"] for group in groups]

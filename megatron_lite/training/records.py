@@ -17,6 +17,10 @@ Every record has "kind" and "time" (Unix seconds):
   stage_timing  with --timing-breakdown: "iteration" and the per-stage milliseconds
   compile       with --compile, once, at the first log line: "backend" and per stage "stage", "graphs",
                 "graph_breaks", "compile_seconds" and "break_reasons" (reason -> count) (model/compile.py)
+  straggler     with --log-straggler, every log interval: "iteration", "iterations", the "slowest" and
+                "fastest" --straggler-minmax-count ranks by work, each {"rank", "host", "tp", "pp", "dp",
+                "work_ms", "step_ms", "<phase>_ms"...} per iteration, and "widest_phase" with its
+                "widest_phase_high" / "widest_phase_low" ranks (training/stragglers.py)
   summary       the run ends: "status" (completed, stopped: a signal or --exit-interval,
                 nonfinite_loss), "iteration", "consumed_samples", "seconds", "first_loss",
                 "last_loss", "validation_loss", "tokens_per_s"
@@ -30,8 +34,11 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
+from megatron_lite.json_lines import read_json_lines
+
 FILE_NAME = "metrics.jsonl"
-KINDS = ("start", "interval", "stage_memory", "validation", "stage_timing", "compile", "summary")
+KINDS = ("start", "interval", "stage_memory", "validation", "stage_timing", "compile", "straggler", "skipped_iteration",
+         "summary")
 
 
 def records_directory(tensorboard_dir: Optional[str], save_dir: Optional[str]) -> Optional[str]:
@@ -68,21 +75,11 @@ class RecordWriter:
 def read_records(path: str) -> List[Dict[str, Any]]:
     """The records of the last run in a metrics.jsonl (from its last `start`); a line cut short by a
     killed run is skipped. Missing file: no records."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("kind") == "start":
+    records: List[Dict[str, Any]] = []
+    for record in read_json_lines(path):
+        if record.get("kind") == "start":
             records = []
-        if isinstance(record, dict):
-            records.append(record)
+        records.append(record)
     return records
 
 

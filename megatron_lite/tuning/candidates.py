@@ -106,6 +106,14 @@ def validate_candidate(config: Config, world_size: int) -> Config:
     return validate(config, world_size)[0]
 
 
+def validate_model_flags(model: Config) -> Config:
+    """The user's model and batch flags validated once, at the layout every cluster has (TP = CP = PP = EP = 1 on
+    one rank, no saver): a flag pretrain_gpt.py refuses there (--moe-router-topk above --num-experts, a
+    --moe-layer-freq of the wrong length, ...) it refuses at every layout, so plan and calibrate say it in one line
+    before enumerating or measuring anything. Raises ConfigError with validation's message."""
+    return validate_candidate(candidate_config(model, Candidate(1, 1, 1, 1), None), 1)
+
+
 @dataclass
 class Candidate:
     tensor_model_parallel_size: int

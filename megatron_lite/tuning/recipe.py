@@ -71,6 +71,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import asdict
 from typing import List, Optional, Sequence, Tuple
 
@@ -83,7 +84,8 @@ from megatron_lite.tuning.calibration import Profile
 from megatron_lite.deepspeed_config import deepspeed_config
 from megatron_lite.tuning.candidates import (Candidate, LAYOUT_FIELDS, OFFLOAD_PARAM, OFFLOAD_PARAM_JSON, _try_savers,
                                              candidate_config, context_parallel_sizes, divisors,
-                                             expert_parallel_sizes, layout_argv, validate_candidate)
+                                             expert_parallel_sizes, layout_argv, validate_candidate,
+                                             validate_model_flags)
 from megatron_lite.tuning.plan_output import Plan
 from megatron_lite.tuning.pricing import _layout_kind, _predict, _shaden_key, _unmeasured, generic_scale
 from megatron_lite.tuning.throughput import Hardware
@@ -91,7 +93,7 @@ from megatron_lite.tuning.throughput import Hardware
 
 def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_gb: float,
          memory_margin: float = 0.1, max_micro_batch: int = 8, order: str = "shaden",
-         hardware: Optional[Hardware] = None, device: str = "cuda", workdir: str = ".",
+         hardware: Optional[Hardware] = None, device: str = "cuda", workdir: Optional[str] = ".",
          micro_batch_probe: bool = False, probe_layers: int = 2, progress=None,
          max_context_parallel: Optional[int] = None, profile: Optional[Profile] = None,
          all_savers: bool = False, max_expert_parallel: Optional[int] = None) -> Plan:
@@ -110,6 +112,7 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
     model_argv = list(model_argv)
     given = given_fields(build_parser().parse_args(model_argv))
     model = Config().replace(**given)
+    validate_model_flags(model)  # before any layout is tried or anything is written
     mode = "micro-batch-probe" if micro_batch_probe else "layout"
     notes = [f"your {flag_for(key.split('__')[1])} {_shown(value)} is replaced: each candidate chooses its own "
              f"({'the saver column says which' if key.split('__')[1] in _SAVER_FIELDS else 'the layout columns'})"
@@ -123,6 +126,8 @@ def plan(model_argv: Sequence[str], nodes: int, gpus_per_node: int, gpu_memory_g
         max_micro_batch = max(max_micro_batch, 64)
     world = nodes * gpus_per_node
     budget = int(gpu_memory_gb * memory.GIB * (1.0 - memory_margin))
+    if workdir is None:  # nothing is written before the model flags are validated
+        workdir = tempfile.mkdtemp(prefix="plan_")
     os.makedirs(workdir, exist_ok=True)
     offload_param_json = os.path.join(workdir, OFFLOAD_PARAM_JSON)
     write_text(offload_param_json, json.dumps(OFFLOAD_PARAM))

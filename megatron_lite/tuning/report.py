@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_lite.atomic import atomic_file, write_text
 from megatron_lite.targets import OVERWRITE_HELP, target_problem
-from megatron_lite.tuning.sweep import collect
+from megatron_lite.tuning.sweep import RESULTS_FILE, collect
 
 REPORT_FILES = ("report.md", "report.csv")
 """What marks a folder as holding a report (its PNGs are written with them): replaced only with --overwrite."""
@@ -243,6 +243,14 @@ def write_report(results_dir: str, sort_by: str = "tokens_per_s", out_dir: Optio
             "plots": series, "plot_paths": paths, "accuracy": accuracy}
 
 
+def swept(results_dir: str) -> bool:
+    """Whether a sweep wrote into `results_dir`: its results.jsonl, or a run folder's status (a sweep stopped
+    during its first run has only that)."""
+    if os.path.isfile(os.path.join(results_dir, RESULTS_FILE)):
+        return True
+    return any(os.path.isfile(os.path.join(results_dir, name, "status")) for name in os.listdir(results_dir))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tune_parallelism.py report", allow_abbrev=False,
                                      description="Rank a sweep's runs; write report.md, report.csv and PNG plots.")
@@ -264,6 +272,9 @@ def main(argv: Sequence[str]) -> int:
         parser.error(why)
     if not os.path.isdir(args.results):
         parser.error(f"--results {args.results}: no such folder; run `tune_parallelism.py sweep` first")
+    if not swept(args.results):
+        parser.error(f"--results {args.results} holds no sweep (no results.jsonl, no run folder with a status); give "
+                     f"the folder `tune_parallelism.py sweep --results` wrote")
     start = time.time()
     try:
         out = write_report(args.results, args.sort_by, args.output)

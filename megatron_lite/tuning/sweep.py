@@ -47,6 +47,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 SWEEP_OWNED = ("--train-iters", "--log-interval", "--eval-iters", "--eval-interval", "--save", "--load",
                "--save-interval", "--exit-interval", "--tensorboard-dir")
 TENSORBOARD = "tensorboard"
+RESULTS_FILE = "results.jsonl"
+"""The results folder's one line per run, rewritten after every run (what marks a folder as a sweep's)."""
 """A run's --tensorboard-dir, inside its folder: its metrics.jsonl is what the sweep reads."""
 
 # A crash leaves no record of why: its last words are the only evidence of running out of memory.
@@ -134,6 +136,78 @@ def pretrain_args(candidate: Dict[str, Any], fixed: Sequence[str]) -> List[str]:
     return list(candidate["pretrain_argv"]) + list(fixed)
 
 
+PLACEHOLDERS = ("nproc_per_node", "gpus_per_node", "nodes", "world_size", "port", "name", "run_dir", "script")
+"""The launcher template's fields (str.format), filled per run by `build_command`."""
+_LAYOUT_NUMBERS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+
+
+def _format_launcher(launcher: str, values: Dict[str, Any]) -> List[str]:
+    """The launcher's words with `values` filled in; ConfigError naming --launcher for a template that cannot be."""
+    try:
+        return shlex.split(launcher.format(**values))
+    except (KeyError, IndexError, AttributeError) as e:
+        field = "{" + str(e.args[0]) + "}" if isinstance(e, KeyError) else "(a positional {} or an attribute)"
+        raise ConfigError(f"--launcher {launcher!r}: unknown placeholder {field}; use "
+                          f"{', '.join('{' + k + '}' for k in PLACEHOLDERS)} (double a literal brace: {{{{ }}}})"
+                          ) from None
+    except ValueError as e:  # a lone brace (str.format) or an unclosed quote (shlex)
+        raise ConfigError(f"--launcher {launcher!r} is not a template: {e}; write placeholders as "
+                          f"{', '.join('{' + k + '}' for k in PLACEHOLDERS)}, a literal brace doubled ({{{{ }}}}), "
+                          f"quotes closed") from None
+
+
+def check_launcher(launcher: str) -> None:
+    """Refuse a template `build_command` could not fill, before any run starts (every field is known now)."""
+    _format_launcher(launcher, {k: "x" if k in ("name", "run_dir", "script") else 1 for k in PLACEHOLDERS})
+
+
+def plan_problem(plan: Any, path: str) -> Optional[str]:
+    """Why the JSON read from `path` is not a plan the sweep can run, or None: `tune_parallelism.py plan
+    --output` writes an object with the cluster and a list of candidates, each with a name (its run folder)
+    and its pretrain_gpt.py flags."""
+    again = "give a plan written by `tune_parallelism.py plan --output`"
+    if not isinstance(plan, dict) or not isinstance(plan.get("candidates"), list):
+        return f"--plan {path} is not a plan: it has no list of \"candidates\"; {again}"
+    cluster = plan.get("cluster")
+    if not isinstance(cluster, dict) or not all(_positive_int(cluster.get(k)) for k in ("nodes", "gpus_per_node")):
+        return f"--plan {path} is not a plan: \"cluster\" needs whole \"nodes\" and \"gpus_per_node\"; {again}"
+    names = set()
+    for i, c in enumerate(plan["candidates"]):
+        where = f"--plan {path}: candidate {i}"
+        if not isinstance(c, dict):
+            return f"{where} is not an object; {again}"
+        name = c.get("name")
+        if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or os.sep in name:
+            return f"{where}'s \"name\" {json.dumps(name)} is not a folder name (a non-empty string without /); {again}"
+        if name in names:
+            return f"{where}'s \"name\" {name} is used twice (each names a run folder); {again}"
+        names.add(name)
+        argv = c.get("pretrain_argv")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            return (f"{where} ({name}) has no \"pretrain_argv\" list of strings: the plan was written by an older "
+                    f"version or edited; run `tune_parallelism.py plan` again")
+        bad = [k for k in _LAYOUT_NUMBERS if not _positive_int(c.get(k))]
+        bad += [k for k in ("context_parallel_size",) if k in c and not _positive_int(c[k])]
+        if bad:
+            return f"{where} ({name}) needs positive whole {', '.join(bad)}; {again}"
+    return None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def only_problem(plan: Dict[str, Any], only: Sequence[str]) -> Optional[str]:
+    """Why `--only` selects nothing it was meant to, or None: each of its words must be in some candidate's name."""
+    names = [c["name"] for c in plan["candidates"]]
+    missing = [o for o in only if not any(o in n for n in names)]
+    if not missing:
+        return None
+    shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    return (f"--only {' '.join(missing)}: no candidate of the plan has {'it' if len(missing) == 1 else 'them'} in "
+            f"its name; the names are {shown or 'none (the plan is empty)'}")
+
+
 def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any], fixed: Sequence[str],
                   run_dir: str, train_iters: int, script: str) -> List[str]:
     cluster = plan["cluster"]
@@ -142,11 +216,7 @@ def build_command(launcher: str, candidate: Dict[str, Any], plan: Dict[str, Any]
     values = {"nproc_per_node": min(cluster["gpus_per_node"], world), "gpus_per_node": cluster["gpus_per_node"],
               "nodes": cluster["nodes"], "world_size": world, "port": free_port(), "name": candidate["name"],
               "run_dir": os.path.abspath(run_dir), "script": script}
-    try:
-        cmd = shlex.split(launcher.format(**values))
-    except (KeyError, IndexError) as e:
-        raise ConfigError(f"--launcher {launcher!r}: unknown placeholder {e}; use "
-                          f"{', '.join('{' + k + '}' for k in values)}") from None
+    cmd = _format_launcher(launcher, values)
     if "{script}" not in launcher:
         cmd.append(script)
     return cmd + pretrain_args(candidate, fixed) + [
@@ -210,7 +280,7 @@ def collect(results_dir: str) -> List[Dict[str, Any]]:
         if os.path.isfile(path):
             lines.append(json.loads(_read(path)))
     lines.sort(key=lambda r: r.get("rank") or 0)
-    write_text(os.path.join(results_dir, "results.jsonl"), "".join(json.dumps(r) + "\n" for r in lines))
+    write_text(os.path.join(results_dir, RESULTS_FILE), "".join(json.dumps(r) + "\n" for r in lines))
     return lines
 
 
@@ -267,6 +337,11 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
                           f"(layout flags come from the plan, --train-iters from sweep --train-iters)")
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {repeats}")
+    # Every input is checked before the results folder exists: a refusal leaves nothing behind.
+    why = plan_problem(plan, "plan") or only_problem(plan, only)
+    if why:
+        raise ConfigError(why)
+    check_launcher(launcher)
     os.makedirs(results_dir, exist_ok=True)
     candidates = plan["candidates"]
     if only:
@@ -288,7 +363,7 @@ def sweep(plan: Dict[str, Any], results_dir: str, launcher: str, fixed: Sequence
                 counts["skipped"] = counts.get("skipped", 0) + 1
                 continue
             tag = f"[{i}/{len(candidates)}]" + (f" repeat {repeat}/{repeats}" if repeats > 1 else "")
-            log(f"{tag} {c['name']}: running ({c['saver']})")
+            log(f"{tag} {c['name']}: running ({c.get('saver', 'saver not recorded')})")
             status, run, measured = run_repeat(c, plan, fixed, here, launcher, train_iters, warmup_iters, time_limit,
                                                script)
             write_text(os.path.join(run_dir, "result.json"),
@@ -337,14 +412,24 @@ def main(argv: Sequence[str]) -> int:
     if blocking_file(args.results):  # an existing --results folder is resumed (completed runs are kept)
         parser.error(f"--results {args.results} cannot be created: {blocking_file(args.results)} is a file; give a "
                      f"folder path whose parents are folders")
+    if os.path.lexists(args.results) and not os.path.isdir(args.results):
+        parser.error(f"--results {args.results} is a file; give a folder (a new one, or an earlier sweep's to "
+                     f"resume it)")
     try:
         plan = read_json(args.plan)
     except UnreadableFile as e:
         parser.error(f"--plan {e}")
+    why = plan_problem(plan, args.plan) or only_problem(plan, args.only)
+    if why:
+        parser.error(why)
+    try:
+        check_launcher(args.launcher)
+    except ConfigError as e:
+        parser.error(str(e))
     start = time.time()
     counts = sweep(plan, args.results, args.launcher, fixed, args.train_iters, args.warmup_iters, args.time_limit,
                    args.retry, args.only, args.max_runs, args.script, log=lambda s: print(s, flush=True),
                    repeats=args.repeats)
     summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to run"
-    print(f"sweep: {summary} in {time.time() - start:.0f}s; results in {os.path.join(args.results, 'results.jsonl')}")
+    print(f"sweep: {summary} in {time.time() - start:.0f}s; results in {os.path.join(args.results, RESULTS_FILE)}")
     return 0

@@ -11,11 +11,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.validation.compile import compile_rules
+from megatron_lite.validation.dependent_flags import dependent_flag_rules
 from megatron_lite.validation.numbers import numbers_of
+from megatron_lite.validation.numerical_guard import numerical_guard_rules
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
 from megatron_lite.validation.moe import moe_pipeline_rules
 from megatron_lite.validation.pipeline_schedule import pipeline_schedule_rules
+from megatron_lite.validation.stragglers import straggler_rules
+from megatron_lite.validation.watchdog import watchdog_rules
 from megatron_lite.validation.rules import (
     batch_rules,
     logging_rules,
@@ -31,11 +35,12 @@ Rule = Callable[[Config, List[str]], Config]
 
 # (name, rule, the sections it needs to have passed); a section comes after those it needs.
 NUMBERS = {s: f"numbers of {s}" for s in ("model", "parallel", "batch", "optimizer", "precision", "data", "training",
-                                          "logging")}
+                                          "logging", "numerical_guard", "watchdog")}
 """A rule per config section checking its numbers first (validation/numbers.py); every rule needs those of the
 sections it reads, so it compares and divides values known to be finite and in range."""
 SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     *((name, numbers_of(section), ()) for section, name in NUMBERS.items()),
+    ("dependent-flags", dependent_flag_rules, ()),  # before any rule completes a field it compares to its default
     ("parallel", parallel_rules, (NUMBERS["parallel"], NUMBERS["model"])),
     ("model", model_rules, ("parallel",)),
     ("batch", batch_rules, ("parallel", NUMBERS["batch"])),
@@ -45,6 +50,7 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("muon", muon_rules, ("parallel", "optimizer")),
     ("precision", precision_rules, (NUMBERS["precision"], NUMBERS["parallel"])),
     ("logging", logging_rules, (NUMBERS["logging"], NUMBERS["parallel"])),
+    ("stragglers", straggler_rules, (NUMBERS["logging"], NUMBERS["parallel"])),
     ("tokenizer", tokenizer_rules, ("parallel", "model", NUMBERS["data"])),
     ("moe-pipeline", moe_pipeline_rules, ("parallel", "model", "precision", "tokenizer")),
     ("data", data_rules, ("batch", "training", NUMBERS["data"])),
@@ -52,6 +58,8 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
     ("deepspeed", deepspeed_rules, ("parallel", "model", "batch", "training", "optimizer", "precision")),
     ("checkpoint", checkpoint_rules, ("parallel", "model", "tokenizer")),
     ("compile", compile_rules, ("parallel", "model")),
+    ("numerical-guard", numerical_guard_rules, (NUMBERS["numerical_guard"], NUMBERS["parallel"], NUMBERS["training"])),
+    ("watchdog", watchdog_rules, (NUMBERS["watchdog"],)),
 )
 
 

@@ -71,9 +71,10 @@ def check_attention_mask(m, notes: List[str]) -> None:
         if left >= m.seq_length - 1:
             notes.append(f"note: --window-size {left},0 covers every --seq-length {m.seq_length} sequence: windowed "
                          f"layers attend as global ones (generation past {m.seq_length} tokens still uses the window)")
-    if m.window_attn_skip_freq is not None and m.window_size is None:
-        raise ConfigError(f"--window-attn-skip-freq {m.window_attn_skip_freq} chooses the global layers among "
-                          f"windowed ones; add --window-size L (e.g. 127) or drop it")
+    if m.window_size is not None and m.window_attn_skip_freq == 1:
+        raise ConfigError(f"--window-attn-skip-freq 1 makes every layer global, so --window-size "
+                          f"{m.window_size[0]},{m.window_size[1]} is used by none; use --window-attn-skip-freq 2 or "
+                          f"more (gpt-oss: 2), or drop both for global attention")
     masked = [name for name, on in (("--reset-attention-mask", m.reset_attention_mask),
                                     ("--window-size", m.window_size is not None)) if on]
     if masked:

@@ -7,24 +7,11 @@ from typing import List
 from megatron_lite import batching
 from megatron_lite.config import Config, ConfigError, parse_moe_layer_freq
 
-ROUTER_FLAGS = ("moe_ffn_hidden_size", "moe_router_topk_scaling_factor", "moe_router_num_groups",
-                "moe_router_group_topk", "moe_z_loss_coeff", "moe_shared_expert_intermediate_size",
-                "moe_expert_capacity_factor")
-"""Fields that mean something only with --num-experts (their defaults are None)."""
-
 
 def check_moe(config: Config, notes: List[str]) -> None:
     m, p = config.model, config.parallel
     ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
-    if m.num_experts is None:
-        given = [f"--{name.replace('_', '-')}" for name in ROUTER_FLAGS if getattr(m, name) is not None]
-        given += ["--moe-router-enable-expert-bias"] * m.moe_router_enable_expert_bias
-        given += ["--moe-shared-expert-gate"] * m.moe_shared_expert_gate
-        if ep > 1:
-            given.append(f"--expert-model-parallel-size {ep}")
-        if given:
-            raise ConfigError(f"{', '.join(given)} configure Mixture-of-Experts layers, which need --num-experts "
-                              f"(e.g. --num-experts 8); add it or drop them", code="moe_without_experts")
+    if m.num_experts is None:  # the MoE flags given without it: validation/dependent_flags.py
         return
     experts, k = m.num_experts, m.moe_router_topk
     _, pattern = parse_moe_layer_freq(m.moe_layer_freq)
@@ -32,6 +19,11 @@ def check_moe(config: Config, notes: List[str]) -> None:
         raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} has {len(pattern)} entries for --num-layers "
                           f"{m.num_layers}; give one 0 or 1 per layer, e.g. ([0]*1+[1]*{m.num_layers - 1})",
                           code="moe_layer_pattern_length")
+    if pattern is not None and not any(pattern):
+        raise ConfigError(f"--moe-layer-freq {m.moe_layer_freq} makes no layer MoE: --num-experts {m.num_experts} "
+                          f"would build no expert. For a dense model drop --num-experts (and the --moe-* flags); "
+                          f"for MoE layers put a 1 in the pattern, e.g. ([0]*{m.num_layers - 1}+[1]*1)",
+                          code="moe_layer_pattern_without_moe")
     if k > experts:
         raise ConfigError(f"--moe-router-topk {k} is more than --num-experts {experts}; use --moe-router-topk "
                           f"{min(2, experts)} or more experts", code="topk_above_experts")
@@ -57,9 +49,6 @@ def check_moe(config: Config, notes: List[str]) -> None:
         raise ConfigError(f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                           f"--tensor-model-parallel-size {tp}; use "
                           f"{batching.or_join(batching.nearest_multiples(shared, tp))}", code="moe_ffn_not_divisible")
-    if m.moe_shared_expert_gate and shared is None:
-        raise ConfigError("--moe-shared-expert-gate gates the shared expert; add "
-                          "--moe-shared-expert-intermediate-size (e.g. the --ffn-hidden-size) or drop it")
     groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
     if (groups is None) != (group_topk is None):
         raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together (group-limited routing: "

@@ -7,11 +7,11 @@ Training only: tools that validate a checkpoint's saved config do not write to i
 """
 from __future__ import annotations
 
-import errno
 import os
 from typing import Optional
 
 from megatron_lite.config import Config, ConfigError, flag_for
+from megatron_lite.targets import not_writable as _not_writable
 
 # (section, field) of every flag that names a folder the run writes.
 OUTPUT_FOLDERS = (("training", "save"), ("logging", "tensorboard_dir"), ("data", "data_cache_path"))
@@ -44,8 +44,3 @@ def folder_problem(path: str, may_be_read_only: bool = False) -> Optional[str]:
         return f"is not writable ({reason}); give a folder this user can write"
     return None
 
-
-def _not_writable(folder: str) -> Optional[str]:
-    if os.access(folder, os.W_OK | os.X_OK):
-        return None
-    return os.strerror(errno.EROFS if os.statvfs(folder).f_flag & os.ST_RDONLY else errno.EACCES)

@@ -15,6 +15,7 @@ import os
 from typing import Iterable, List, Optional
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.config.flag_values import moe_layer_list
 from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.validation.latent_attention import MLA_FIELDS
 from megatron_lite.validation.positions import YARN_FIELDS
@@ -93,6 +94,11 @@ def _value(config: Config, section: str, name: str):
         return config.model.head_dim
     if name == "add_qkv_bias":  # whether the QKV linear has one: redundant beside every linear's bias
         return config.model.qkv_bias
+    if name == "moe_layer_freq":  # the layers it makes MoE: `1` and `[1,1]` at 2 layers are the same model
+        try:
+            return "[" + ",".join(map(str, moe_layer_list(value, config.model.num_layers))) + "]"
+        except ConfigError:  # a pattern this parser refuses, saved by an older one: compared as written
+            return value
     return value
 
 
@@ -148,6 +154,33 @@ def with_checkpoint_args(config: Config, given: Iterable[str]) -> Config:
     return config.replace(**taken)
 
 
+# The learning-rate schedule's flags: what a LambdaLR over training/optimizer.py's lr_at holds besides its step.
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters")
+SCHEDULE_FLAG_NAMES = {"lr_decay_iters": "--lr-decay-iters (--train-iters when not given)"}
+
+
+def schedule_on_resume(config: Config, saved: Config, where: str) -> Config:
+    """A resume whose schedule flags differ from the checkpoint's takes one of them only when told which, as
+    Megatron-LM asserts unless --override-opt-param-scheduler (this run's) or --use-checkpoint-opt-param-scheduler
+    (the checkpoint's). Before this, the checkpoint's peak silently scaled this run's curve (measured: --lr 1e30 on
+    a resume ran at lr 0, then 1.5e-5). --finetune never gets here: it starts a fresh schedule."""
+    o = config.optimizer
+    if o.override_opt_param_scheduler and o.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler takes this run's learning-rate schedule and "
+                          "--use-checkpoint-opt-param-scheduler the checkpoint's; give one of them")
+    differences = [(name, getattr(saved.optimizer, name), getattr(o, name)) for name in SCHEDULE_FIELDS
+                   if getattr(saved.optimizer, name) != getattr(o, name)]
+    if not differences or o.override_opt_param_scheduler:
+        return config
+    if o.use_checkpoint_opt_param_scheduler:
+        return config.replace(**{f"optimizer__{name}": before for name, before, _ in differences})
+    listed = "; ".join(f"{SCHEDULE_FLAG_NAMES.get(name, '--' + name.replace('_', '-'))}: checkpoint {before}, "
+                       f"this run {after}" for name, before, after in differences)
+    raise ConfigError(f"--load {where} was trained on another learning-rate schedule ({listed}); add "
+                      f"--override-opt-param-scheduler to continue on this run's, or "
+                      f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+
+
 def checkpoint_rules(config: Config, notes: List[str]) -> Config:
     load = config.training.load
     if config.training.finetune and not load:
@@ -186,6 +219,7 @@ def checkpoint_rules(config: Config, notes: List[str]) -> Config:
                           f"--optimizer {config.optimizer.optimizer}: its optimizer states do not carry over; resume "
                           f"with --optimizer {saved.optimizer.optimizer}, or add --finetune to take its weights and "
                           f"start the optimizer fresh")
+    config = schedule_on_resume(config, saved, where)
     problems = resume_differences(saved, config, fields=LAYOUT_FIELDS)
     stored_zero, stored_precision = storage_of(metadata)
     if stored_precision != config.precision.dtype_name:

@@ -73,7 +73,7 @@ def test_kill_9_while_the_background_writer_runs_keeps_the_previous_checkpoint_a
     assert not (ckpt / in_flight).exists()
     saved = int(tag.split("_")[1])
     resumed = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", str(saved + 2), "--save", str(ckpt),
-                                                  "--load", str(ckpt), "--async-save"])
+                                                  "--load", str(ckpt), "--async-save", "--override-opt-param-scheduler"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"at iteration {saved}" in resumed.stdout
     assert sorted(losses_by_iteration(resumed.stdout)) == [saved + 1, saved + 2]

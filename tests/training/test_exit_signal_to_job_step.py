@@ -62,7 +62,8 @@ def test_a_signal_to_every_process_of_the_step_with_data_workers_saves_exits_0_a
     # Resumed without data workers: where the data resumes is the checkpoint's consumed samples, whoever
     # loads them, and four spawned workers cost ~5 CPU-seconds of imports.
     resumed = pretrain(corpus, 2, layout(1, 2) + ["--num-workers", "0", "--train-iters", str(saved + 2),
-                                                  "--save", str(ckpt), "--load", str(ckpt)])
+                                                  "--save", str(ckpt), "--load", str(ckpt),
+                                                  "--override-opt-param-scheduler"])  # decays over the new length
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"at iteration {saved}" in resumed.stdout
     assert sorted(losses_by_iteration(resumed.stdout)) == [saved + 1, saved + 2]

@@ -171,7 +171,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_loadable(corpus, tm
     saved_iteration = int(tag.split("_")[1])
 
     resumed = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", str(saved_iteration + 2), "--save", str(ckpt),
-                                                  "--load", str(ckpt)])
+                                                  "--load", str(ckpt), "--override-opt-param-scheduler"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"at iteration {saved_iteration}" in resumed.stdout
     assert sorted(losses_by_iteration(resumed.stdout)) == [saved_iteration + 1, saved_iteration + 2]
@@ -222,7 +222,7 @@ def test_tensorboard_events_hold_loss_lr_throughput_and_memory(corpus, tmp_path)
 def test_loading_under_another_layout_reshards_and_says_so_in_one_line(corpus, tmp_path):
     ckpt = tmp_path / "ckpt"
     assert pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "2", "--save", str(ckpt)]).returncode == 0
-    result = pretrain(corpus, 2, layout(2, 1) + ["--train-iters", "4", "--load", str(ckpt)])
+    result = pretrain(corpus, 2, layout(2, 1) + ["--train-iters", "4", "--load", str(ckpt), "--lr-decay-iters", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {ckpt} at iteration 2, 16 consumed samples; resharded TP 1 x PP 2 x DP 1 (ZeRO 0, fp32) " \
            f"-> TP 2 x PP 1 x DP 1 (ZeRO 0, fp32)" in result.stdout
@@ -230,15 +230,24 @@ def test_loading_under_another_layout_reshards_and_says_so_in_one_line(corpus, t
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(corpus, tmp_path):
+    # An absurd learning rate overflows the fp32 weights within a few steps. The numerical guard (on by default)
+    # finds it before the reduction, replays the step, sees it again and stops with 16 (training/rerun.py), the
+    # weights saved are the step's start, the last good ones; without the guard the loop's own check stops the run.
     ckpt = tmp_path / "ckpt"
-    # An absurd learning rate overflows the fp32 weights within a few steps.
-    result = pretrain(corpus, 2, layout(1, 2) + ["--train-iters", "20", "--lr", "1e30", "--min-lr", "1e30",
-                                                 "--save", str(ckpt), "--save-interval", "1"])
+    absurd = layout(1, 2) + ["--train-iters", "20", "--lr", "1e30", "--min-lr", "1e30", "--save-interval", "1"]
+    result = pretrain(corpus, 2, absurd + ["--save", str(ckpt)])
+    assert result.returncode == 16, result.stdout[-2000:] + result.stderr[-2000:]
+    match = re.search(r"error: NaN/Inf in the .* at iteration (\d+), before the gradient reduction.* it reproduced",
+                      result.stderr)
+    assert match, result.stderr[-2000:]
+    assert open(ckpt / "latest").read() == f"iter_{int(match.group(1)) - 1:07d}"
+    result = pretrain(corpus, 2, absurd + ["--save", str(tmp_path / "unguarded"),
+                                           "--no-check-for-nan-in-loss-and-grad"])
     assert result.returncode != 0
     match = re.search(r"error: loss is (nan|inf) at iteration (\d+); stopping", result.stdout)
     assert match, result.stdout[-2000:]
     bad = int(match.group(2))
-    assert open(ckpt / "latest").read() == f"iter_{bad - 1:07d}"
+    assert open(tmp_path / "unguarded" / "latest").read() == f"iter_{bad - 1:07d}"
 
 
 def test_a_split_without_training_documents_is_a_clear_error(corpus):

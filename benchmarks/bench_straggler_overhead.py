@@ -1,0 +1,167 @@
+"""What --log-straggler costs a training step: the same GPT with and without the report, in the same processes.
+
+PP x DP processes (one thread each, gloo on loopback) hold two engines of the same GPT and batches: one plain,
+one with the straggler report installed as the training loop installs it (training/stragglers.py: every
+pipeline instruction timed on the host, and the report's gather, with its line formatted and printed to a
+discarded buffer on rank 0, every --log-interval steps). They run in interleaved rounds, the order
+alternating (this VM drifts 10-40% within minutes); per round the ratio with/without of the mean step time.
+Printed: each round's times and ratio, then the median ratio, the per-round range and the ratio of the
+fastest rounds; and, measured directly (free of the drift), the time rank 0 spent in the report per step and
+the timed instructions per step times what one timing costs. Target: <= 1.01.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_straggler_overhead.py                # PP 2, CPU-sized
+    python benchmarks/bench_straggler_overhead.py --pp 1 --dp 2 --rounds 10 --steps 20
+    python benchmarks/bench_straggler_overhead.py --control      # A/A: the same engines, neither reports
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_pipeline_schedules import batches  # noqa: E402
+from bench_training import add_model_arguments, join_gloo_world, run_ranks  # noqa: E402
+
+NAMES = ("without", "with")
+
+
+def model_argv(args):
+    return ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
+            "--vocab-size", str(args.vocab_size), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--micro-batch-size", str(args.micro_batch_size),
+            "--global-batch-size", str(args.micro_batch_size * args.gas * args.dp),
+            "--pipeline-model-parallel-size", str(args.pp), "--lr", "1e-4",
+            "--log-interval", str(args.log_interval), "--log-straggler"]
+
+
+def _worker(rank, port, args, results):
+    import torch.distributed as dist
+
+    from megatron_lite.arguments import parse_args
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from megatron_lite.training.metrics import TensorBoardWriter
+    from megatron_lite.training.records import RecordWriter
+    from megatron_lite.training import stragglers
+
+    class CountingClock(stragglers.PhaseClock):
+        """Counts the timed instructions (a conservative extra on the "with" side)."""
+        calls = 0
+
+        def _record(self, instruction, seconds):
+            CountingClock.calls += 1
+            super()._record(instruction, seconds)
+
+    stragglers.PhaseClock = CountingClock
+
+    world = args.pp * args.dp
+    join_gloo_world(rank, world, port)
+    config = parse_args(model_argv(args), world_size=world)[0]
+    engines, data, groups, reports = {}, {}, {}, {}
+    for name in NAMES:
+        state.initialize(1, args.pp)
+        groups[name] = state.current()
+        engines[name] = Engine(config, with_scheduler=False)
+        data[name] = batches(config)
+        if name == "with" and not args.control:
+            reports[name] = stragglers.StragglerReport(engines[name], config.logging.straggler_minmax_count)
+        state.destroy()
+    sink = io.StringIO()
+    tb, records = TensorBoardWriter(None), RecordWriter(None)
+    for name in NAMES:  # warm-up: allocations, the activation shapes sent once
+        state.activate(groups[name])
+        engines[name].train_step(data[name])
+        if name in reports:
+            reports[name].clock.take(0.0)
+    rounds, in_report = [], 0.0
+    for r in range(args.rounds):
+        seconds = {}
+        for name in NAMES if r % 2 == 0 else NAMES[::-1]:
+            state.activate(groups[name])
+            report = reports.get(name)
+            dist.barrier()
+            start = interval_start = time.perf_counter()
+            for step in range(1, args.steps + 1):
+                engines[name].train_step(data[name])
+                if report is not None and step % args.log_interval == 0:
+                    now = time.perf_counter()
+                    with contextlib.redirect_stdout(sink):
+                        report.report(step, args.log_interval, now - interval_start, tb, records)
+                    interval_start = time.perf_counter()
+                    in_report += interval_start - now
+            seconds[name] = (time.perf_counter() - start) / args.steps
+        rounds.append(seconds)
+        if r == 0:
+            CountingClock.calls = 0  # from here: the rounds' steps alone
+        if rank == 0:
+            print(f"round {r + 1}/{args.rounds}: without {seconds['without'] * 1e3:.1f} ms, with "
+                  f"{seconds['with'] * 1e3:.1f} ms per step, ratio {seconds['with'] / seconds['without']:.4f}",
+                  flush=True)
+    measured_steps = (args.rounds - 1) * args.steps
+    results.put((rank, rounds, in_report / args.rounds / args.steps, CountingClock.calls / max(measured_steps, 1),
+                 _timer_seconds()))
+    dist.destroy_process_group()
+
+
+def _timer_seconds(calls: int = 200_000) -> float:
+    """What one timed instruction adds: two perf_counter reads, the mode check and the sum, around a no-op."""
+    from megatron_lite.training.stragglers import PHASE
+
+    class Module:
+        training = True
+
+    sums, module = {}, Module()
+
+    def record(instruction, seconds):
+        if module.training:
+            sums[PHASE.get(instruction, "other")] = sums.get(PHASE.get(instruction, "other"), 0.0) + seconds
+
+    start = time.perf_counter()
+    for _ in range(calls):
+        t = time.perf_counter()
+        record("ForwardPass", time.perf_counter() - t)
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(parser, seq_length=128, micro_batch_size=2)
+    parser.set_defaults(hidden_size=128)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    parser.add_argument("--gas", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--rounds", type=int, default=16, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=20, help="steps per engine per round")
+    parser.add_argument("--log-interval", type=int, default=5, help="steps between two reports")
+    parser.add_argument("--control", action="store_true",
+                        help="no report on either engine: the ratios' spread when nothing differs (A/A)")
+    args = parser.parse_args()
+    if args.steps % args.log_interval:
+        parser.error(f"--steps {args.steps} must be a multiple of --log-interval {args.log_interval}")
+    print(f"PP {args.pp} x DP {args.dp}, hidden {args.hidden_size}, {args.num_layers} layers, seq "
+          f"{args.seq_length}, {args.gas} micro-batches of {args.micro_batch_size}; {args.rounds} rounds of "
+          f"{args.steps} steps each, a report every {args.log_interval}", flush=True)
+    _, rounds, report_seconds, instructions, timer_seconds = run_ranks(_worker, args.pp * args.dp, args)[0]
+    ratios = [r["with"] / r["without"] for r in rounds]
+    median = statistics.median(ratios)
+    step = statistics.median(r["without"] for r in rounds)
+    fastest = min(r["with"] for r in rounds) / min(r["without"] for r in rounds)
+    print(f"--log-straggler overhead: median ratio {median:.4f} ({(median - 1) * 100:+.2f}%), per-round range "
+          f"{min(ratios):.4f}-{max(ratios):.4f}; fastest round with / fastest without {fastest:.4f}; median step "
+          f"without {step * 1e3:.1f} ms; target <= 1.01: {'met' if median <= 1.01 else 'NOT met'}")
+    direct = report_seconds + instructions * timer_seconds
+    print(f"measured directly on rank 0: the report's gather and line {report_seconds * 1e6:.0f} us per step, "
+          f"{instructions:.0f} timed instructions per step x {timer_seconds * 1e9:.0f} ns = "
+          f"{instructions * timer_seconds * 1e6:.1f} us; together {direct / step * 100:.3f}% of a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
