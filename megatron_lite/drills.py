@@ -10,14 +10,19 @@ save's finalize of iteration ITERATION's checkpoint blocks forever).
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import List, Tuple
 
-from megatron_lite.fault_log import host_name
 
 INJECT_ENV = "MEGATRON_LITE_INJECT_HANG"
 INJECT_KINDS = ("deadlock", "data_worker", "checkpoint_finalize")
+
+
+def host_name() -> str:
+    """This node's short host name, as Slurm names nodes (ExcNodeList takes it; the fault log records it)."""
+    return socket.gethostname().split(".")[0]
 
 
 def injected_hangs() -> Tuple[Tuple[str, int, int], ...]:

@@ -15,19 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from megatron_lite.json_lines import read_json_lines
+from megatron_lite.drills import host_name
+from megatron_lite.line_records import read_json_lines
 
 FAULT_LOG_ENV = "MEGATRON_LITE_FAULT_LOG"
-
-
-def host_name() -> str:
-    """This node's short host name, as Slurm names nodes (ExcNodeList takes it)."""
-    return socket.gethostname().split(".")[0]
 
 
 def record(exit_code: int, kind: str, host: Optional[str] = None, rank: Optional[int] = None,

@@ -18,6 +18,8 @@ import tempfile
 import time
 from typing import NoReturn
 
+from megatron_lite.atomic import WriteError, write_text
+
 WAIT_SECONDS = 10.0
 """How long a rank other than 0 waits for rank 0's line: rank 0 runs the same checks on the same inputs."""
 
@@ -44,11 +46,8 @@ def say_once(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(line)
-            os.replace(tmp, path)
-        except OSError:
+            write_text(path, line)  # whole or not at all: a waiting rank never reads half a line
+        except (OSError, WriteError):
             pass  # the others then print it themselves
         return
     deadline = time.monotonic() + WAIT_SECONDS

@@ -12,8 +12,9 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_lite")
 
 FLOORS = (
-    ("config", "atomic", "targets", "reading", "flag_numbers", "process_end", "cpp_runtime", "deepspeed_compat", "_C"),
-    ("deepspeed_config", "batching", "parallel", "data"),
+    ("config", "atomic", "targets", "reading", "flag_numbers", "process_end", "cpp_runtime", "deepspeed_compat", "_C",
+     "exit_codes", "line_records", "drills"),
+    ("deepspeed_config", "batching", "parallel", "data", "fault_log", "refusal"),
     ("model",),
     ("cost",),
     ("checkpoint",),

@@ -14,7 +14,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     scaled = logits.float() / temperature
     # A temperature so small that logits / temperature overflows float32 (1e-300 is 0 in float32) leaves inf - inf
     # = nan in the softmax: such a row takes its limit as the temperature goes to 0, the most likely token.
-    overflow = ~torch.isfinite(scaled).all(dim=-1, keepdim=True)
+    # (-inf is a masked entry, e.g. the padded vocabulary: not an overflow unless the whole row is)
+    overflow = ((torch.isposinf(scaled) | torch.isnan(scaled)).any(dim=-1, keepdim=True)
+                | torch.isneginf(scaled).all(dim=-1, keepdim=True))
     if overflow.any():
         top = logits.float() == logits.float().max(dim=-1, keepdim=True).values
         scaled = torch.where(overflow, torch.where(top, 0.0, float("-inf")), scaled)

@@ -28,6 +28,7 @@ import time
 from typing import Dict, Iterator, Optional, Tuple
 
 from megatron_lite.exit_codes import EXIT_HANG
+from megatron_lite.atomic import write_text
 from megatron_lite.drills import hang_forever, injected_hangs
 
 PHASES = ("startup", "data", "forward_backward", "optimizer", "checkpoint", "evaluation")
@@ -104,9 +105,10 @@ class Progress:
         faulthandler.register(STACK_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
         _exit_on_signal(EXIT_SIGNAL)
         path = progress_path(directory, rank)
-        self._fd = os.open(path + ".new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._write()
-        os.replace(path + ".new", path)  # the watchdog never sees a half-written first line
+        # The first line published whole (the watchdog never sees half of it), then rewritten in place.
+        write_text(path, format_record(self.pid, self.iteration, self.current, self.since, self.counts,
+                                       self.longest).decode())
+        self._fd = os.open(path, os.O_WRONLY)
 
     def _write(self) -> None:
         os.pwrite(self._fd, format_record(self.pid, self.iteration, self.current, self.since, self.counts,

@@ -34,7 +34,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from megatron_lite.json_lines import read_json_lines
+from megatron_lite.line_records import read_json_lines
 
 FILE_NAME = "metrics.jsonl"
 KINDS = ("start", "interval", "stage_memory", "validation", "stage_timing", "compile", "straggler", "skipped_iteration",

@@ -80,8 +80,13 @@ def check_weights_fit(config: Config) -> None:
 
 
 def refuse_unless_weights_fit(config: Config, tool: str = "pretrain_gpt.py") -> None:
-    """Exit 2 with the one line (seen once under any launcher: refusal.py) when the weights cannot fit."""
-    problem = weights_problem(config)
+    """Exit 2 with the one line (seen once under any launcher: refusal.py) when the weights cannot fit. A model
+    whose size is not known yet (no vocabulary without data: the training inputs' check names --data-path next)
+    is left to that check."""
+    try:
+        problem = weights_problem(config)
+    except ConfigError:
+        return
     if problem:
         from megatron_lite.refusal import refuse
 

@@ -50,7 +50,8 @@ def poisoned(zero1_run, tmp_path_factory):
 
 
 def _pretrain(ckpt, corpus, tmp_path):
-    return pretrain_in_one_process(corpus, ["--train-iters", "3", "--zero-stage", "1", "--load", ckpt])
+    return pretrain_in_one_process(corpus, ["--train-iters", "3", "--zero-stage", "1", "--load", ckpt,
+                                            "--override-opt-param-scheduler"])
 
 
 def _evaluate(ckpt, corpus, tmp_path):
@@ -112,7 +113,8 @@ def test_pretrain_gpt_as_a_process_of_its_own_refuses_a_payload_with_exit_2(pois
 
     ckpt, marker = poisoned["layer"]
     result = run_in_a_new_process("pretrain_gpt.py", *MODEL, *data_args(corpus), "--train-iters", "3",
-                                  "--zero-stage", "1", "--load", ckpt, check=False)
+                                  "--zero-stage", "1", "--load", ckpt, "--override-opt-param-scheduler",
+                                  check=False)
     assert not os.path.exists(marker)
     line = error_line(result)
     assert FILES["layer"] in line and "refused" in line, line

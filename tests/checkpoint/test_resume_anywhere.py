@@ -196,7 +196,8 @@ def _save_after_loading(tp, pp, dp, extra, load, save):
     from megatron_lite.training import checkpointing
     from megatron_lite.training.engine import Engine
 
-    config = tiny_config(tp, pp, dp, list(extra) + ["--load", load, "--save", save, "--train-iters", str(STEPS)])
+    config = tiny_config(tp, pp, dp, list(extra) + ["--load", load, "--save", save, "--train-iters", str(STEPS),
+                                                    "--lr-warmup-iters", "1"])  # _train's schedule
     state.initialize(tp, pp)
     engine = Engine(config)
     resumed = checkpointing.load(engine, config)
