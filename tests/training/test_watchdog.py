@@ -112,9 +112,12 @@ def test_a_python_deadlock_in_one_rank_ends_the_step_with_its_stack_in_the_log(n
     out, log1, codes, _ = run_until_the_watchdog_ends_it(
         tiny(null_corpus, "--train-iters", "100000"), tmp_path, env={drills.INJECT_ENV: "deadlock:1:3"})
     assert codes == [EXIT_HANG, EXIT_HANG], out + log1
-    assert re.match(r"watchdog: rank 1 on \S+ made no progress in phase forward_backward at iteration 3 ",
+    # Which rank the line names is the monitor's guess (training/watchdog.py overdue(): both ranks sit in
+    # forward_backward at iteration 3, the other one in the all-reduce); under load it named rank 0 once in a
+    # suite run. The deadlocked rank's own stack, down to the lock, is the evidence.
+    assert re.match(r"watchdog: rank [01] on \S+ made no progress in phase forward_backward at iteration 3 ",
                     one_watchdog_line(out))
-    assert 'in hang_forever' in out, out  # the deadlocked rank's own stack, down to the lock
+    assert 'in hang_forever' in out, out
 
 
 @pytest.mark.slow
