@@ -357,3 +357,17 @@ def run_launcher(
             f"{' '.join(proc.args)} did not finish within {timeout:.0f}s\nstdout:\n{out}\nstderr:\n{err}"
         ) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def write_null_corpus(prefix: str, documents: int, vocab_size: int) -> str:
+    """A NullTokenizer dataset at `prefix`: `documents` documents of 20-79 random ids below vocab_size - 1, each
+    ended by the id vocab_size - 1 (the end of document); seeded, so every call writes the same."""
+    import numpy as np
+
+    from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
+
+    rng = np.random.RandomState(0)
+    with IndexedDatasetWriter(prefix, np.int32) as writer:
+        for _ in range(documents):
+            writer.add_document(np.append(rng.randint(0, vocab_size - 1, size=rng.randint(20, 80)), vocab_size - 1))
+    return prefix

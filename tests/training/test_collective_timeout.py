@@ -12,7 +12,7 @@ import pytest
 
 from tests.data.test_data_worker_signals import still_running
 from tests.harness import read_until
-from tests.training.test_exit_signal_to_job_step import _start_ranks
+from tests.training.test_exit_signal_to_job_step import _end_ranks, _start_ranks
 from tests.training.test_pretrain_e2e import MODEL, data_args, layout
 
 pytestmark = pytest.mark.slow
@@ -39,11 +39,7 @@ def test_a_rank_held_back_ends_the_others_within_the_timeout_with_one_line_namin
         out, _ = procs[0].communicate(timeout=TIMEOUT_MINUTES * 60 + SLACK_SECONDS)
         waited = time.monotonic() - stopped
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait(timeout=30)
+        _end_ranks(procs)
     out = "".join(lines) + out
     assert procs[0].returncode == 1, out
     errors = [line for line in out.splitlines() if line.startswith("pretrain_gpt.py: error:")]

@@ -34,6 +34,15 @@ def _start_ranks(argv, world_size, log_dir):
     return procs
 
 
+def _end_ranks(procs):
+    """Whatever is left of _start_ranks' ranks, ended: a stopped one continued first so that it can die."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait(timeout=30)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
 def test_a_signal_to_every_process_of_the_step_with_data_workers_saves_exits_0_and_resumes(
         corpus, tmp_path, signum):  # noqa: F811

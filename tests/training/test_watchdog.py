@@ -12,18 +12,16 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import psutil
 import pytest
 
-from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
 from megatron_lite import drills
 from megatron_lite.exit_codes import EXIT_HANG
 from megatron_lite.training import progress
 from megatron_lite.training.watchdog import CALIBRATION_COUNT, Timeouts
 from tests.data.test_data_worker_signals import still_running
-from tests.harness import REPO_ROOT, read_until, start_launcher
-from tests.training.test_exit_signal_to_job_step import _start_ranks
+from tests.harness import REPO_ROOT, read_until, start_launcher, write_null_corpus
+from tests.training.test_exit_signal_to_job_step import _end_ranks, _start_ranks
 
 STEP_TIMEOUT_S = 6.0
 SLACK_S = 30.0  # the bound: phase timeout + 30 s
@@ -31,12 +29,7 @@ SLACK_S = 30.0  # the issue's bound: phase timeout + 30 s
 
 @pytest.fixture(scope="module")
 def null_corpus(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("watchdog") / "null_text_document")
-    rng = np.random.RandomState(0)
-    with IndexedDatasetWriter(prefix, np.int32) as writer:
-        for _ in range(200):
-            writer.add_document(np.append(rng.randint(0, 63, size=rng.randint(20, 80)), 63))
-    return prefix
+    return write_null_corpus(str(tmp_path_factory.mktemp("watchdog") / "null_text_document"), 200, 64)
 
 
 def tiny(prefix, *extra):
@@ -80,11 +73,7 @@ def run_until_the_watchdog_ends_it(argv, tmp_path, env=None, stop_rank_1_after=N
         procs[1].wait(timeout=10)
         waited = time.monotonic() - started
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.wait(timeout=30)
+        _end_ranks(procs)
     assert not still_running(family + monitors, timeout=15), "a rank, data worker or monitor outlived the job step"
     return "".join(lines) + out, (tmp_path / "rank1.log").read_text(), [p.returncode for p in procs], waited
 

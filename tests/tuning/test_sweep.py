@@ -2,12 +2,11 @@ import json
 import os
 import sys
 
-import numpy as np
 import pytest
 
 from megatron_lite.config import ConfigError
-from megatron_lite.data.indexed_dataset import IndexedDatasetWriter
 from megatron_lite.tuning import recipe, report, sweep
+from tests.harness import write_null_corpus
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--vocab-size", "128", "--make-vocab-size-divisible-by", "16", "--global-batch-size", "4",
@@ -197,12 +196,7 @@ def test_unknown_launcher_placeholder_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def null_corpus(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("corpus") / "null_text_document")
-    rng = np.random.RandomState(0)
-    with IndexedDatasetWriter(prefix, np.int32) as writer:
-        for _ in range(300):
-            writer.add_document(np.append(rng.randint(0, 127, size=rng.randint(20, 80)), 127))
-    return prefix
+    return write_null_corpus(str(tmp_path_factory.mktemp("corpus") / "null_text_document"), 300, 128)
 
 
 @pytest.mark.slow
