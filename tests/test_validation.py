@@ -418,9 +418,9 @@ def test_a_resume_that_adds_or_drops_the_qkv_bias_is_refused_and_a_flag_that_cha
     no_biases = cfg(model__add_bias_linear=False)
     qwen2 = Config.from_dict(cfg(model__add_bias_linear=False, model__add_qkv_bias=True).to_dict())  # as read
     assert resume_differences(qwen2, no_biases) == [
-        "a bias in the QKV linear (--add-qkv-bias, or biases in every linear layer): checkpoint True, this run False"]
+        "a bias in the QKV linear (--add-qkv-bias, or biases in every linear layer): checkpoint on, this run off"]
     added = resume_differences(Config.from_dict(no_biases.to_dict()), qwen2)
-    assert len(added) == 1 and added[0].endswith("checkpoint False, this run True")
+    assert len(added) == 1 and added[0].endswith("checkpoint off, this run on")
     # With biases in every linear layer the QKV linear has one either way: the same model.
     assert resume_differences(Config.from_dict(cfg().to_dict()), cfg(model__add_qkv_bias=True)) == []
 

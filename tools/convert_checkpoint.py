@@ -21,10 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Torch-free imports only up here: --help, a bad flag and a missing path are refused before torch starts.
 from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.checkpoint import preflight  # noqa: E402
-from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
-from megatron_lite.checkpoint.tokenizer import add_tokenizer_flags, check_tokenizer_flags, given_tokenizer  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
+    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
+)
 from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.targets import OVERWRITE_HELP  # noqa: E402
+from megatron_lite.validation.saved_config import checkpoint_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,11 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     source(p)
     p.add_argument("--output", required=True, help="folder to write (new or empty)")
     overwrite(p)
-    p.add_argument("--tokenizer-model", default=None,
-                   help="the tokenizer to copy alongside, a SentencePiece .model or a Hugging Face tokenizer.json or "
-                        "its folder (default: the one training used)")
-    p.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer's vocab.json (default: training's)")
-    p.add_argument("--merge-file", default=None, help="GPT2BPETokenizer's merges.txt (default: training's)")
+    add_tokenizer_flags(p, "the one training used, its files copied alongside; a NullTokenizer model has none, "
+                           "unless named here")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype of the written tensors (default: float32, the trained fp32 masters)")
 
@@ -124,10 +124,15 @@ def refuse_early(args) -> None:
         preflight.hf_config_path(args.input)
         check_tokenizer_flags(given_tokenizer(args))
         return
-    tag = resolve_tag(args.load, args.iteration)
+    if args.command == "export-hf":
+        check_tokenizer_flags(given_tokenizer(args))
+    # The model the checkpoint records, checked as pretrain_gpt.py checks its flags (validation/saved_config.py).
+    _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
+    if args.command == "export-hf" and given_tokenizer(args):  # the files to copy: checked against the model's
+        # vocabulary as generate.py and evaluate.py check them; before, a NullTokenizer model's were dropped
+        args.tokenizer, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
     if args.command == "reshard":
-        model = read_metadata(args.load, tag)["config"].get("model", {})
-        preflight.refuse_target_sizes(model.get("num_attention_heads"), model.get("num_layers"),
+        preflight.refuse_target_sizes(saved.model.num_attention_heads, saved.model.num_layers,
                                       args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size)
 
 
@@ -191,8 +196,8 @@ def main(argv=None) -> int:
         else:
             from megatron_lite.checkpoint.hf_export import export_hf
 
-            r = export_hf(args.load, args.output, args.iteration, args.tokenizer_model, args.dtype, args.vocab_file,
-                          args.merge_file, args.overwrite)
+            r = export_hf(args.load, args.output, args.iteration, getattr(args, "tokenizer", None), args.dtype,
+                          args.overwrite)
             print(f"exported {args.load}/{r['tag']} to {args.output} as {r['architecture']}: {r['parameters']:,} "
                   f"parameters, vocabulary {r['vocab_size']}, files {', '.join(r['files'])}, {time.time() - start:.1f}s")
     except CheckpointError as e:

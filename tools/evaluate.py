@@ -17,15 +17,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
-from megatron_lite.checkpoint.format import CheckpointError, read_metadata, resolve_tag  # noqa: E402
+from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
     add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
 )
-from megatron_lite.config import Config, ConfigError, parse_data_path, parse_split  # noqa: E402
+from megatron_lite.config import ConfigError, parse_data_path, parse_split  # noqa: E402
 from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.refusal import say_once  # noqa: E402
 from megatron_lite.training.distributed import is_rank_zero_from_environment  # noqa: E402
 from megatron_lite.validation.probes import data_path_weight_rules  # noqa: E402
 from megatron_lite.validation.rules import split_rules  # noqa: E402
+from megatron_lite.validation.saved_config import checkpoint_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def refuse_eval_iters_beyond_the_split(args, saved, data_path, split) -> None:
+    """ConfigError when --eval-iters global batches hold more samples than one pass over the split gives (the
+    dataset would repeat its samples to fill them). The run's own --eval-iters, the default, is taken as it
+    evaluated during training."""
+    from megatron_lite.config import format_split
+    from megatron_lite.data.gpt_dataset import one_epoch_samples
+
+    data_path = data_path or saved.data.data_path
+    split = split or saved.data.split
+    if not data_path:
+        return  # evaluate_checkpoint names --data-path
+    gbs = args.global_batch_size or saved.batch.global_batch_size
+    try:
+        holds = one_epoch_samples(data_path, split, saved.model.seq_length, args.split_name)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    if args.eval_iters * gbs > holds:
+        fix = (f"use --eval-iters {holds // gbs} or less" if holds >= gbs else
+               f"use --global-batch-size {holds} or less (a multiple of the data-parallel size)")
+        raise ConfigError(f"--eval-iters {args.eval_iters} x --global-batch-size {gbs} = {args.eval_iters * gbs:,} "
+                          f"samples, but the {args.split_name} split of --data-path "
+                          f"{' '.join(p for _, p in data_path)} (--split {format_split(split)}) holds {holds:,} "
+                          f"samples of {saved.model.seq_length} tokens: it would be read "
+                          f"{-(-args.eval_iters * gbs // max(holds, 1)):,} times over; {fix}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -60,14 +88,17 @@ def main(argv=None) -> int:
         if split:
             split_rules(split)
         check_tokenizer_flags(given_tokenizer(args))
-        tag = resolve_tag(args.load, args.iteration)  # the reader's own first check, made before torch is imported
+        # The reader's own first checks (its tag, the model it records, as pretrain_gpt.py checks its flags), made
+        # before torch is imported.
+        _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
         tokenizer = None
         if given_tokenizer(args):  # checked against the model's vocabulary here, before torch too
-            saved = Config.from_dict(read_metadata(args.load, tag)["config"])
             tokenizer, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
         from megatron_lite.training.console import select_accelerator
 
         select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU
+        if args.eval_iters is not None:  # asked for: more than the split holds would repeat it, silently, for minutes
+            refuse_eval_iters_beyond_the_split(args, saved, data_path, split)
         from megatron_lite.inference.evaluation import evaluate_checkpoint
 
         start = time.time()
@@ -76,8 +107,7 @@ def main(argv=None) -> int:
                                 args.distributed_backend, args.expert_model_parallel_size, tokenizer,
                                 args.global_batch_size)
     except (ConfigError, CheckpointError) as e:
-        if is_rank_zero_from_environment():
-            print(f"evaluate.py: error: {e}", file=sys.stderr, flush=True)
+        say_once(f"evaluate.py: error: {e}")  # rank 0's line, which no other rank's exit can cut off (refusal.py)
         return 2
     if is_rank_zero_from_environment():
         print(f"evaluated {args.load} at iteration {r.iteration} on the {args.split_name} split: loss {r.loss:.6f} | "

@@ -20,6 +20,7 @@ from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
     add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
 )
 from megatron_lite.flag_numbers import add_number  # noqa: E402
+from megatron_lite.validation.saved_config import checkpoint_config, saved_config  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:  # the tokenizer flags' own checks, and for a folder the reader's first one, made before torch is imported
+    try:  # the tokenizer flags' own checks, and for a folder the reader's first ones (its tag, the model it records,
+        # checked as pretrain_gpt.py checks its flags), made before torch is imported
         check_tokenizer_flags(given_tokenizer(args))
         if not os.path.isfile(args.load):
-            resolve_tag(args.load, args.iteration)
+            checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
     except CheckpointError as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
@@ -61,7 +63,7 @@ def main(argv=None) -> int:
     from megatron_lite.inference.prompt import prompt_ids
 
     try:
-        config, model = load_dense_model(args.load, args.iteration)
+        config, model = load_dense_model(args.load, args.iteration, check_merged=saved_config)
         _, tokenizer = checkpoint_tokenizer(config, given_tokenizer(args), f"the model in {args.load}")
         prompt = prompt_ids(tokenizer, args.prompt)
         options = SamplingOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -129,9 +129,15 @@ def read_latest(directory: str) -> Optional[str]:
             tag = f.read().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: cannot be read ({e})") from None
-    if not tag or os.sep in tag or not os.path.isdir(os.path.join(directory, tag)):
-        raise CheckpointError(f"{path} names '{tag}', but {os.path.join(directory, tag)} does not exist; write the "
-                              f"name of a complete iter_XXXXXXX folder into it")
+    fix = f"write the name of a complete iter_XXXXXXX folder of {directory} into it"
+    if not tag:
+        raise CheckpointError(f"{path} is empty; {fix}")
+    # A path (`../../../etc`, an absolute one) would read another folder as this checkpoint, even when it exists.
+    if os.sep in tag or (os.altsep and os.altsep in tag) or tag in (os.curdir, os.pardir):
+        raise CheckpointError(f"{path} names '{tag}', a path, but it holds the name of a folder inside {directory} "
+                              f"(a checkpoint's files are read from its own folder only); {fix}")
+    if not os.path.isdir(os.path.join(directory, tag)):
+        raise CheckpointError(f"{path} names '{tag}', but {os.path.join(directory, tag)} does not exist; {fix}")
     return tag
 
 
@@ -207,6 +213,9 @@ def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
     """The tag to read from --load (iteration N's, else the one `latest` names); CheckpointError naming
     --load, --iteration or `latest` when there is none."""
     if not os.path.isdir(load_dir):
+        if os.path.exists(load_dir):
+            raise CheckpointError(f"--load {load_dir} is a file, not a checkpoint folder; give the --save folder of a "
+                                  f"pretrain_gpt.py run")
         raise CheckpointError(f"--load {load_dir}: no such folder; give the --save folder of a pretrain_gpt.py run")
     if iteration is not None:
         tag = tag_for(iteration)
@@ -215,15 +224,11 @@ def resolve_tag(load_dir: str, iteration: Optional[int]) -> str:
             raise CheckpointError(f"--iteration {iteration}: {os.path.join(load_dir, tag)} does not exist; "
                                   f"saved iterations: {', '.join(have) or 'none'}")
         return tag
-    latest = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(latest):
-        raise CheckpointError(f"{latest}: no such file, so there is no complete checkpoint to read; "
-                              f"give --iteration N for one of the iter_XXXXXXX folders, or a folder written by "
+    tag = read_latest(load_dir)
+    if tag is None:
+        raise CheckpointError(f"{os.path.join(load_dir, LATEST)}: no such file, so there is no complete checkpoint to "
+                              f"read; give --iteration N for one of the iter_XXXXXXX folders, or a folder written by "
                               f"pretrain_gpt.py --save")
-    with open(latest) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise CheckpointError(f"{latest} names '{tag}', but {os.path.join(load_dir, tag)} does not exist")
     return tag
 
 

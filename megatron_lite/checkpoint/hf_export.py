@@ -84,17 +84,20 @@ def architecture_of(config: Config):
     return hf_gpt2
 
 
-def _tokenizer(config: Config, tokenizer_model: Optional[str], vocab_file: Optional[str],
-               merge_file: Optional[str]):
-    """(files to copy as [(path, name in the folder)], bos id, eos id) of the tokenizer the run used, its
-    files found where the run had them unless given again; ([], None, None) for a NullTokenizer."""
+def _tokenizer(config: Config, fields: Optional[dict]):
+    """(files to copy as [(path, name in the folder)], bos id, eos id) of the tokenizer `fields` name (the tool's
+    flags, checked against the model by checkpoint/tokenizer.py), else of the one the run recorded, its files where
+    the run had them; ([], None, None) for a NullTokenizer."""
     from megatron_lite.data.tokenizer import build_tokenizer, tokenizer_files
 
     d = config.data
-    kind = d.tokenizer_type
+    if fields is None:
+        fields = {"tokenizer_type": d.tokenizer_type, "tokenizer_model": d.tokenizer_model,
+                  "vocab_file": d.vocab_file, "merge_file": d.merge_file}
+    kind = fields["tokenizer_type"]
     if kind in (None, "NullTokenizer"):
         return [], None, None
-    model, vocab, merges = tokenizer_model or d.tokenizer_model, vocab_file or d.vocab_file, merge_file or d.merge_file
+    model, vocab, merges = fields["tokenizer_model"], fields["vocab_file"], fields["merge_file"]
     try:
         tokenizer = build_tokenizer(kind, model, config.model.vocab_size, vocab, merges)
         files = tokenizer_files(kind, model, vocab, merges)
@@ -112,10 +115,11 @@ def hf_tensors(config: Config, dense, dtype: torch.dtype):
                     for k, v in module.to_hf(dense, config.model).items()}
 
 
-def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, tokenizer_model: Optional[str] = None,
-              dtype: str = "float32", vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-              overwrite: bool = False) -> dict:
-    """`overwrite`: replace an earlier export, once the new one is whole (never the checkpoint read)."""
+def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[dict] = None,
+              dtype: str = "float32", overwrite: bool = False) -> dict:
+    """`tokenizer`: the tokenizer fields to copy the files of (checkpoint/tokenizer.py checkpoint_tokenizer's,
+    default the run's); `overwrite`: replace an earlier export, once the new one is whole (never the checkpoint
+    read)."""
     refuse_filled_folder(output, overwrite, load_dir)
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
@@ -124,7 +128,7 @@ def export_hf(load_dir: str, output: str, iteration: Optional[int] = None, token
     architecture_of(config)  # refuse before reading any weights
     from safetensors.torch import save_file
 
-    tokenizer_files, bos_id, eos_id = _tokenizer(config, tokenizer_model, vocab_file, merge_file)
+    tokenizer_files, bos_id, eos_id = _tokenizer(config, tokenizer)
     _, dense = dense_state_dict(reader)
     module, tensors = hf_tensors(config, dense, DTYPES[dtype])
     hf_config = dict(module.hf_config(config.model), bos_token_id=bos_id, eos_token_id=eos_id, torch_dtype=dtype)

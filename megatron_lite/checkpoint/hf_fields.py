@@ -10,12 +10,21 @@ the flags use:
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from megatron_lite.checkpoint.format import CheckpointError
 from megatron_lite.flag_numbers import problem
 
 REQUIRED = object()
+
+
+def as_json(value: Any) -> str:
+    """A config.json value as the file spells it (true, null, ["a"], NaN), not as Python does (True, None, ['a'])."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _value(c: dict, key: str, default: Any) -> Any:
@@ -33,7 +42,7 @@ def whole(c: dict, key: str, where: str, default: Any = REQUIRED, minimum: int =
         value = int(value)
     why = problem(value, True, minimum=minimum)
     if why:
-        raise CheckpointError(f"{where}: {key} = {value!r} {why}")
+        raise CheckpointError(f"{where}: {key} = {as_json(value)} {why}")
     return value
 
 
@@ -43,7 +52,7 @@ def real(c: dict, key: str, where: str, default: Any = REQUIRED, minimum=None, a
     value = _value(c, key, default)
     why = problem(value, False, minimum=minimum, above=above, maximum=maximum, below=below)
     if why:
-        raise CheckpointError(f"{where}: {key} = {value!r} {why}")
+        raise CheckpointError(f"{where}: {key} = {as_json(value)} {why}")
     return float(value)
 
 

@@ -20,7 +20,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import real, refuse_gpt_oss_parts, whole
+from megatron_lite.checkpoint.hf_fields import as_json, real, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -106,7 +106,7 @@ def hf_config(m: ModelConfig) -> dict:
 
 
 def _refuse(where: str, field: str, value, reason: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {field} = {value!r} {reason}")
+    return CheckpointError(f"{where}: {field} = {as_json(value)} {reason}")
 
 
 def model_fields(c: dict, where: str) -> dict:

@@ -28,7 +28,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_llama, hf_moe
 from megatron_lite.checkpoint.hf_deepseek_moe import field_error, refuse_first
-from megatron_lite.checkpoint.hf_fields import real, whole
+from megatron_lite.checkpoint.hf_fields import as_json, real, whole
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.activation import QUICK_GELU_ALPHA  # --quick-geglu's sigmoid gain: swiglu_alpha's default
 from megatron_lite.model.attention_options import layer_window
@@ -129,7 +129,7 @@ def _windows(c: dict, where: str, layers: int) -> dict:
         types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
         raise field_error(where, "layer_types", types, f"it must list {layers} entries (num_hidden_layers), each "
-                          f"{SLIDING!r} or {FULL!r}")
+                          f"{as_json(SLIDING)} or {as_json(FULL)}")
     sliding = [t == SLIDING for t in types]
     if c.get("sliding_window") is None or not any(sliding):  # transformers: no window, full attention everywhere
         return {}

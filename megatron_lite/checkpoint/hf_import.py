@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -53,7 +54,7 @@ from megatron_lite.checkpoint.format import (
     write_latest,
     write_metadata,
 )
-from megatron_lite.checkpoint.hf_fields import whole
+from megatron_lite.checkpoint.hf_fields import as_json, whole
 from megatron_lite.checkpoint.hf_folder import WeightFiles, read_config
 from megatron_lite.checkpoint.hf_fp8 import BlockScaledWeights, block_size
 from megatron_lite.checkpoint.hf_mxfp4 import Mxfp4Weights, is_mxfp4
@@ -76,7 +77,7 @@ def architecture(hf: dict, where: str):
     names = hf.get("architectures") or []
     known = [n for n in names if n in ARCHITECTURES]
     if not known:
-        raise CheckpointError(f"{where}: architectures = {names!r} is not supported; import-hf reads "
+        raise CheckpointError(f"{where}: architectures = {as_json(names)} is not supported; import-hf reads "
                               f"{', '.join(ARCHITECTURES)}")
     return known[0], ARCHITECTURES[known[0]]
 
@@ -120,7 +121,8 @@ def imported_config(hf: dict, module, tp: int, pp: int, partition_method: Option
     try:
         config = validate(config)
     except ConfigError as e:
-        raise CheckpointError(f"{where} describes a model megatron_lite cannot build: {e}") from None
+        raise CheckpointError(f"{where} describes a model megatron_lite cannot build: "
+                              f"{in_config_terms(str(e), hf)}") from None
     experts = config.model.num_experts
     if ep > 1 and (experts is None or experts % ep):
         fits = [d for d in range(1, (experts or 1) + 1) if experts and not experts % d]
@@ -195,6 +197,42 @@ def _owned_slice(full: torch.Tensor, info, tp: int, rank: int) -> torch.Tensor:
     return piece.clone() if tp > 1 else piece
 
 
+# Our model flags as config.json spells them (the first a folder has, else the first): validation's refusals name
+# flags, and import-hf takes none. Before, a folder with 3 key/value heads of 4 was told "Use --num-query-groups".
+CONFIG_NAMES = {"--num-query-groups": ("num_key_value_heads",), "--kv-channels": ("head_dim",),
+                "--num-attention-heads": ("num_attention_heads", "n_head"), "--hidden-size": ("hidden_size", "n_embd"),
+                "--ffn-hidden-size": ("intermediate_size", "n_inner"), "--num-layers": ("num_hidden_layers", "n_layer"),
+                "--num-experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                "--moe-ffn-hidden-size": ("moe_intermediate_size",), "--moe-router-topk": ("num_experts_per_tok",),
+                "--max-position-embeddings": ("max_position_embeddings", "n_positions"),
+                "--vocab-size": ("vocab_size",), "--norm-epsilon": ("rms_norm_eps", "layer_norm_epsilon"),
+                "--moe-shared-expert-intermediate-size": ("shared_expert_intermediate_size",),
+                "--rotary-base": ("rope_theta",), "--window-size": ("sliding_window",)}
+
+
+def in_config_terms(message: str, hf: dict) -> str:
+    """A validation refusal with each model flag it names replaced by its config.json field."""
+    def field(match) -> str:
+        names = CONFIG_NAMES.get(match.group(0))
+        return next((n for n in names if n in hf), names[0]) if names else match.group(0)
+
+    return re.sub(r"--[a-z][a-z0-9-]*", field, message)
+
+
+# config.json's fields that give tensor shapes, as the architectures we read spell them.
+SHAPE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_size", "n_inner",
+                "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "vocab_size",
+                "max_position_embeddings", "n_positions", "moe_intermediate_size", "num_local_experts", "num_experts",
+                "n_routed_experts", "n_shared_experts", "shared_expert_intermediate_size", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers")
+
+
+def shape_fields(hf: dict, where: str) -> str:
+    """The config.json fields a tensor's shape comes from, as a refusal names them."""
+    named = ", ".join(f"{k} {hf[k]}" for k in SHAPE_FIELDS if k in hf)
+    return f"the fields of {where} ({named})"
+
+
 def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callable[[Config], Config],
               partition_method: Optional[str] = None, seq_length: Optional[int] = None,
               log: Callable[[str], None] = print, overwrite: bool = False, ep: int = 1,
@@ -233,6 +271,8 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
     def read(name: str) -> torch.Tensor:
         return files.read(name).to(torch.float32)
 
+    fields = shape_fields(hf, where)  # what a shape refusal names: import-hf takes no model flag
+
     tag = tag_for(0)
     largest = 0
     with atomic_folder(output, replace=overwrite) as tmp_root:
@@ -247,15 +287,15 @@ def import_hf(input_folder: str, output: str, tp: int, pp: int, validate: Callab
                     entry = by_ours[f"layers.{spec}.{info.name}"]
                     largest = max(largest, math.prod(entry.shape))
                     if info.experts:
-                        shard[info.name] = _expert_slice(entry, info, tp, r, files, module.FLAGS)
+                        shard[info.name] = _expert_slice(entry, info, tp, r, files, fields)
                     elif info.partition_dim == 0 and tp > 1 and not entry.transposed:
-                        shard[info.name] = _rows_of_rank(entry, info, tp, r, files, module.FLAGS)
+                        shard[info.name] = _rows_of_rank(entry, info, tp, r, files, fields)
                     else:
-                        full = hf_mapping.ours_of(entry, read, module.FLAGS)
+                        full = hf_mapping.ours_of(entry, read, fields)
                         shard[info.name] = _owned_slice(full, info, tp, r)
                         del full  # the next tensor is read with this one freed
                 for buffer in layout.buffers[spec]:  # a router's expert bias: whole in every TP rank's file
-                    shard[buffer] = hf_mapping.ours_of(by_ours[f"layers.{spec}.{buffer}"], read, module.FLAGS)
+                    shard[buffer] = hf_mapping.ours_of(by_ours[f"layers.{spec}.{buffer}"], read, fields)
                 torch_save(shard, os.path.join(tmp, layer_file(spec, r)))
                 del shard
             log(f"  layer {spec:02d}: {len(layout.params[spec])} tensors x {tp} TP ranks")

@@ -27,7 +27,7 @@ import torch
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import real, refuse_gpt_oss_parts, whole
+from megatron_lite.checkpoint.hf_fields import as_json, real, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.rotary import (
@@ -200,7 +200,7 @@ def hf_config(m: ModelConfig, qkv_bias: bool = False, partial_rotary: bool = Fal
 
 
 def _refuse(where: str, field: str, value, reason: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {field} = {value!r} {reason}")
+    return CheckpointError(f"{where}: {field} = {as_json(value)} {reason}")
 
 
 def _rope(c: dict, where: str) -> dict:

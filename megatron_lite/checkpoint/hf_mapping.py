@@ -70,19 +70,25 @@ def _some(names: List[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+def _source(flags: str) -> str:
+    """What gives the shapes, as a refusal names it: `flags` is an export's model flags ("--num-layers, ...") or
+    an import's config.json fields (import-hf takes no model flag: hf_import.py's shape_fields)."""
+    return f"the model flags ({flags})" if flags.startswith("--") else flags
+
+
 def check_names(have: Iterable[str], want: Iterable[str], what: str, flags: str) -> None:
     have, want = set(have), set(want)
     missing, extra = sorted(want - have), sorted(have - want)
     if missing or extra:
         problems = [f"lacks {_some(missing)}"] if missing else []
         problems += [f"has unexpected {_some(extra)}"] if extra else []
-        raise CheckpointError(f"{what} {' and '.join(problems)}: it is not the model the config describes ({flags})")
+        raise CheckpointError(f"{what} {' and '.join(problems)}: it is not the model {_source(flags)} describe")
 
 
 def check_shape(name: str, actual: Tuple[int, ...], shape: Tuple[int, ...], flags: str) -> None:
     if tuple(actual) != tuple(shape):
-        raise CheckpointError(f"{name} is {list(actual)}, the config needs {list(shape)}: the model flags "
-                              f"({flags}) must describe the same model")
+        raise CheckpointError(f"{name} is {list(actual)}, the config needs {list(shape)}: {_source(flags)} must "
+                              f"describe the same model")
 
 
 def theirs_of(entry: Mapped, tensor: torch.Tensor, flags: str) -> List[Tuple[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -48,12 +48,19 @@ def save_merged(path: str, config: Config, state: Dict[str, torch.Tensor], itera
                 "iteration": iteration, "consumed_samples": consumed_samples}, path)
 
 
-def load_merged(path: str) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
-    """(config, state dict, {"iteration", "consumed_samples"}) of a file written by `merge`."""
+def load_merged(path: str, check: Optional[Callable[[Any, str], Config]] = None
+                ) -> Tuple[Config, Dict[str, torch.Tensor], dict]:
+    """(config, state dict, {"iteration", "consumed_samples"}) of a file written by `merge`; `check(config dict,
+    path) -> Config` reads the recorded config (default: as recorded, unchecked)."""
     saved = load_file(path)
     if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a merged checkpoint written by tools/convert_checkpoint.py merge")
-    config = Config.from_dict(json.loads(saved["config_json"]))
+    try:
+        recorded = json.loads(saved["config_json"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: its config_json is missing or not JSON; write it again with "
+                              f"tools/convert_checkpoint.py merge") from None
+    config = check(recorded, path) if check else Config.from_dict(recorded)
     return config, saved["model"], {"iteration": saved["iteration"], "consumed_samples": saved["consumed_samples"]}
 
 

@@ -60,9 +60,13 @@ def refuse_filled_folder(output: str, overwrite: bool = False, source: Optional[
 def hf_config_path(folder: str) -> str:
     """import-hf's --input: a folder with a config.json; the path of that file."""
     path = os.path.join(folder, "config.json")
+    give = "give a Hugging Face model folder (config.json and model.safetensors, as save_pretrained writes)"
     if not os.path.isdir(folder):
-        raise CheckpointError(f"--input {folder}: no such folder; give a Hugging Face model folder (config.json "
-                              f"and model.safetensors, as save_pretrained writes)")
+        if os.path.exists(folder):
+            raise CheckpointError(f"--input {folder} is a file, not a folder; {give}")
+        raise CheckpointError(f"--input {folder}: no such folder; {give}")
+    if os.path.isdir(path):
+        raise CheckpointError(f"--input {folder}: its config.json is a folder, not the model's JSON file; {give}")
     if not os.path.isfile(path):
         raise CheckpointError(f"--input {folder} has no config.json: it is not a Hugging Face model folder")
     return path

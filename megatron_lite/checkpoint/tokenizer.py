@@ -108,6 +108,12 @@ def fitting_tokenizer(fields: dict, vocab_size: int, model: str):
 def checkpoint_tokenizer(config: Config, given: dict, model: str) -> Tuple[dict, object]:
     """(the tokenizer fields, the tokenizer) a tool reads the checkpoint's model with; see fitting_tokenizer."""
     fields = chosen_tokenizer(config.data, given)
+    for field in TOKENIZER_FILE_FIELDS[fields["tokenizer_type"]]:
+        path = fields[field]
+        if path and field not in given and not os.path.exists(path):  # the recorded file, moved or deleted since
+            # Before: "train one with tools/train_tokenizer.py", as if the user had never had one.
+            raise CheckpointError(f"{model} was trained with {_flag(field)} {path}, which is not there any more: "
+                                  f"give its new place with {_flag(field)} PATH")
     return fields, fitting_tokenizer(fields, config.model.vocab_size, model)
 
 

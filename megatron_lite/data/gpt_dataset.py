@@ -180,6 +180,19 @@ def _tokens(ds: IndexedDataset, documents: Tuple[int, int]) -> int:
     return int(ds.sequence_lengths[first:last].sum(dtype=np.int64))
 
 
+def one_epoch_samples(data_path: Sequence[Tuple[float, str]], split: Sequence[float], seq_length: int,
+                      split_name: str) -> int:
+    """How many samples one pass over a split's documents gives (a GPTDataset's epoch; blended, the most before
+    some dataset's share starts a second pass); more are drawn by repeating it. ValueError as check_splits."""
+    datasets = [IndexedDataset(prefix) for _, prefix in data_path]
+    wanted = [None if name == split_name else 0 for name in SPLIT_NAMES]
+    i = SPLIT_NAMES.index(split_name)
+    ranges = check_splits(datasets, split, wanted)
+    total_weight = sum(w for w, _ in data_path)
+    return min(int(max(_tokens(ds, r[i]) - 1, 0) // seq_length / (w / total_weight))
+               for ds, r, (w, _) in zip(datasets, ranges, data_path))
+
+
 def build_train_valid_test_datasets(data_path: Sequence[Tuple[float, str]], split: Sequence[float], seq_length: int,
                                     num_samples: Sequence[Optional[int]], seed: int, cache_path: Optional[str],
                                     eod_token: int, eod_mask_loss: bool, vocab_size: Optional[int] = None,

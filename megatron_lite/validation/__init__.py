@@ -7,12 +7,10 @@ independent problems are reported together.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config
 from megatron_lite.validation.compile import compile_rules
-from megatron_lite.validation.dependent_flags import dependent_flag_rules
-from megatron_lite.validation.numbers import numbers_of
 from megatron_lite.validation.numerical_guard import numerical_guard_rules
 from megatron_lite.validation.probes import data_rules, deepspeed_rules, tokenizer_matches_data, tokenizer_rules
 from megatron_lite.validation.resume import checkpoint_rules
@@ -23,26 +21,22 @@ from megatron_lite.validation.watchdog import watchdog_rules
 from megatron_lite.validation.rules import (
     batch_rules,
     logging_rules,
-    model_rules,
     muon_rules,
     optimizer_rules,
-    parallel_rules,
     precision_rules,
     training_rules,
 )
-
-Rule = Callable[[Config, List[str]], Config]
+from megatron_lite.validation.sections import MODEL_SECTIONS, Section, numbers_section, run_sections
 
 # (name, rule, the sections it needs to have passed); a section comes after those it needs.
-NUMBERS = {s: f"numbers of {s}" for s in ("model", "parallel", "batch", "optimizer", "precision", "data", "training",
-                                          "logging", "numerical_guard", "watchdog")}
+NUMBERS = {s: numbers_section(s)[0] for s in ("model", "parallel", "batch", "optimizer", "precision", "data",
+                                             "training", "logging", "numerical_guard", "watchdog")}
 """A rule per config section checking its numbers first (validation/numbers.py); every rule needs those of the
 sections it reads, so it compares and divides values known to be finite and in range."""
-SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
-    *((name, numbers_of(section), ()) for section, name in NUMBERS.items()),
-    ("dependent-flags", dependent_flag_rules, ()),  # before any rule completes a field it compares to its default
-    ("parallel", parallel_rules, (NUMBERS["parallel"], NUMBERS["model"])),
-    ("model", model_rules, ("parallel",)),
+_MODEL_RULES = MODEL_SECTIONS[2:]  # dependent flags, parallel, model (sections.py): after every section's numbers
+SECTIONS: Tuple[Section, ...] = (
+    *(numbers_section(section) for section in NUMBERS),
+    *_MODEL_RULES,
     ("batch", batch_rules, ("parallel", NUMBERS["batch"])),
     ("pipeline-schedule", pipeline_schedule_rules, ("parallel", "model", "batch")),
     ("training", training_rules, (NUMBERS["training"],)),
@@ -65,22 +59,4 @@ SECTIONS: Tuple[Tuple[str, Rule, Tuple[str, ...]], ...] = (
 
 def validate(config: Config, world_size: Optional[int] = None) -> Tuple[Config, List[str]]:
     """The checked, completed config and the notes rank 0 prints; ConfigError lists every problem found."""
-    if world_size is not None:
-        config = config.replace(parallel__world_size=world_size)
-    notes: List[str] = []
-    failed: Dict[str, Optional[ConfigError]] = {}  # section -> its error, or None when skipped
-    for name, rule, needs in SECTIONS:
-        if any(n in failed for n in needs):
-            failed[name] = None
-            continue
-        try:
-            config = rule(config, notes)
-        except ConfigError as e:
-            failed[name] = e
-    problems = [error for error in failed.values() if error]
-    if len(problems) == 1:
-        raise problems[0]
-    if problems:
-        raise ConfigError(f"{len(problems)} problems:\n" + "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1)),
-                          codes=[code for p in problems for code in p.codes])
-    return config, notes
+    return run_sections(config, SECTIONS, world_size)

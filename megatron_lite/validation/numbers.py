@@ -77,6 +77,9 @@ def number_rules(config: Config, notes: List[str], sections: Optional[Sequence[s
         value = getattr(getattr(config, section), field.name)
         if value is None:
             continue
+        if many and not isinstance(value, (tuple, list)):  # a saved config's field of the wrong kind ("abc")
+            problems.append(f"{field.metadata['flag']} takes {'whole ' if kind is int else ''}numbers, got {value!r}")
+            continue
         for item in (value if many else (value,)):
             if kind is float and isinstance(item, int) and not isinstance(item, bool):
                 item = float(item)  # code may write lr=1 for 1.0

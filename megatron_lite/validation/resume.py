@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Iterable, List, Optional
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, flag_fields
 from megatron_lite.config.flag_values import moe_layer_list
 from megatron_lite.data.tokenizer import TOKENIZER_FIELDS
 from megatron_lite.validation.latent_attention import MLA_FIELDS
@@ -71,6 +71,41 @@ def flag_name(field: str) -> str:
     return FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
 
 
+def shown(value) -> str:
+    """A field's value as a user reads it: not Python's spelling ("None", "(3, 0)", "True")."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _field(section: str, name: str):
+    """The dataclass field of a flag, or None for a derived field (no flag of its own)."""
+    return next((f for s, f in flag_fields() if s == section and f.name == name and "flag" in f.metadata), None)
+
+
+def _as_written(f, value) -> str:
+    """A compared value as its flag takes it (--window-size 3,0), else as shown(); a --moe-layer-freq pattern is
+    compared as the layer list it means (_value) and shown so."""
+    if value is not None and f is not None and "unparse" in f.metadata and f.name != "moe_layer_freq":
+        return " ".join(f.metadata["unparse"](value))
+    return shown(value)
+
+
+def _resume_advice(use_checkpoint_args: bool) -> str:
+    """What makes this run resume the checkpoint's model. A flag typed on the command line wins over
+    --use-checkpoint-args and is then compared, so that flag alone never helps: before, a changed
+    --moe-router-topk was told to add it, and the run was refused again."""
+    keep = "leave out the model flags that differ (one given here overrides the checkpoint's value, then is compared)"
+    if use_checkpoint_args:
+        return f"{keep}, or start a new run with another --save"
+    return (f"give the checkpoint's values, or add --use-checkpoint-args and {keep}, or start a new run with "
+            f"another --save")
+
+
 def _applies(field: str, saved: Config) -> bool:
     position = saved.model.position_embedding_type
     if field == "max_position_embeddings":
@@ -111,7 +146,8 @@ def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optio
             continue
         before, after = _value(saved, section, name), _value(new, section, name)
         if before != after:
-            problems.append(f"{flag_name(name)}: checkpoint {before}, this run {after}")
+            f = _field(section, name)
+            problems.append(f"{flag_name(name)}: checkpoint {_as_written(f, before)}, this run {_as_written(f, after)}")
     if saved_tokenizer_sha256 and new_tokenizer_sha256 and saved_tokenizer_sha256 != new_tokenizer_sha256:
         d = new.data
         files = " ".join(f"{flag} {path}" for flag, path in (("--tokenizer-model", d.tokenizer_model),
@@ -125,15 +161,16 @@ def resume_differences(saved: Config, new: Config, saved_tokenizer_sha256: Optio
 
 def _saved(load: str):
     """(tag folder, metadata, saved Config) of --load's checkpoint; None when it holds none yet."""
-    from megatron_lite.checkpoint.format import CheckpointError, probe_load_dir, read_metadata
+    from megatron_lite.checkpoint.format import CheckpointError, probe_load_dir
+    from megatron_lite.validation.saved_config import checkpoint_config
 
     try:
         tag = probe_load_dir(load)
         if tag is None:
             return None
-        metadata = read_metadata(load, tag)
-        return os.path.join(load, tag), metadata, Config.from_dict(metadata["config"])
-    except (CheckpointError, TypeError) as e:
+        metadata, saved = checkpoint_config(load, tag)  # the model it records, checked as every reader checks it
+        return os.path.join(load, tag), metadata, saved
+    except CheckpointError as e:
         raise ConfigError(str(e)) from None
 
 
@@ -199,10 +236,7 @@ def checkpoint_rules(config: Config, notes: List[str]) -> Config:
     new_sha = tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     problems = resume_differences(saved, config, metadata.get("tokenizer_sha256"), new_sha)
     if problems:
-        hint = ("add --use-checkpoint-args to take them from the checkpoint" if not config.training.use_checkpoint_args
-                else "drop the flags that disagree")
-        raise ConfigError(f"--load {where} was trained with another model; {hint}, or resume with the checkpoint's "
-                          f"values (or start a new run with another --save): " + "; ".join(problems))
+        raise ConfigError(f"--load {where} was trained with another model (" + "; ".join(problems) + f"): {_resume_advice(config.training.use_checkpoint_args)}")
     from megatron_lite.checkpoint.layout_free import storage_of
 
     from megatron_lite.checkpoint.format import weights_only

@@ -145,3 +145,45 @@ def test_a_killed_reshards_temporary_folder_is_removed_by_the_next_reshard(zero1
              "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "2",
              "--no-optimizer")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_generate_with_the_recorded_tokenizer_moved_names_the_recorded_file_and_the_flag_to_give(zero1_run, tmp_path):
+    """Issue 61, class 9: before, "train one with tools/train_tokenizer.py", as if there had never been one."""
+    import json
+
+    from megatron_lite.checkpoint.format import METADATA, read_latest
+
+    ckpt = copy_checkpoint(zero1_run, tmp_path / "ckpt")
+    path = os.path.join(ckpt, read_latest(ckpt), METADATA)
+    with open(path) as f:
+        metadata = json.load(f)
+    moved = str(tmp_path / "gone" / "tokenizer.model")
+    metadata["config"]["data"]["tokenizer_model"] = moved
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    line = _error(run_tool("tools/generate.py", "--load", ckpt, "--prompt", "def", check=False))
+    assert line.endswith(f"the model in {ckpt} was trained with --tokenizer-model {moved}, which is not there any "
+                         f"more: give its new place with --tokenizer-model PATH"), line
+
+
+WRONG_KINDS = {  # issue 61, class 9: before, each was "no such folder" or "has no config.json" for a path that exists
+    "import-hf --input a file": (lambda t: ("tools/convert_checkpoint.py", "import-hf", "--input", t / "file",
+                                            "--output", t / "out"), "--input {t}/file is a file, not a folder"),
+    "import-hf config.json a folder": (lambda t: ("tools/convert_checkpoint.py", "import-hf", "--input", t / "hf",
+                                                  "--output", t / "out"),
+                                       "--input {t}/hf: its config.json is a folder, not the model's JSON file"),
+    "evaluate --load a file": (lambda t: ("tools/evaluate.py", "--load", t / "file"),
+                               "--load {t}/file is a file, not a checkpoint folder"),
+    "merge --load a file": (lambda t: ("tools/convert_checkpoint.py", "merge", "--load", t / "file", "--output",
+                                       t / "out.pt"), "--load {t}/file is a file, not a checkpoint folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_KINDS))
+def test_a_path_of_the_wrong_kind_is_named_as_what_it_is_not_as_missing(case, tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "hf" / "config.json").mkdir(parents=True)
+    command, says = WRONG_KINDS[case]
+    line = _error(run_tool(*command(tmp_path), check=False))
+    assert says.format(t=tmp_path) in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.pt").exists()

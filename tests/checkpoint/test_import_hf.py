@@ -208,7 +208,7 @@ def test_use_checkpoint_args_takes_qwen3s_head_width_and_qk_norm_and_a_run_witho
     assert not m.untie_embeddings_and_output_weights
     with pytest.raises(ConfigError, match=r"--kv-channels \(the head width\): checkpoint 16, this run 8"):
         parse_args(base + ["--use-checkpoint-args", "--kv-channels", "8"], world_size=4)
-    with pytest.raises(ConfigError, match=r"--qk-layernorm: checkpoint True, this run False"):
+    with pytest.raises(ConfigError, match=r"--qk-layernorm: checkpoint on, this run off"):
         parse_args(base, world_size=4)
 
 
@@ -296,18 +296,23 @@ def _drop_tensor(src, dst, name):
 
 REFUSALS = {
     "architecture": (lambda f, d: _edit_config(f, d, architectures=["BertForMaskedLM"]),
-                     "architectures = ['BertForMaskedLM'] is not supported"),
+                     'architectures = ["BertForMaskedLM"] is not supported'),
     "missing weight": (lambda f, d: _drop_tensor(f, d, "model.layers.1.mlp.up_proj.weight"),
                        "lacks the tensor model.layers.1.mlp.up_proj.weight"),
     "shape": (lambda f, d: _edit_config(f, d, intermediate_size=96),
-              "model.layers.0.mlp.gate_proj.weight is [64, 32], the config needs [96, 32]"),
+              # import-hf takes no model flag: the refusal names config.json's fields (before: "the model flags")
+              "model.layers.0.mlp.gate_proj.weight is [64, 32], the config needs [96, 32]: the fields of "),
+    "shape names the field": (lambda f, d: _edit_config(f, d, intermediate_size=96), "intermediate_size 96"),
+    # validation's refusal in config.json's terms (before: "Use --num-query-groups ...", a flag import-hf lacks)
+    "key/value heads named as config.json names them": (lambda f, d: _edit_config(f, d, num_key_value_heads=3),
+                                                         "num_key_value_heads 3 does not divide num_attention_heads"),
     "rope scaling": (lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "dynamic", "factor": 4.0},
                                                rope_parameters=None),
-                     "rope_scaling.rope_type = 'dynamic' is not supported"),
+                     'rope_scaling.rope_type = "dynamic" is not supported'),
     "yarn without its original context": (
         lambda f, d: _edit_config(f, d, rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None),
         "original_max_position_embeddings"),
-    "biases": (lambda f, d: _edit_config(f, d, attention_bias=True), "attention_bias = True is not supported"),
+    "biases": (lambda f, d: _edit_config(f, d, attention_bias=True), "attention_bias = true is not supported"),
     "tied head": (lambda f, d: _edit_config(f, d, tie_word_embeddings=True),
                   "ties the output head to the embedding (tie_word_embeddings), but lm_head.weight differs"),
     "sliding window of 1": (lambda f, d: _edit_config(f, d, architectures=["MistralForCausalLM"],
@@ -315,7 +320,7 @@ REFUSALS = {
                             "sliding_window = 1 must be at least 2"),
     "qwen3 sliding window": (lambda f, d: _edit_config(f, d, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
                                                        use_sliding_window=True, sliding_window=16),
-                             "use_sliding_window = True is not supported"),
+                             "use_sliding_window = true is not supported"),
     "qwen3 without qk-norm weights": (lambda f, d: _edit_config(f, d, architectures=["Qwen3ForCausalLM"],
                                                                 model_type="qwen3"),
                                       "lacks the tensor model.layers.0.self_attn.k_norm.weight and 7 more"),
@@ -326,7 +331,7 @@ REFUSALS = {
                            "num_attention_heads = 0 must be at least 1"),
     "infinite layers": (lambda f, d: _edit_config(f, d, num_hidden_layers=float("inf")),
                         "num_hidden_layers"),
-    "nan epsilon": (lambda f, d: _edit_config(f, d, rms_norm_eps=float("nan")), "rms_norm_eps = nan must be a finite "
+    "nan epsilon": (lambda f, d: _edit_config(f, d, rms_norm_eps=float("nan")), "rms_norm_eps = NaN must be a finite "
                                                                                 "number"),
 }
 
@@ -503,3 +508,25 @@ def test_import_hf_refuses_tokenizer_flags_that_name_no_usable_tokenizer_and_wri
                     *[f.format(**paths) for f in flags])
     assert said.format(**paths) in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_export_hf_copies_the_tokenizer_its_flags_name_for_a_model_without_one_after_checking_its_vocabulary(
+        imported, corpus, tmp_path):
+    """Issue 61, class 6: before, --tokenizer-model was dropped without a word for a NullTokenizer model (an import
+    without tokenizer files), and a tokenizer of another vocabulary was copied beside any model."""
+    from tokenizers import Tokenizer, models
+
+    ckpt = imported[("llama", 1, 1)]
+    out = tmp_path / "with_tokenizer"
+    run_tool("tools/convert_checkpoint.py", "export-hf", "--load", ckpt, "--output", out, "--tokenizer-model",
+             corpus[1])
+    assert (out / "tokenizer.model").read_bytes() == open(corpus[1], "rb").read()
+    other = tmp_path / "other" / "tokenizer.json"
+    other.parent.mkdir()
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0")).save(str(other))
+    refused = tmp_path / "refused"
+    line = error_line(run_tool("tools/convert_checkpoint.py", "export-hf", "--load", ckpt, "--output", refused,
+                               "--tokenizer-model", str(other.parent), check=False))
+    assert f"--tokenizer-model {other.parent} (HuggingFaceTokenizer) has 10 tokens, but the model in {ckpt} has a " \
+           f"vocabulary of {VOCAB}" in line, line
+    assert not refused.exists()

@@ -95,7 +95,7 @@ def test_an_fp8_block_scaled_folder_imports_to_the_dequantized_weights_exactly_a
 
 @pytest.mark.parametrize("edit, says", [
     (lambda c, t: c.update(quantization_config={"quant_method": "bitsandbytes"}),
-     "quantization_config {'quant_method': 'bitsandbytes'}: only fp8 e4m3 weights with block scales"),
+     'quantization_config {"quant_method": "bitsandbytes"}: only fp8 e4m3 weights with block scales'),
     (lambda c, t: t.update({"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}),
      "model.layers.0.self_attn.o_proj.weight_scale_inv has shape [1, 1]"),
     (lambda c, t: t.pop("model.layers.0.self_attn.o_proj.weight_scale_inv"),

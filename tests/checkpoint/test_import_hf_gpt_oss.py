@@ -150,14 +150,14 @@ def test_layer_types_other_than_alternating_read_as_their_window_flags():
 REFUSED = {
     "swiglu_alpha": (dict(swiglu_alpha=1.5), "swiglu_alpha = 1.5 is not supported: --quick-geglu gates with "
                                              "sigmoid(1.702 x)"),
-    "attention_bias": (dict(attention_bias=False), "attention_bias = False is not supported"),
+    "attention_bias": (dict(attention_bias=False), "attention_bias = false is not supported"),
     "layer_types pattern": (dict(layer_types=["full_attention", "sliding_attention"] * 12),
-                            "layer_types = ['full_attention', 'sliding_attention', "),
+                            'layer_types = ["full_attention", "sliding_attention", '),
     "layer_types length": (dict(layer_types=["sliding_attention"] * 3), "it must list 24 entries (num_hidden_layers)"),
-    "layer_types kind": (dict(layer_types=["chunked_attention"] * 24), "each 'sliding_attention' or 'full_attention'"),
+    "layer_types kind": (dict(layer_types=["chunked_attention"] * 24), 'each "sliding_attention" or "full_attention"'),
     "top-k": (dict(num_experts_per_tok=40), "num_experts_per_tok = 40 is more than the 32 experts"),
     "window": (dict(sliding_window=1), "sliding_window = 1 must be at least 2"),
-    "rope type": (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type = 'dynamic'"),
+    "rope type": (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 'rope_scaling.rope_type = "dynamic"'),
     "attention factor": (dict(rope_scaling=dict(GPT_OSS_120B["rope_scaling"], attention_factor=2.0)),
                          "rope_scaling.attention_factor = 2.0 is not supported"),
 }

@@ -226,8 +226,8 @@ EXPORT_REFUSALS = {
     "mixtral pre-softmax": (["--moe-router-pre-softmax"], "this model was built with --moe-router-pre-softmax"),
     "mixtral dense layer": (["--moe-layer-freq", "[1,0]"], "this model was built with --moe-layer-freq [1,0]"),
     "qwen2-moe ungated shared expert": (["--moe-shared-expert-intermediate-size", "24"],
-                                        "this model was built without --moe-shared-expert-intermediate-size and "
-                                        "--moe-shared-expert-gate"),
+                                        # it has the width: only the gate is missing (before: both were named)
+                                        "this model was built without --moe-shared-expert-gate (Mixtral"),
     "qwen3-moe shared expert": (["--qk-layernorm", "--moe-shared-expert-intermediate-size", "24",
                                  "--moe-shared-expert-gate"], "Qwen3MoeForCausalLM has no shared expert"),
     "gelu experts": (["--no-swiglu"], None),

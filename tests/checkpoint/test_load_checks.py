@@ -85,8 +85,26 @@ def test_a_resume_that_changes_the_model_lists_every_difference_by_flag(tmp_path
     message = str(info.value)
     for part in ("--num-layers: checkpoint 2, this run 3", "--hidden-size: checkpoint 32, this run 64",
                  "--ffn-hidden-size: checkpoint 128, this run 256",
-                 "--untie-embeddings-and-output-weights: checkpoint False, this run True"):
+                 "--untie-embeddings-and-output-weights: checkpoint off, this run on"):
         assert part in message, message
+
+
+def test_a_resume_that_changes_the_model_is_told_what_works_and_values_read_as_typed(tmp_path):
+    """Issue 61, class 9: before, a typed --num-attention-heads 8 was told to add --use-checkpoint-args, which then
+    refused it again (a typed flag wins over the checkpoint's, then is compared); and values read "None", "True"."""
+    saved, _ = _config()
+    folder = _fake_checkpoint(tmp_path / "ckpt", saved)
+    with pytest.raises(ConfigError) as info:
+        _config("--load", folder, "--num-attention-heads", "8", "--swiglu", "--window-size", "3,0")
+    message = str(info.value)
+    for part in ("--swiglu: checkpoint off, this run on", "--window-size: checkpoint none, this run 3,0",
+                 "give the checkpoint's values, or add --use-checkpoint-args and leave out the model flags that "
+                 "differ (one given here overrides the checkpoint's value, then is compared)"):
+        assert part in message, message
+    with pytest.raises(ConfigError) as info:
+        _config("--load", folder, "--num-layers", "3", "--use-checkpoint-args")
+    assert str(info.value).endswith("): leave out the model flags that differ (one given here overrides the "
+                                    "checkpoint's value, then is compared), or start a new run with another --save")
 
 
 def test_a_resume_may_change_the_schedule_data_batch_and_regularisation(tmp_path):

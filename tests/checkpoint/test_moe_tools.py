@@ -255,3 +255,94 @@ def test_evaluate_refuses_an_expert_parallel_size_its_data_parallel_ranks_cannot
     line = error_line(result)
     assert line.startswith("evaluate.py: error: --expert-model-parallel-size 2 does not divide data-parallel 1"), line
     assert line.endswith("Use --expert-model-parallel-size 1"), line
+
+
+def _edited_copy(ckpt, target, **model_fields):
+    """A copy of the checkpoint whose recorded config has these model fields changed (as a user's edit would)."""
+    import json
+    import shutil
+
+    from megatron_lite.checkpoint.format import METADATA, read_latest
+
+    shutil.copytree(ckpt, target)
+    path = f"{target}/{read_latest(target)}/{METADATA}"
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["config"]["model"].update(model_fields)
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    return str(target)
+
+
+READERS = {
+    "generate": lambda ckpt, out: ("tools/generate.py", "--load", ckpt, "--prompt", "1 2"),
+    "evaluate": lambda ckpt, out: ("tools/evaluate.py", "--load", ckpt),
+    "merge": lambda ckpt, out: ("tools/convert_checkpoint.py", "merge", "--load", ckpt, "--output", f"{out}/m.pt"),
+    "reshard": lambda ckpt, out: ("tools/convert_checkpoint.py", "reshard", "--load", ckpt, "--save", out,
+                                  "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size",
+                                  "1"),
+    "universal": lambda ckpt, out: ("tools/convert_checkpoint.py", "universal", "--load", ckpt, "--save", out),
+    "export-hf": lambda ckpt, out: ("tools/convert_checkpoint.py", "export-hf", "--load", ckpt, "--output", out),
+    "resume": lambda ckpt, out: ("pretrain_gpt.py", "--load", ckpt, "--use-checkpoint-args", "--save", out,
+                                 "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "4",
+                                 "--lr", "1e-3", "--data-path", f"{ckpt}/none"),
+}
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"moe_router_topk": 9}, "--moe-router-topk 9 is more than --num-experts 8"),  # before: export-hf exited 0
+    ({"window_size": "abc"}, "--window-size takes whole numbers, got 'abc'"),  # before: TypeError tracebacks
+], ids=["topk-above-experts", "window-not-numbers"])
+def test_every_reader_of_a_checkpoint_refuses_a_recorded_model_that_pretrain_refuses_naming_the_file(
+        moe_run, tmp_path, edit, says):
+    """Issue 61, class 5: generate, evaluate, merge, reshard, universal, export-hf and a resume check the recorded
+    config through one function (validation/saved_config.py), before torch starts, and write nothing."""
+    ckpt = _edited_copy(moe_run["ckpt"], tmp_path / "edited", **edit)
+    for reader, command in READERS.items():
+        out = tmp_path / f"out-{reader}"
+        line = error_line(run_tool(*command(ckpt, str(out)), check=False))
+        assert f"{ckpt}/iter_{SAVE_AT:07d}/megatron_lite.json records a model that pretrain_gpt.py refuses" in line, \
+            (reader, line)
+        assert says in line, (reader, line)
+        assert not out.exists() or not any(out.iterdir()), reader
+
+
+def test_generate_refuses_a_merged_file_whose_recorded_model_pretrain_refuses(moe_run, tmp_path):
+    import json
+
+    merged = str(tmp_path / "model.pt")
+    run_tool("tools/convert_checkpoint.py", "merge", "--load", moe_run["ckpt"], "--output", merged)
+    saved = torch.load(merged, weights_only=True)
+    config = json.loads(saved["config_json"])
+    config["model"]["moe_router_topk"] = 9
+    saved["config_json"] = json.dumps(config)
+    torch.save(saved, merged)
+    line = error_line(run_tool("tools/generate.py", "--load", merged, "--prompt", "1 2", check=False))
+    assert f"{merged} records a model that pretrain_gpt.py refuses" in line and "--moe-router-topk 9" in line, line
+
+
+@pytest.mark.parametrize("latest", ["../../../etc", "ABSOLUTE"], ids=["parent-path", "absolute-path"])
+def test_a_latest_that_names_a_path_is_refused_as_a_path_even_when_the_path_exists(moe_run, tmp_path, latest):
+    """Before: "... does not exist" for `../../../etc` and for an absolute path to a real iter folder (both exist)."""
+    import shutil
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(moe_run["ckpt"], ckpt)
+    named = f"{moe_run['ckpt']}/iter_{SAVE_AT:07d}" if latest == "ABSOLUTE" else latest
+    with open(f"{ckpt}/latest", "w") as f:
+        f.write(named)
+    for command in (READERS["generate"](ckpt, ""), READERS["resume"](ckpt, str(tmp_path / "out"))):
+        line = error_line(run_tool(*command, check=False))
+        assert f"{ckpt}/latest names '{named}', a path, but it holds the name of a folder inside {ckpt}" in line, line
+
+
+def test_evaluate_refuses_more_eval_iters_than_the_split_holds_before_any_process_group(moe_run):
+    """Issue 61, class 10: before, --eval-iters 100000 on a split of a few dozen samples read it thousands of times
+    over, silently, for minutes."""
+    result = run_tool("tools/evaluate.py", "--load", moe_run["ckpt"], "--data-path", moe_run["data"], "--split",
+                      "50,50,0", "--eval-iters", "100000", "--global-batch-size", "2", check=False)
+    line = error_line(result)
+    match = re.search(r"--eval-iters 100000 x --global-batch-size 2 = 200,000 samples, but the valid split of "
+                      r"--data-path \S+ \(--split 50,50,0\) holds (\d+) samples of \d+ tokens: it would be read "
+                      r"[\d,]+ times over; use --eval-iters (\d+) or less", line)
+    assert match and int(match.group(2)) == int(match.group(1)) // 2, line

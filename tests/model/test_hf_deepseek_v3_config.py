@@ -41,12 +41,12 @@ def test_a_kimi_k2_shaped_config_round_trips_and_gives_transformers_rotary_frequ
 
 
 REFUSED = {
-    "attention_bias": (dict(attention_bias=True), "attention_bias = True is not supported: its biases"),
+    "attention_bias": (dict(attention_bias=True), "attention_bias = true is not supported: its biases"),
     "kv heads": (dict(num_key_value_heads=2), "num_key_value_heads = 2 is not supported"),
     "eps": (dict(rms_norm_eps=1e-5), "rms_norm_eps = 1e-05 is not supported: transformers normalises the latents"),
-    "norm_topk_prob": (dict(norm_topk_prob=False), "norm_topk_prob = False is not supported"),
-    "scoring_func": (dict(scoring_func="softmax"), "scoring_func = 'softmax' is not supported"),
-    "topk_method": (dict(topk_method="greedy"), "topk_method = 'greedy' is not supported"),
+    "norm_topk_prob": (dict(norm_topk_prob=False), "norm_topk_prob = false is not supported"),
+    "scoring_func": (dict(scoring_func="softmax"), "scoring_func = \"softmax\" is not supported"),
+    "topk_method": (dict(topk_method="greedy"), "topk_method = \"greedy\" is not supported"),
     "shared experts": (dict(n_shared_experts=0), "n_shared_experts = 0 must be at least 1"),
     "groups": (dict(topk_group=3), "topk_group = 3 is not supported: it is more than n_group 2"),
     "moe_layer_freq": (dict(moe_layer_freq=2), "moe_layer_freq = 2 is not supported"),

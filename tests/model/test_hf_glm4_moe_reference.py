@@ -174,9 +174,9 @@ def test_the_released_configs_read_as_their_flags(released, expected):
 
 
 REFUSED = {
-    "use_qk_norm": (dict(use_qk_norm="yes"), "use_qk_norm = 'yes' must be true or false"),
-    "norm_topk_prob": (dict(norm_topk_prob=False), "norm_topk_prob = False is not supported"),
-    "scoring_func": (dict(scoring_func="softmax"), "scoring_func = 'softmax' is not supported: transformers' "
+    "use_qk_norm": (dict(use_qk_norm="yes"), "use_qk_norm = \"yes\" must be true or false"),
+    "norm_topk_prob": (dict(norm_topk_prob=False), "norm_topk_prob = false is not supported"),
+    "scoring_func": (dict(scoring_func="softmax"), "scoring_func = \"softmax\" is not supported: transformers' "
                                                    "Glm4MoeForCausalLM"),
     "shared experts": (dict(n_shared_experts=0), "n_shared_experts = 0 must be at least 1"),
     "groups": (dict(topk_group=3), "topk_group = 3 is not supported: it is more than n_group 2"),
@@ -187,7 +187,7 @@ REFUSED = {
     "rotary share": (dict(partial_rotary_factor=0.0), "partial_rotary_factor = 0.0 must be"),
     "odd rotary width": (dict(partial_rotary_factor=0.3), "partial_rotary_factor = 0.3 is not supported: it turns "
                                                           "int(0.3 x head_dim 24) = 7 dimensions of each head"),
-    "hidden_act": (dict(hidden_act="gelu"), "hidden_act = 'gelu' is not supported"),
+    "hidden_act": (dict(hidden_act="gelu"), "hidden_act = \"gelu\" is not supported"),
     "mtp count": (dict(num_nextn_predict_layers=-1), "num_nextn_predict_layers = -1 must be at least 0"),
 }
 

@@ -102,11 +102,11 @@ def test_to_hf_then_from_hf_gives_back_every_weight_and_the_config_reads_back():
 
 def test_qwen3_config_fields_we_cannot_represent_are_refused_by_name():
     c = hf_config(tiny_config(extra=qwen3_flags()).model)
-    with pytest.raises(CheckpointError, match="use_sliding_window = True is not supported"):
+    with pytest.raises(CheckpointError, match="use_sliding_window = true is not supported"):
         model_fields(dict(c, use_sliding_window=True, sliding_window=16), "config.json")
-    with pytest.raises(CheckpointError, match="layer_types has 'sliding_attention' layers"):
+    with pytest.raises(CheckpointError, match='layer_types has "sliding_attention" layers'):
         model_fields(dict(c, layer_types=["full_attention", "sliding_attention"]), "config.json")
-    with pytest.raises(CheckpointError, match="attention_bias = True is not supported"):
+    with pytest.raises(CheckpointError, match="attention_bias = true is not supported"):
         model_fields(dict(c, attention_bias=True), "config.json")
     with pytest.raises(CheckpointError, match="head_dim = 0 must be at least 1"):
         model_fields(dict(c, head_dim=0), "config.json")
