@@ -1,16 +1,20 @@
-"""What --log-straggler costs a training step: the same GPT with and without the report, in the same processes.
+"""What --log-straggler and the numerical guard cost a training step: the same GPT with and without them, in the
+same processes.
 
 PP x DP processes (one thread each, gloo on loopback) hold two engines of the same GPT and batches: one plain,
 one with the straggler report installed as the training loop installs it (training/stragglers.py: every
 pipeline instruction timed on the host, and the report's gather, with its line formatted and printed to a
-discarded buffer on rank 0, every --log-interval steps). They run in interleaved rounds, the order
-alternating (this VM drifts 10-40% within minutes); per round the ratio with/without of the mean step time.
+discarded buffer on rank 0, every --log-interval steps) and the numerical guard on as by default (the NaN/Inf
+check before the reduction, the rerun state machine), the other with neither (--measure picks one of them).
+They run in interleaved rounds, the order alternating (this VM drifts 10-40% within minutes); per round the
+ratio with/without of the mean step time.
 Printed: each round's times and ratio, then the median ratio, the per-round range and the ratio of the
 fastest rounds; and, measured directly (free of the drift), the time rank 0 spent in the report per step and
 the timed instructions per step times what one timing costs. Target: <= 1.01.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_straggler_overhead.py                # PP 2, CPU-sized
     python benchmarks/bench_straggler_overhead.py --pp 1 --dp 2 --rounds 10 --steps 20
+    python benchmarks/bench_straggler_overhead.py --measure guard  # the guard alone
     python benchmarks/bench_straggler_overhead.py --control      # A/A: the same engines, neither reports
 """
 from __future__ import annotations
@@ -41,6 +45,19 @@ def model_argv(args):
             "--log-interval", str(args.log_interval), "--log-straggler"]
 
 
+GUARD_OFF = ("--no-check-for-nan-in-loss-and-grad", "--rerun-mode", "disabled")
+"""The numerical guard off: no check before the reduction, no rerun state machine (no buffered micro-batches)."""
+
+
+def guard_argv(args, name):
+    """The guard's flags of one engine: measuring it, the "without" engine runs with it off and the "with" engine
+    as a run does by default (the NaN/Inf check and --rerun-mode validate_results); otherwise both as by default.
+    --control: both alike (off when the guard is measured)."""
+    if args.measure == "straggler":
+        return []
+    return list(GUARD_OFF) if name == "without" or args.control else []
+
+
 def _worker(rank, port, args, results):
     import torch.distributed as dist
 
@@ -63,16 +80,29 @@ def _worker(rank, port, args, results):
 
     world = args.pp * args.dp
     join_gloo_world(rank, world, port)
-    config = parse_args(model_argv(args), world_size=world)[0]
     engines, data, groups, reports = {}, {}, {}, {}
     for name in NAMES:
+        config = parse_args(model_argv(args) + guard_argv(args, name), world_size=world)[0]
         state.initialize(1, args.pp)
         groups[name] = state.current()
         engines[name] = Engine(config, with_scheduler=False)
         data[name] = batches(config)
-        if name == "with" and not args.control:
+        if name == "with" and not args.control and args.measure in ("straggler", "both"):
             reports[name] = stragglers.StragglerReport(engines[name], config.logging.straggler_minmax_count)
         state.destroy()
+    in_guard = [0.0]
+    guarded = engines["with"]
+    if not args.control and args.measure in ("guard", "both") and getattr(guarded, "rerun", None) is not None:
+        check = guarded.guard.check  # the hook calls guard.check at each step: timed here, the all-reduce within
+
+        def timed_check(*a, **k):
+            start = time.perf_counter()
+            try:
+                return check(*a, **k)
+            finally:
+                in_guard[0] += time.perf_counter() - start
+
+        guarded.guard.check = timed_check
     sink = io.StringIO()
     tb, records = TensorBoardWriter(None), RecordWriter(None)
     for name in NAMES:  # warm-up: allocations, the activation shapes sent once
@@ -105,9 +135,48 @@ def _worker(rank, port, args, results):
                   f"{seconds['with'] * 1e3:.1f} ms per step, ratio {seconds['with'] / seconds['without']:.4f}",
                   flush=True)
     measured_steps = (args.rounds - 1) * args.steps
+    state.activate(groups["with"])
+    measuring_guard = not args.control and args.measure in ("guard", "both")
+    snapshot = _snapshot_seconds(guarded) if measuring_guard and guarded.guard.active else 0.0
+    pieces = _guard_pieces(guarded) if measuring_guard else (0.0, 0.0)
     results.put((rank, rounds, in_report / args.rounds / args.steps, CountingClock.calls / max(measured_steps, 1),
-                 _timer_seconds()))
+                 _timer_seconds(), in_guard[0] / (args.rounds * args.steps + 1), snapshot, pieces))  # + 1: warm-up
     dist.destroy_process_group()
+
+
+def _guard_pieces(engine, calls: int = 200):
+    """(seconds of the guard's all-reduce of its 5 numbers with every rank in lockstep, seconds of its one pass
+    over this rank's gradients): where its check's time goes, the rest being the wait for the other stage."""
+    import torch
+    import torch.distributed as dist
+
+    numbers = torch.zeros(5, dtype=torch.float64)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(numbers)
+    reduce_seconds = (time.perf_counter() - start) / calls
+    # The parameters stand in for their gradients (the same shapes; cleared after the step).
+    grads = [p.detach() for p in engine.module.parameters() if p.requires_grad]
+    start = time.perf_counter()
+    for _ in range(calls):
+        torch.stack(torch._foreach_norm(grads)).double().square().sum()
+    return reduce_seconds, (time.perf_counter() - start) / calls
+
+
+def _snapshot_seconds(engine, calls: int = 200) -> float:
+    """What --rerun-mode validate_results adds to a step that nothing rejects (training/rerun.py train_step): a
+    copy of every generator's state and of DeepSpeed's step counters (the buffered micro-batches are references)."""
+    from megatron_lite.deepspeed_compat import step_guard
+    from megatron_lite.training.rerun import ReplayableIterator
+    from megatron_lite.training.rng_state import rng_state
+
+    start = time.perf_counter()
+    for _ in range(calls):
+        rng_state()
+        step_guard.step_counters(engine.engine)
+        ReplayableIterator(iter(()))
+    return (time.perf_counter() - start) / calls
 
 
 def _timer_seconds(calls: int = 200_000) -> float:
@@ -142,24 +211,36 @@ def main() -> int:
     parser.add_argument("--log-interval", type=int, default=5, help="steps between two reports")
     parser.add_argument("--control", action="store_true",
                         help="no report on either engine: the ratios' spread when nothing differs (A/A)")
+    parser.add_argument("--measure", choices=("straggler", "guard", "both"), default="both",
+                        help="what the \"with\" engine adds: the straggler report, the numerical guard "
+                             "(--check-for-nan-in-loss-and-grad with --rerun-mode validate_results, the defaults) "
+                             "or both (default)")
     args = parser.parse_args()
     if args.steps % args.log_interval:
         parser.error(f"--steps {args.steps} must be a multiple of --log-interval {args.log_interval}")
     print(f"PP {args.pp} x DP {args.dp}, hidden {args.hidden_size}, {args.num_layers} layers, seq "
           f"{args.seq_length}, {args.gas} micro-batches of {args.micro_batch_size}; {args.rounds} rounds of "
           f"{args.steps} steps each, a report every {args.log_interval}", flush=True)
-    _, rounds, report_seconds, instructions, timer_seconds = run_ranks(_worker, args.pp * args.dp, args)[0]
+    _, rounds, report_seconds, instructions, timer_seconds, guard_seconds, snapshot_seconds, pieces = \
+        run_ranks(_worker, args.pp * args.dp, args)[0]
     ratios = [r["with"] / r["without"] for r in rounds]
     median = statistics.median(ratios)
     step = statistics.median(r["without"] for r in rounds)
     fastest = min(r["with"] for r in rounds) / min(r["without"] for r in rounds)
-    print(f"--log-straggler overhead: median ratio {median:.4f} ({(median - 1) * 100:+.2f}%), per-round range "
+    what = {"straggler": "--log-straggler", "guard": "the numerical guard",
+            "both": "--log-straggler and the numerical guard"}[args.measure]
+    print(f"{what} overhead: median ratio {median:.4f} ({(median - 1) * 100:+.2f}%), per-round range "
           f"{min(ratios):.4f}-{max(ratios):.4f}; fastest round with / fastest without {fastest:.4f}; median step "
           f"without {step * 1e3:.1f} ms; target <= 1.01: {'met' if median <= 1.01 else 'NOT met'}")
-    direct = report_seconds + instructions * timer_seconds
+    direct = report_seconds + instructions * timer_seconds + guard_seconds + snapshot_seconds
     print(f"measured directly on rank 0: the report's gather and line {report_seconds * 1e6:.0f} us per step, "
           f"{instructions:.0f} timed instructions per step x {timer_seconds * 1e9:.0f} ns = "
-          f"{instructions * timer_seconds * 1e6:.1f} us; together {direct / step * 100:.3f}% of a step")
+          f"{instructions * timer_seconds * 1e6:.1f} us; the guard's check (its all-reduce and any wait in it) "
+          f"{guard_seconds * 1e6:.0f} us per step, the rerun's snapshot {snapshot_seconds * 1e6:.0f} us; together "
+          f"{direct / step * 100:.3f}% of a step")
+    if guard_seconds:
+        print(f"the guard's check, taken apart: its all-reduce of 5 numbers alone {pieces[0] * 1e6:.0f} us, its pass "
+              f"over rank 0's gradients {pieces[1] * 1e6:.0f} us; the rest is the wait for the other ranks")
     return 0
 
 

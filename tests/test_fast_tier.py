@@ -1,5 +1,6 @@
 """Which tests the fast tier (scripts/test.sh --fast) leaves out: the marked ones, and those recorded in
-tests/durations.json at FAST_TIER_LIMIT_S or more, but never a parity test's quickest layout."""
+tests/durations.json at FAST_TIER_LIMIT_S or more, but never a parity test's quickest layout under
+FAST_TIER_KEPT_LIMIT_S."""
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import FAST_TIER_LIMIT_S, longest_groups_first, mark_slow_by_record
+from tests.conftest import FAST_TIER_KEPT_LIMIT_S, FAST_TIER_LIMIT_S, longest_groups_first, mark_slow_by_record
 from tests.harness import REPO_ROOT
 
 
@@ -35,9 +36,17 @@ def test_a_test_recorded_over_the_limit_is_slow_and_a_new_or_quick_one_is_not():
 def test_the_quickest_parameter_set_not_marked_slow_stays_in_the_fast_tier_even_over_the_limit():
     items = [_Item("t.py::test_layouts[1-1]", slow=True), _Item("t.py::test_layouts[2-1]"),
              _Item("t.py::test_layouts[2-2]")]
-    mark_slow_by_record(items, {"t.py::test_layouts[1-1]": 1.0, "t.py::test_layouts[2-1]": 20.0,
+    quickest = (FAST_TIER_LIMIT_S + FAST_TIER_KEPT_LIMIT_S) / 2
+    mark_slow_by_record(items, {"t.py::test_layouts[1-1]": 0.5, "t.py::test_layouts[2-1]": quickest,
                                 "t.py::test_layouts[2-2]": 30.0})
     assert _slow(items) == ["t.py::test_layouts[1-1]", "t.py::test_layouts[2-2]"]
+
+
+def test_a_quickest_parameter_set_over_the_kept_limit_leaves_the_fast_tier_too():
+    items = [_Item("t.py::test_layouts[2-1]"), _Item("t.py::test_layouts[2-2]")]
+    mark_slow_by_record(items, {"t.py::test_layouts[2-1]": FAST_TIER_KEPT_LIMIT_S,
+                                "t.py::test_layouts[2-2]": 30.0})
+    assert _slow(items) == ["t.py::test_layouts[2-1]", "t.py::test_layouts[2-2]"]
 
 
 def test_groups_go_out_longest_first_each_in_its_own_order_and_the_slurm_files_as_one():

@@ -128,9 +128,10 @@ def refuse_early(args) -> None:
         check_tokenizer_flags(given_tokenizer(args))
     # The model the checkpoint records, checked as pretrain_gpt.py checks its flags (validation/saved_config.py).
     _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
-    if args.command == "export-hf" and given_tokenizer(args):  # the files to copy: checked against the model's
-        # vocabulary as generate.py and evaluate.py check them; before, a NullTokenizer model's were dropped
-        args.tokenizer, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
+    if args.command == "export-hf":  # the files to copy, given or recorded: there, and checked against the
+        # model's vocabulary as generate.py and evaluate.py check them; before, a NullTokenizer model's were dropped
+        fields, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
+        args.tokenizer = fields if given_tokenizer(args) else None
     if args.command == "reshard":
         preflight.refuse_target_sizes(saved.model.num_attention_heads, saved.model.num_layers,
                                       args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size)

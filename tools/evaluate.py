@@ -91,9 +91,10 @@ def main(argv=None) -> int:
         # The reader's own first checks (its tag, the model it records, as pretrain_gpt.py checks its flags), made
         # before torch is imported.
         _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
-        tokenizer = None
-        if given_tokenizer(args):  # checked against the model's vocabulary here, before torch too
-            tokenizer, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
+        # The tokenizer, given or recorded (its files still there), checked against the model's vocabulary here,
+        # before torch too; a given one replaces the recorded one in the run's config.
+        fields, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
+        tokenizer = fields if given_tokenizer(args) else None
         from megatron_lite.training.console import select_accelerator
 
         select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU

@@ -202,3 +202,41 @@ def test_pretrain_gpt_without_rerun_stops_on_an_injected_nan_with_one_line_and_e
     assert sorted(losses_by_iteration(result.stdout)) == [1, 2]
     assert open(tmp_path / "ckpt" / "latest").read() == "iter_0000002"
     assert os.path.isdir(tmp_path / "ckpt" / "iter_0000002")
+
+
+def _skipped_iterations(save):
+    """The iterations whose logged interval skipped an update, from the run's metrics.jsonl (log interval 1)."""
+    from megatron_lite.line_records import read_json_lines
+
+    records = read_json_lines(os.path.join(save, "metrics", "metrics.jsonl"))
+    return sorted({r["iteration"] for r in records if r.get("kind") == "interval" and r.get("skipped_steps")})
+
+
+@pytest.mark.slow
+def test_the_rolling_window_survives_a_resume_so_the_resumed_run_skips_the_spike_the_uninterrupted_run_skips(
+        corpus, tmp_path):
+    """Issue 59: the guard's state is in the checkpoint and restored. Resumed at step 4 with a window of 3, a run
+    that started its window afresh would hold only step 5's loss at step 6, judge nothing and train on the spike;
+    restored, it holds steps 2-5 and leaves the spike out, as the uninterrupted run does, and the losses after it
+    are the uninterrupted run's."""
+    from tests.entry_points import run_entry
+    from tests.training.test_pretrain_e2e import MODEL, data_args, layout, losses_by_iteration
+
+    rules = ["--skip-update-sigma", "4", "--skip-update-window", "3", "--train-iters", "8"]
+    spike = {"MEGATRON_LITE_INJECT_FAULT": "spike_loss:0:6"}
+
+    def run(save, *extra):
+        result = run_entry(["pretrain_gpt.py", *MODEL, *data_args(corpus), *layout(1, 1), *rules, "--save", save,
+                            *extra], 1, env=spike)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return losses_by_iteration(result.stdout)
+
+    whole = run(str(tmp_path / "whole"))
+    first = run(str(tmp_path / "resumed"), "--save-interval", "4", "--exit-interval", "4")
+    resumed = run(str(tmp_path / "resumed"), "--load", str(tmp_path / "resumed"))
+    assert sorted(first) == [1, 2, 3, 4] and sorted(resumed) == [5, 6, 7, 8], (first, resumed)
+    assert _skipped_iterations(str(tmp_path / "whole")) == [6]
+    assert _skipped_iterations(str(tmp_path / "resumed")) == [6], "the resumed run trained on the spike"
+    for iteration in (1, 2, 3, 4, 5, 7, 8):
+        loss = {**first, **resumed}[iteration]
+        assert abs(loss - whole[iteration]) <= 1e-5 * abs(whole[iteration]), (iteration, loss, whole[iteration])
