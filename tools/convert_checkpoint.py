@@ -23,7 +23,7 @@ from megatron_lite.atomic import WriteError  # noqa: E402
 from megatron_lite.checkpoint import preflight  # noqa: E402
 from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
-    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
+    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer, recorded_tokenizer,
 )
 from megatron_lite.flag_numbers import add_number  # noqa: E402
 from megatron_lite.targets import OVERWRITE_HELP  # noqa: E402
@@ -128,10 +128,13 @@ def refuse_early(args) -> None:
         check_tokenizer_flags(given_tokenizer(args))
     # The model the checkpoint records, checked as pretrain_gpt.py checks its flags (validation/saved_config.py).
     _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
-    if args.command == "export-hf":  # the files to copy, given or recorded: there, and checked against the
-        # model's vocabulary as generate.py and evaluate.py check them; before, a NullTokenizer model's were dropped
-        fields, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
-        args.tokenizer = fields if given_tokenizer(args) else None
+    if args.command == "export-hf":  # the files to copy: given ones checked against the model's vocabulary as
+        # generate.py and evaluate.py check them (before, a NullTokenizer model's were dropped), recorded ones there
+        model, given, args.tokenizer = f"the model in {args.load}", given_tokenizer(args), None
+        if given:
+            args.tokenizer, _ = checkpoint_tokenizer(saved, given, model)
+        else:
+            recorded_tokenizer(saved, model)
     if args.command == "reshard":
         preflight.refuse_target_sizes(saved.model.num_attention_heads, saved.model.num_layers,
                                       args.target_tensor_model_parallel_size, args.target_pipeline_model_parallel_size)
@@ -197,8 +200,7 @@ def main(argv=None) -> int:
         else:
             from megatron_lite.checkpoint.hf_export import export_hf
 
-            r = export_hf(args.load, args.output, args.iteration, getattr(args, "tokenizer", None), args.dtype,
-                          args.overwrite)
+            r = export_hf(args.load, args.output, args.iteration, args.tokenizer, args.dtype, args.overwrite)
             print(f"exported {args.load}/{r['tag']} to {args.output} as {r['architecture']}: {r['parameters']:,} "
                   f"parameters, vocabulary {r['vocab_size']}, files {', '.join(r['files'])}, {time.time() - start:.1f}s")
     except CheckpointError as e:

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Torch-free imports only up here: --help, a bad flag and a missing --load are refused before torch starts.
 from megatron_lite.checkpoint.format import CheckpointError, resolve_tag  # noqa: E402
 from megatron_lite.checkpoint.tokenizer import (  # noqa: E402
-    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer,
+    add_tokenizer_flags, check_tokenizer_flags, checkpoint_tokenizer, given_tokenizer, recorded_tokenizer,
 )
 from megatron_lite.config import ConfigError, parse_data_path, parse_split  # noqa: E402
 from megatron_lite.flag_numbers import add_number  # noqa: E402
@@ -91,10 +91,13 @@ def main(argv=None) -> int:
         # The reader's own first checks (its tag, the model it records, as pretrain_gpt.py checks its flags), made
         # before torch is imported.
         _, saved = checkpoint_config(args.load, resolve_tag(args.load, args.iteration))
-        # The tokenizer, given or recorded (its files still there), checked against the model's vocabulary here,
-        # before torch too; a given one replaces the recorded one in the run's config.
-        fields, _ = checkpoint_tokenizer(saved, given_tokenizer(args), f"the model in {args.load}")
-        tokenizer = fields if given_tokenizer(args) else None
+        # A given tokenizer checked against the model's vocabulary here, before torch too (it replaces the recorded
+        # one in the run's config); the recorded one's files still there.
+        model, given, tokenizer = f"the model in {args.load}", given_tokenizer(args), None
+        if given:
+            tokenizer, _ = checkpoint_tokenizer(saved, given, model)
+        else:
+            recorded_tokenizer(saved, model)
         from megatron_lite.training.console import select_accelerator
 
         select_accelerator()  # before DeepSpeed's first import: it would warn that it found no GPU

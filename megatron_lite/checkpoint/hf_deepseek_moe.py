@@ -19,7 +19,7 @@ from typing import Iterable, Tuple
 
 from megatron_lite.checkpoint import hf_moe
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real, whole
+from megatron_lite.checkpoint.hf_fields import real, refusal, whole
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, moe_layer_pattern
 
@@ -71,7 +71,7 @@ def hf_config(m: ModelConfig) -> dict:
 
 
 def field_error(where: str, key: str, value, why: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {key} = {as_json(value)} is not supported: {why}")
+    return refusal(where, key, value, f"is not supported: {why}")
 
 
 def model_fields(c: dict, where: str, layers: int, architecture: str) -> dict:

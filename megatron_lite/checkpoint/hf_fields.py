@@ -27,6 +27,11 @@ def as_json(value: Any) -> str:
         return repr(value)
 
 
+def refusal(where: str, key: str, value: Any, why: str) -> CheckpointError:
+    """The one line refusing config.json's `key`: `hf/config.json: num_attention_heads = 0 must be at least 1`."""
+    return CheckpointError(f"{where}: {key} = {as_json(value)} {why}")
+
+
 def _value(c: dict, key: str, default: Any) -> Any:
     if key in c and c[key] is not None:
         return c[key]
@@ -42,7 +47,7 @@ def whole(c: dict, key: str, where: str, default: Any = REQUIRED, minimum: int =
         value = int(value)
     why = problem(value, True, minimum=minimum)
     if why:
-        raise CheckpointError(f"{where}: {key} = {as_json(value)} {why}")
+        raise refusal(where, key, value, why)
     return value
 
 
@@ -52,7 +57,7 @@ def real(c: dict, key: str, where: str, default: Any = REQUIRED, minimum=None, a
     value = _value(c, key, default)
     why = problem(value, False, minimum=minimum, above=above, maximum=maximum, below=below)
     if why:
-        raise CheckpointError(f"{where}: {key} = {as_json(value)} {why}")
+        raise refusal(where, key, value, why)
     return float(value)
 
 

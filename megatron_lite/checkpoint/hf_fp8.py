@@ -15,8 +15,8 @@ from typing import Tuple
 
 import torch
 
-from megatron_lite.checkpoint.hf_fields import as_json
 from megatron_lite.checkpoint.format import CheckpointError
+from megatron_lite.checkpoint.hf_fields import as_json
 from megatron_lite.checkpoint.hf_folder import WeightFiles
 
 SCALE_SUFFIX = "_scale_inv"
@@ -30,13 +30,13 @@ def block_size(hf: dict, where: str):
         return None
     if not isinstance(quantized, dict) or quantized.get("quant_method") != "fp8" or \
             quantized.get("fmt", "e4m3") != "e4m3":
-        raise CheckpointError(f"{where}: quantization_config {as_json(quantized)}: only fp8 e4m3 weights with block scales "
-                              f"(DeepSeek-V3's, Kimi K2's: quant_method fp8, weight_block_size) are read; dequantize "
+        raise CheckpointError(f"{where}: quantization_config {as_json(quantized)}: only fp8 e4m3 weights with block "
+                              f"scales (DeepSeek-V3's, Kimi K2's: quant_method fp8, weight_block_size) are read; dequantize "
                               f"the others first")
     block = quantized.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"{where}: quantization_config.weight_block_size {as_json(block)} is not two positive whole "
-                              f"numbers (DeepSeek-V3: [128, 128])")
+        raise CheckpointError(f"{where}: quantization_config.weight_block_size {as_json(block)} is not two positive "
+                              f"whole numbers (DeepSeek-V3: [128, 128])")
     return tuple(block)
 
 

@@ -25,8 +25,7 @@ from __future__ import annotations
 from typing import Iterable, List, Set, Tuple
 
 from megatron_lite.checkpoint import hf_deepseek_moe, hf_deepseek_v3, hf_deepseek_v3_mtp, hf_llama, hf_moe, hf_qwen3
-from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real, whole
+from megatron_lite.checkpoint.hf_fields import real, refusal, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -125,7 +124,7 @@ def model_fields(c: dict, where: str) -> dict:
     c = _with_defaults(c)
     for key in ("attention_bias", "use_qk_norm"):
         if not isinstance(c[key], bool):
-            raise CheckpointError(f"{where}: {key} = {as_json(c[key])} must be true or false")
+            raise refusal(where, key, c[key], "must be true or false")
     if c.get("sliding_window") is not None:  # transformers' Glm4Moe reads none; the importer would apply it
         raise hf_deepseek_moe.field_error(where, "sliding_window", c["sliding_window"], f"transformers' "
                                           f"{ARCHITECTURE} attends over the whole causal context whatever it says; "

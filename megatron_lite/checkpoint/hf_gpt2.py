@@ -20,7 +20,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real, refuse_gpt_oss_parts, whole
+from megatron_lite.checkpoint.hf_fields import real, refusal, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -105,21 +105,17 @@ def hf_config(m: ModelConfig) -> dict:
     }
 
 
-def _refuse(where: str, field: str, value, reason: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {field} = {as_json(value)} {reason}")
-
-
 def model_fields(c: dict, where: str) -> dict:
     """Our ModelConfig fields for a GPT2LMHeadModel config.json; a field we cannot represent is refused by name."""
     activation = c.get("activation_function", "gelu_new")
     if activation not in ACTIVATIONS:
-        raise _refuse(where, "activation_function", activation, f"is not supported: only "
+        raise refusal(where, "activation_function", activation, f"is not supported: only "
                       f"{', '.join(ACTIVATIONS)} (exact GeLU, or its tanh approximation with --openai-gelu)")
     for key, wanted in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                         ("reorder_and_upcast_attn", False), ("add_cross_attention", False),
                         ("tie_word_embeddings", True)):
         if bool(c.get(key, wanted)) != wanted:
-            raise _refuse(where, key, c.get(key), f"is not supported (GPT-2's block here has {key} = {wanted})")
+            raise refusal(where, key, c.get(key), f"is not supported (GPT-2's block here has {key} = {wanted})")
     hidden = whole(c, "n_embd", where)
     return dict(
         num_layers=whole(c, "n_layer", where), hidden_size=hidden, num_attention_heads=whole(c, "n_head", where),

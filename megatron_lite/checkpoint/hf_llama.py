@@ -27,7 +27,7 @@ import torch
 
 from megatron_lite.checkpoint import hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real, refuse_gpt_oss_parts, whole
+from megatron_lite.checkpoint.hf_fields import real, refusal, refuse_gpt_oss_parts, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.rotary import (
@@ -199,10 +199,6 @@ def hf_config(m: ModelConfig, qkv_bias: bool = False, partial_rotary: bool = Fal
     }
 
 
-def _refuse(where: str, field: str, value, reason: str) -> CheckpointError:
-    return CheckpointError(f"{where}: {field} = {as_json(value)} {reason}")
-
-
 def _rope(c: dict, where: str) -> dict:
     """Our rope fields from transformers' rope keys: `rope_parameters` (transformers 5) or `rope_theta` with
     `rope_scaling` (the keys Llama 3.1's own config.json and transformers 4 use)."""
@@ -210,19 +206,19 @@ def _rope(c: dict, where: str) -> dict:
     scaling = c.get("rope_scaling") or parameters
     theta = real(parameters if "rope_theta" in parameters else c, "rope_theta", where, 10000.0, above=0)
     if not theta.is_integer():
-        raise _refuse(where, "rope_theta", theta, "is not a whole number, which --rotary-base needs")
+        raise refusal(where, "rope_theta", theta, "is not a whole number, which --rotary-base needs")
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return {"rotary_base": int(theta), "use_rope_scaling": False}
     if kind == "yarn":
         return {"rotary_base": int(theta), "use_rope_scaling": False, **_yarn(c, scaling, where)}
     if kind != "llama3":
-        raise _refuse(where, "rope_scaling.rope_type", kind, "is not supported: only the default rotary "
+        raise refusal(where, "rope_scaling.rope_type", kind, "is not supported: only the default rotary "
                       "frequencies, Llama 3.1's (llama3) and YaRN's (yarn) are")
     for key, ours in (("low_freq_factor", LLAMA3_LOW_FREQ_FACTOR), ("high_freq_factor", LLAMA3_HIGH_FREQ_FACTOR),
                       ("original_max_position_embeddings", LLAMA3_ORIGINAL_MAX_POSITIONS)):
         if real(scaling, key, where, ours) != float(ours):
-            raise _refuse(where, f"rope_scaling.{key}", scaling[key], f"is not supported: --use-rope-scaling "
+            raise refusal(where, f"rope_scaling.{key}", scaling[key], f"is not supported: --use-rope-scaling "
                           f"has Llama 3.1's {ours}")
     return {"rotary_base": int(theta), "use_rope_scaling": True,
             "rope_scaling_factor": real(scaling, "factor", where, minimum=1)}
@@ -243,7 +239,7 @@ def _yarn(c: dict, scaling: dict, where: str) -> dict:
     given = scaling.get("attention_factor")
     derived = yarn_attention_factor(factor, fields["mscale"], fields["mscale_all_dim"])
     if given is not None and abs(float(given) - derived) > 1e-12 * derived:
-        raise _refuse(where, "rope_scaling.attention_factor", given, f"is not supported: YaRN's factor here is "
+        raise refusal(where, "rope_scaling.attention_factor", given, f"is not supported: YaRN's factor here is "
                       f"derived from factor, mscale and mscale_all_dim ({derived:g})")
     return fields
 
@@ -257,13 +253,13 @@ def model_fields(c: dict, where: str) -> dict:
     # A head width other than hidden / heads is --kv-channels; the same one is left implied.
     kv_channels = head_dim if head_dim is not None and (hidden % heads or head_dim != hidden // heads) else None
     if c.get("hidden_act", "silu") != "silu":
-        raise _refuse(where, "hidden_act", c.get("hidden_act"), "is not supported: --swiglu gates with silu")
+        raise refusal(where, "hidden_act", c.get("hidden_act"), "is not supported: --swiglu gates with silu")
     for key in ("attention_bias", "mlp_bias"):
         if c.get(key):
-            raise _refuse(where, key, c[key], "is not supported: the Llama-family block here has no biases "
+            raise refusal(where, key, c[key], "is not supported: the Llama-family block here has no biases "
                           "(--disable-bias-linear)")
     if real(c, "partial_rotary_factor", where, 1.0) != 1.0:
-        raise _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "is not supported: rotary "
+        raise refusal(where, "partial_rotary_factor", c["partial_rotary_factor"], "is not supported: rotary "
                       "embeddings cover the whole head here")
     fields = dict(
         num_layers=whole(c, "num_hidden_layers", where), hidden_size=hidden, num_attention_heads=heads,

@@ -14,7 +14,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_llama, hf_moe
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real
+from megatron_lite.checkpoint.hf_fields import real, refusal
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, moe_layer_pattern
@@ -70,8 +70,8 @@ def hf_config(m: ModelConfig) -> dict:
 def model_fields(c: dict, where: str) -> dict:
     """Our ModelConfig fields for a MixtralForCausalLM config.json; a field we cannot represent is refused by name."""
     if real(c, "router_jitter_noise", where, 0.0, minimum=0) != 0.0:
-        raise CheckpointError(f"{where}: router_jitter_noise = {as_json(c['router_jitter_noise'])} is not supported: the "
-                              f"router here takes its input as it is; set it to 0")
+        raise refusal(where, "router_jitter_noise", c["router_jitter_noise"], "is not supported: the router here takes "
+                      "its input as it is; set it to 0")
     fields = hf_llama.model_fields(c, where)
     experts = hf_moe.expert_count(c, where, ("num_local_experts",))
     return dict(fields, **hf_moe.router_fields(c, where, experts), moe_ffn_hidden_size=fields["ffn_hidden_size"],

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, List, Optional
 
 from megatron_lite.checkpoint import hf_llama, hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, real, whole
+from megatron_lite.checkpoint.hf_fields import real, refusal, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.moe_options import expert_ffn_hidden_size, is_moe_layer, moe_layer_pattern
@@ -148,7 +148,7 @@ def qwen_pattern(c: dict, where: str, layers: int) -> List[bool]:
     step = whole(c, "decoder_sparse_step", where, 1)
     dense = c.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
-        raise CheckpointError(f"{where}: mlp_only_layers = {as_json(dense)} must list layer numbers from 0 to {layers - 1}")
+        raise refusal(where, "mlp_only_layers", dense, f"must list layer numbers from 0 to {layers - 1}")
     pattern = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
     if not any(pattern):
         raise CheckpointError(f"{where}: decoder_sparse_step {step} and mlp_only_layers {dense} leave no layer with "

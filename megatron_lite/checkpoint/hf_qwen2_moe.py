@@ -16,7 +16,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_llama, hf_moe
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, whole
+from megatron_lite.checkpoint.hf_fields import refusal, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.moe_options import expert_ffn_hidden_size
@@ -39,9 +39,9 @@ def check_qwen2_moe(m: ModelConfig) -> None:
                               "built with --qk-layernorm")
     if not (m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate):
         # Name what the model lacks: one with an ungated shared expert has the width and not the gate.
-        missing = " and ".join(flag for flag, has in (("--moe-shared-expert-intermediate-size",
-                                                       m.moe_shared_expert_intermediate_size),
-                                                      ("--moe-shared-expert-gate", m.moe_shared_expert_gate)) if not has)
+        parts = (("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size),
+                 ("--moe-shared-expert-gate", m.moe_shared_expert_gate))
+        missing = " and ".join(flag for flag, has in parts if not has)
         raise CheckpointError(f"Qwen2MoeForCausalLM has a shared expert with a sigmoid gate in every MoE layer; this "
                               f"model was built without {missing} (MixtralForCausalLM holds routed experts alone)")
 
@@ -85,7 +85,7 @@ def model_fields(c: dict, where: str) -> dict:
     shared = whole(c, "shared_expert_intermediate_size", where)
     qkv_bias = c.get("qkv_bias", True)
     if not isinstance(qkv_bias, bool):
-        raise CheckpointError(f"{where}: qkv_bias = {as_json(qkv_bias)} must be true or false")
+        raise refusal(where, "qkv_bias", qkv_bias, "must be true or false")
     fields = dict(fields, **hf_moe.router_fields(c, where, experts),
                   moe_ffn_hidden_size=whole(c, "moe_intermediate_size", where),
                   moe_router_pre_softmax=not c.get("norm_topk_prob", False), moe_layer_freq=hf_moe.layer_freq(pattern),

@@ -17,7 +17,7 @@ from typing import List
 
 from megatron_lite.checkpoint import hf_llama, hf_mapping
 from megatron_lite.checkpoint.format import CheckpointError
-from megatron_lite.checkpoint.hf_fields import as_json, whole
+from megatron_lite.checkpoint.hf_fields import as_json, refusal, whole
 from megatron_lite.checkpoint.hf_mapping import Mapped, StateDict
 from megatron_lite.config import ModelConfig
 
@@ -81,11 +81,11 @@ def hf_config(m: ModelConfig) -> dict:
 def model_fields(c: dict, where: str) -> dict:
     """Our ModelConfig fields for a Qwen3ForCausalLM config.json; a field we cannot represent is refused by name."""
     if c.get("use_sliding_window"):
-        raise CheckpointError(f"{where}: use_sliding_window = {as_json(c['use_sliding_window'])} is not supported: "
-                              f"attention here is full causal; set it to false")
+        raise refusal(where, "use_sliding_window", c["use_sliding_window"], "is not supported: attention here is full "
+                      "causal; set it to false")
     windowed = [t for t in c.get("layer_types") or [] if t != "full_attention"]
     if windowed:
-        raise CheckpointError(f"{where}: layer_types has {as_json(windowed[0])} layers, which are not supported: attention "
-                              f"here is full causal (every layer \"full_attention\")")
+        raise CheckpointError(f"{where}: layer_types has {as_json(windowed[0])} layers, which are not supported: "
+                              f"attention here is full causal (every layer \"full_attention\")")
     head_dim = whole(c, "head_dim", where, DEFAULT_HEAD_DIM)
     return dict(hf_llama.model_fields(dict(c, head_dim=head_dim), where), qk_layernorm=True)

@@ -105,16 +105,30 @@ def fitting_tokenizer(fields: dict, vocab_size: int, model: str):
     return tokenizer
 
 
+def _refuse_moved_files(fields: dict, given: dict, model: str) -> None:
+    """CheckpointError naming a recorded tokenizer file that is gone (moved or deleted since training) and the flag
+    that gives its new place; a file given on the command line is checked by the flags' own checks. Before: "train
+    one with tools/train_tokenizer.py", as if the user had never had one."""
+    for field in TOKENIZER_FILE_FIELDS[fields["tokenizer_type"]]:
+        path = fields[field]
+        if path and field not in given and not os.path.exists(path):
+            raise CheckpointError(f"{model} was trained with {_flag(field)} {path}, which is not there any more: "
+                                  f"give its new place with {_flag(field)} PATH")
+
+
 def checkpoint_tokenizer(config: Config, given: dict, model: str) -> Tuple[dict, object]:
     """(the tokenizer fields, the tokenizer) a tool reads the checkpoint's model with; see fitting_tokenizer."""
     fields = chosen_tokenizer(config.data, given)
-    for field in TOKENIZER_FILE_FIELDS[fields["tokenizer_type"]]:
-        path = fields[field]
-        if path and field not in given and not os.path.exists(path):  # the recorded file, moved or deleted since
-            # Before: "train one with tools/train_tokenizer.py", as if the user had never had one.
-            raise CheckpointError(f"{model} was trained with {_flag(field)} {path}, which is not there any more: "
-                                  f"give its new place with {_flag(field)} PATH")
+    _refuse_moved_files(fields, given, model)
     return fields, fitting_tokenizer(fields, config.model.vocab_size, model)
+
+
+def recorded_tokenizer(config: Config, model: str) -> dict:
+    """The tokenizer fields the checkpoint records, its files still where they were (checked without building the
+    tokenizer, which the tool builds later: evaluate's dataset, export-hf's copy)."""
+    fields = chosen_tokenizer(config.data, {})
+    _refuse_moved_files(fields, {}, model)
+    return fields
 
 
 def with_tokenizer(config: Config, given: dict, model: str) -> Tuple[Config, str]:

@@ -26,11 +26,11 @@ from megatron_lite.validation.rules import (
     precision_rules,
     training_rules,
 )
-from megatron_lite.validation.sections import MODEL_SECTIONS, Section, numbers_section, run_sections
+from megatron_lite.validation.sections import MODEL_SECTIONS, Section, numbers_name, numbers_section, run_sections
 
 # (name, rule, the sections it needs to have passed); a section comes after those it needs.
-NUMBERS = {s: numbers_section(s)[0] for s in ("model", "parallel", "batch", "optimizer", "precision", "data",
-                                             "training", "logging", "numerical_guard", "watchdog")}
+NUMBERS = {s: numbers_name(s) for s in ("model", "parallel", "batch", "optimizer", "precision", "data", "training",
+                                        "logging", "numerical_guard", "watchdog")}
 """A rule per config section checking its numbers first (validation/numbers.py); every rule needs those of the
 sections it reads, so it compares and divides values known to be finite and in range."""
 _MODEL_RULES = MODEL_SECTIONS[2:]  # dependent flags, parallel, model (sections.py): after every section's numbers

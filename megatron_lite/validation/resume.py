@@ -236,7 +236,8 @@ def checkpoint_rules(config: Config, notes: List[str]) -> Config:
     new_sha = tokenizer_sha256(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     problems = resume_differences(saved, config, metadata.get("tokenizer_sha256"), new_sha)
     if problems:
-        raise ConfigError(f"--load {where} was trained with another model (" + "; ".join(problems) + f"): {_resume_advice(config.training.use_checkpoint_args)}")
+        raise ConfigError(f"--load {where} was trained with another model ({'; '.join(problems)}): "
+                          f"{_resume_advice(config.training.use_checkpoint_args)}")
     from megatron_lite.checkpoint.layout_free import storage_of
 
     from megatron_lite.checkpoint.format import weights_only

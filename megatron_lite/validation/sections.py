@@ -19,16 +19,21 @@ Rule = Callable[[Config, List[str]], Config]
 Section = Tuple[str, Rule, Tuple[str, ...]]
 
 
+def numbers_name(section: str) -> str:
+    """The name of the rule checking one config section's numbers, which other sections name as needed."""
+    return f"numbers of {section}"
+
+
 def numbers_section(section: str) -> Section:
-    """The rule checking one config section's numbers (validation/numbers.py), named "numbers of SECTION"."""
-    return f"numbers of {section}", numbers_of(section), ()
+    """The rule checking one config section's numbers (validation/numbers.py)."""
+    return numbers_name(section), numbers_of(section), ()
 
 
 MODEL_SECTIONS: Tuple[Section, ...] = (
     numbers_section("model"),
     numbers_section("parallel"),
     ("dependent-flags", dependent_flag_rules, ()),  # before any rule completes a field it compares to its default
-    ("parallel", parallel_rules, ("numbers of parallel", "numbers of model")),
+    ("parallel", parallel_rules, (numbers_name("parallel"), numbers_name("model"))),
     ("model", model_rules, ("parallel",)),
 )
 

@@ -89,6 +89,23 @@ def copy_checkpoint(src, dst):
     return str(dst)
 
 
+def edited_copy(src, dst, section, **fields):
+    """A copy of the checkpoint whose recorded config has these fields of `section` changed (as a user's edit
+    would)."""
+    import json
+
+    from megatron_lite.checkpoint.format import METADATA, read_latest
+
+    copy_checkpoint(src, dst)
+    path = f"{dst}/{read_latest(str(dst))}/{METADATA}"
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["config"][section].update(fields)
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    return str(dst)
+
+
 @pytest.fixture(scope="session")
 def zero1_run(corpus, tmp_path_factory):
     """One process, ZeRO 1 (so the checkpoint has a ZeRO partition file besides the layer, model-states and

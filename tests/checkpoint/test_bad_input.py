@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from tests.checkpoint.conftest import copy_checkpoint, run_tool
+from tests.checkpoint.conftest import copy_checkpoint, edited_copy, run_tool
 
 pytestmark = pytest.mark.slow
 
@@ -149,18 +149,8 @@ def test_a_killed_reshards_temporary_folder_is_removed_by_the_next_reshard(zero1
 
 def test_generate_with_the_recorded_tokenizer_moved_names_the_recorded_file_and_the_flag_to_give(zero1_run, tmp_path):
     """Issue 61, class 9: before, "train one with tools/train_tokenizer.py", as if there had never been one."""
-    import json
-
-    from megatron_lite.checkpoint.format import METADATA, read_latest
-
-    ckpt = copy_checkpoint(zero1_run, tmp_path / "ckpt")
-    path = os.path.join(ckpt, read_latest(ckpt), METADATA)
-    with open(path) as f:
-        metadata = json.load(f)
     moved = str(tmp_path / "gone" / "tokenizer.model")
-    metadata["config"]["data"]["tokenizer_model"] = moved
-    with open(path, "w") as f:
-        json.dump(metadata, f)
+    ckpt = edited_copy(zero1_run, tmp_path / "ckpt", "data", tokenizer_model=moved)
     line = _error(run_tool("tools/generate.py", "--load", ckpt, "--prompt", "def", check=False))
     assert line.endswith(f"the model in {ckpt} was trained with --tokenizer-model {moved}, which is not there any "
                          f"more: give its new place with --tokenizer-model PATH"), line

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.checkpoint.conftest import error_line, run_tool
+from tests.checkpoint.conftest import copy_checkpoint, edited_copy, error_line, run_tool
 from tests.entry_points import run_entry
 from tests.harness import run_distributed
 from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
@@ -257,23 +257,6 @@ def test_evaluate_refuses_an_expert_parallel_size_its_data_parallel_ranks_cannot
     assert line.endswith("Use --expert-model-parallel-size 1"), line
 
 
-def _edited_copy(ckpt, target, **model_fields):
-    """A copy of the checkpoint whose recorded config has these model fields changed (as a user's edit would)."""
-    import json
-    import shutil
-
-    from megatron_lite.checkpoint.format import METADATA, read_latest
-
-    shutil.copytree(ckpt, target)
-    path = f"{target}/{read_latest(target)}/{METADATA}"
-    with open(path) as f:
-        metadata = json.load(f)
-    metadata["config"]["model"].update(model_fields)
-    with open(path, "w") as f:
-        json.dump(metadata, f)
-    return str(target)
-
-
 READERS = {
     "generate": lambda ckpt, out: ("tools/generate.py", "--load", ckpt, "--prompt", "1 2"),
     "evaluate": lambda ckpt, out: ("tools/evaluate.py", "--load", ckpt),
@@ -297,7 +280,7 @@ def test_every_reader_of_a_checkpoint_refuses_a_recorded_model_that_pretrain_ref
         moe_run, tmp_path, edit, says):
     """Issue 61, class 5: generate, evaluate, merge, reshard, universal, export-hf and a resume check the recorded
     config through one function (validation/saved_config.py), before torch starts, and write nothing."""
-    ckpt = _edited_copy(moe_run["ckpt"], tmp_path / "edited", **edit)
+    ckpt = edited_copy(moe_run["ckpt"], tmp_path / "edited", "model", **edit)
     for reader, command in READERS.items():
         out = tmp_path / f"out-{reader}"
         line = error_line(run_tool(*command(ckpt, str(out)), check=False))
@@ -324,10 +307,7 @@ def test_generate_refuses_a_merged_file_whose_recorded_model_pretrain_refuses(mo
 @pytest.mark.parametrize("latest", ["../../../etc", "ABSOLUTE"], ids=["parent-path", "absolute-path"])
 def test_a_latest_that_names_a_path_is_refused_as_a_path_even_when_the_path_exists(moe_run, tmp_path, latest):
     """Before: "... does not exist" for `../../../etc` and for an absolute path to a real iter folder (both exist)."""
-    import shutil
-
-    ckpt = str(tmp_path / "ckpt")
-    shutil.copytree(moe_run["ckpt"], ckpt)
+    ckpt = copy_checkpoint(moe_run["ckpt"], tmp_path / "ckpt")
     named = f"{moe_run['ckpt']}/iter_{SAVE_AT:07d}" if latest == "ABSOLUTE" else latest
     with open(f"{ckpt}/latest", "w") as f:
         f.write(named)
