@@ -135,6 +135,16 @@ def wrap_instruction(engine, instruction: str, wrap: Callable[[Callable], Callab
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, cls: wrap(engine._INSTRUCTION_MAP[cls])}
 
 
+def instruction_hooks(engine) -> dict:
+    """The engine's pipeline instructions as every wrap_instruction so far left them, to hand back to
+    use_instruction_hooks (a benchmark switches one engine between two sets of hooks)."""
+    return engine._INSTRUCTION_MAP
+
+
+def use_instruction_hooks(engine, hooks: dict) -> None:
+    engine._INSTRUCTION_MAP = hooks
+
+
 def before_gradient_reduction(engine, run: Callable[[], None]) -> None:
     """Call run() once per pipeline step, after the step's last backward and before DeepSpeed reduces any
     gradient (the tied weights' all-reduce, then the data-parallel reduction).
@@ -153,17 +163,22 @@ def before_gradient_reduction(engine, run: Callable[[], None]) -> None:
 
 def accumulated_gradient(engine, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """The tensor holding param's gradient summed over the step's micro-batches, at the point
-    before_gradient_reduction runs, or None when it has none.
+    before_gradient_reduction runs, or None when it has none."""
+    return getattr(param, accumulated_gradient_attribute(engine), None)
+
+
+def accumulated_gradient_attribute(engine) -> str:
+    """The parameter attribute accumulated_gradient reads: the same for every parameter of an engine, all its life.
 
     Why: under the bf16 optimizer the sum accumulates in an fp32 buffer the engine links as
     `param._hp_grad` (DeepSpeed's own tied-weight reduction reads it there); ZeRO 1 with a
     gradient-accumulation dtype other than the weights' keeps it in `param.grad_accum`; otherwise
     `param.grad`."""
     if engine.using_bf16_optimizer:
-        return getattr(param, "_hp_grad", None)
+        return "_hp_grad"
     if getattr(engine.optimizer, "use_grad_accum_attribute", False):
-        return getattr(param, "grad_accum", None)
-    return param.grad
+        return "grad_accum"
+    return "grad"
 
 
 def free_last_stage_outputs_after_backward(engine) -> None:

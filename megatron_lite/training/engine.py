@@ -116,14 +116,18 @@ class Engine:
                 # Once per global batch, from its token counts: the expert bias (training/expert_balance.py).
                 pipeline.before_gradient_reduction(
                     self.engine, lambda: update_expert_biases(self.module, config.parallel.sequence_parallel))
-        self._install_guard()
+        self.install_guard()
 
-    def _install_guard(self) -> None:
-        """The numerical guard (training/numerical_guard.py). Under the pipeline engine it checks before any
+    def install_guard(self, config: Optional[Config] = None) -> None:
+        """The numerical guard (training/numerical_guard.py), as config (default: the engine's) says; __init__
+        installs it, and benchmarks/bench_straggler_overhead.py again on an engine built with it off, so that
+        one engine runs with and without it. Under the pipeline engine it checks before any
         reduction, this hook registered last so that it runs first; at ZeRO 2/3 _train_batch calls it before
         the last micro-batch's step, on the loss only (validation/numerical_guard.py says why). Gradients are
         not checked under --fp16, whose loss scaler skips overflowing steps itself. --rerun-mode replays a step
         under the pipeline engine only (training/rerun.py); report_stats needs the hooks with no check on."""
+        if config is not None:
+            self.config = config
         config, engine = self.config, self.engine
         self.guard = guard = NumericalGuard(config.numerical_guard, self.pipelined and not config.precision.fp16,
                                             coordinates(), self.device)
@@ -134,10 +138,10 @@ class Engine:
         if mode != "disabled":
             self.rerun = RerunStateMachine(config.numerical_guard, guard, engine, config.logging.log_interval,
                                            config.training.train_iters)
-        step_guard.check_before_gradient_reduction(engine, lambda: guard.check(
-            step_guard.local_loss_sum(engine), engine.gradient_accumulation_steps(),
-            step_guard.local_gradients(engine)))
-        step_guard.skip_optimizer_step_when(engine, lambda: guard.skip_update)
+        local_gradients = step_guard.LocalGradients(engine)
+        step_guard.check_before_gradient_reduction(engine, lambda: guard.measure(
+            step_guard.local_loss_sum(engine), engine.gradient_accumulation_steps(), local_gradients()))
+        step_guard.skip_optimizer_step_when(engine, lambda: guard.decide())
         if guard.injector.corrupts_loss:
             step_guard.wrap_loss_function(
                 engine, lambda loss: guard.injector.loss(loss, guard.iteration) if self.module.training else loss)

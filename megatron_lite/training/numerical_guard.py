@@ -1,15 +1,23 @@
 """The numerical guard: each rank's loss and gradients checked before any reduction, every rank agreeing
 whether the step is applied, stopped on (NaN/Inf) or left out (a spike).
 
-Once per step, where the engine calls `check` (deepspeed_compat/step_guard.py says where that is):
+Once per step, in two places under the pipeline engine (deepspeed_compat/step_guard.py says where they are):
 
-  1. this rank's numbers, on the device, without a host sync: its loss (the mean of its micro-batch losses,
-     where it computes one), whether it is finite, and the squared norm of its accumulated gradients from one
-     fused torch._foreach_norm, whether they are all finite;
-  2. one all-reduce (sum) of those five numbers over the world, and one host read of the result;
-  3. the decision, the same on every rank from the same reduced numbers: a NaN/Inf anywhere stops the run
-     (NumericalFault, before any rank's update; the ranks are named from one all-gather made only then);
-     Rules may leave the update out (a spike); otherwise the step is applied.
+  1. `measure`, after the step's last backward and before any gradient is reduced: this rank's numbers, on the
+     device, without a host sync: the sum of its micro-batch losses (where it computes one) and the squared norm
+     of its accumulated gradients from one fused torch._foreach_norm; then one all-reduce (sum) of those and of
+     the count of ranks that compute a loss over the world, started and not waited for;
+  2. `decide`, where the optimizer step would begin: the wait for that all-reduce, one host read of the result,
+     and the decision, the same on every rank from the same reduced numbers: a NaN/Inf anywhere (a NaN/Inf on
+     any rank makes the sum NaN/Inf) stops the run (NumericalFault, before any rank's update; the ranks are named
+     from one all-gather made only then); Rules may leave the update out (a spike); otherwise the step is applied.
+
+Why two places: the numbers must be each rank's own, so they are taken before the reduction mixes them; the
+decision is needed only by the optimizer step. In between, the all-reduce's latency (0.4-0.8 ms on gloo between
+two processes on this project's 2-core VM, benchmarks/bench_straggler_overhead.py) hides behind the gradient
+reductions the step makes anyway, and on a GPU the host reads the result when the step's gradients are reduced,
+not while the reductions wait to be launched. The reduced gradients of a step that is then stopped or left out
+are cleared unused. `check` is both at once (the ZeRO 2/3 path, which reduces inside backward).
 
 The statistics the rules see are the same on every rank: the loss is the mean over the ranks that compute one
 (the loss DeepSpeed reports), the gradient norm the root of the sum of every rank's local squared norm before
@@ -133,7 +141,7 @@ class Coordinates:
 
 class NumericalGuard:
     """The guard of one rank's engine. `iteration` is set by the engine before each step (for the faults and
-    the line); `skip_update` answers the optimizer-step hook of the step just checked."""
+    the line); `decide()` answers the optimizer-step hook of the step just measured."""
 
     def __init__(self, g: NumericalGuardConfig, check_gradients: bool, coordinates: Coordinates,
                  device: torch.device):
@@ -148,9 +156,15 @@ class NumericalGuard:
         self.skip_reason: Optional[str] = None
         self.phase = APPLY
         self.rejection: Optional[Rejection] = None
-        self.local: Optional[torch.Tensor] = None
-        """This rank's numbers of the last check under the rerun (phase not APPLY), before the reduction: [bad loss,
-        bad gradient, loss, computes a loss, squared gradient norm]."""
+        self._mine: Optional[tuple] = None
+        """The last measure()'s own numbers (loss sum, whether this rank computes one, squared gradient norm,
+        micro-batches), kept by decide() only for a step the rerun will compare (a rejection, a numbers-only run):
+        local_numbers() makes the row of them only when it is asked for."""
+        self._constants = (torch.zeros((), dtype=torch.float64, device=device),
+                           torch.ones((), dtype=torch.float64, device=device))
+        self._pending: Optional[tuple] = None
+        """measure()'s all-reduce in flight: (its work, the numbers it sums: loss sum, ranks computing one, squared
+        gradient norm), until decide()."""
         self.suspicious: Optional[dict] = None
         """After a reproducible fault (training/rerun.py): the iteration, rank and host, saved in the checkpoint."""
 
@@ -162,52 +176,91 @@ class NumericalGuard:
                     or g.skip_update_sigma is not None or g.inject_fault)
 
     def check(self, loss_sum: Optional[torch.Tensor], micro_batches: int, grads: List[torch.Tensor]) -> None:
-        """This rank's step numbers, before any reduction: raise NumericalFault on every rank, or set
-        skip_update the same on every rank. loss_sum: the sum of this rank's micro-batch losses (None where it
-        computes none); grads: its accumulated gradients (none checked with check_gradients False)."""
+        """measure() and decide() at once."""
+        self.measure(loss_sum, micro_batches, grads)
+        self.decide()
+
+    def measure(self, loss_sum: Optional[torch.Tensor], micro_batches: int, grads: List[torch.Tensor]) -> None:
+        """This rank's step numbers, before any reduction, and their all-reduce started; decide() waits for it.
+        loss_sum: the sum of this rank's micro-batch losses (None where it computes none); grads: its
+        accumulated gradients (none checked with check_gradients False)."""
+        self._drop_pending()
         self.injector.gradients(grads, self.iteration)
         grads = grads if self.check_gradients else []
-        local = torch.zeros(5, dtype=torch.float64, device=self.device)
-        if loss_sum is not None:
-            loss = loss_sum.detach().double().reshape(()) / micro_batches
-            local[0] = (~torch.isfinite(loss)).double()
-            local[2] = loss
-            local[3] = 1.0
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).double()  # one fused pass over every gradient
-            local[1] = (~torch.isfinite(norms)).any().double()
-            local[4] = norms.square().sum()
-        if self.phase != APPLY:  # for the rerun, which takes it at once: no tensor held between steps
-            self.local = local
-        reduced = local.clone()
-        dist.all_reduce(reduced)
-        bad_loss, bad_grad, loss_total, loss_count, grad_square = reduced.tolist()
+        # Few tensor operations: each costs a dispatch on the step's critical path (tens of us on a CPU core). The
+        # flags come from the reduced sums on the host (a NaN/Inf on any rank makes the sum NaN/Inf; sums of
+        # fp32-range numbers in float64 cannot overflow), this rank's own from local_numbers(), when asked.
+        zero, one = self._constants
+        loss = zero if loss_sum is None else loss_sum.detach().reshape(()).to(torch.float64, copy=True)
+        square = zero if not grads else torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        self._mine = (loss, loss_sum is not None, square, micro_batches)
+        numbers = torch.stack((loss, zero if loss_sum is None else one, square))
+        self._pending = (dist.all_reduce(numbers, async_op=True), numbers)
+
+    def take_local_numbers(self) -> torch.Tensor:
+        """local_numbers(), then forgotten (the rerun takes them once per run of a step)."""
+        local = self.local_numbers()
+        self._mine = None
+        return local
+
+    def local_numbers(self) -> torch.Tensor:
+        """This rank's numbers of the last measure(), before the reduction: [bad loss, bad gradient, loss, computes
+        a loss, squared gradient norm] (the rerun compares them between a step's runs)."""
+        loss, computes_loss, square, micro_batches = self._mine
+        zero, one = self._constants
+        loss = loss / micro_batches
+        bad = (~torch.isfinite(torch.stack((loss, square)))).double()
+        return torch.cat((bad, torch.stack((loss, one if computes_loss else zero, square))))
+
+    def _drop_pending(self) -> None:
+        """A step whose decision was never asked for (an exception between measure and decide): its all-reduce
+        completed, so that every rank's collectives stay in the same order, and forgotten."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def decide(self) -> bool:
+        """skip_update for the step measure() took: raise NumericalFault on every rank, or set skip_update the
+        same on every rank. Asked again, the same answer."""
+        if self._pending is None:
+            return self.skip_update
+        work, numbers = self._pending
+        self._pending = None
+        work.wait()
+        loss_total, loss_count, grad_square = numbers.tolist()
+        bad_loss, bad_grad = not math.isfinite(loss_total), not math.isfinite(grad_square)
         self.skip_update, self.skip_reason = False, None
         if self.phase == NUMBERS_ONLY:
             self.skip_update = True
-            return
+            return True
         if bad_loss or bad_grad:
             if self.g.check_for_nan_in_loss_and_grad and self.phase == FIRST:  # replayed next (training/rerun.py)
-                line = self._fault_line(local)
-                self.rejection = Rejection(True, line, loss_fault=bool(bad_loss))
+                line = self._fault_line()
+                self.rejection = Rejection(True, line, loss_fault=bad_loss)
                 self.skip_update, self.skip_reason = True, line
-                return
+                return True
             if self.g.check_for_nan_in_loss_and_grad:
+                local = self.local_numbers()
                 if local[0] or local[1]:  # this rank found it: the scheduler's side learns its node (fault_log.py)
                     fault_log.record(EXIT_NUMERICAL_FAULT, "numerical", rank=self.coordinates.rank,
                                      iteration=self.iteration, detail="loss" if local[0] else "gradients")
-                raise NumericalFault(self._fault_line(local))
-            return  # unchecked: DeepSpeed does what it does, and the rules' statistics stay finite
-        loss_mean = loss_total / loss_count if loss_count else None
+                raise NumericalFault(self._fault_line())
+            self._mine = None
+            return False  # unchecked: DeepSpeed does what it does, and the rules' statistics stay finite
+        loss_mean = loss_total / self._mine[3] / loss_count if loss_count else None
         grad_norm = math.sqrt(grad_square) if self.check_gradients else None
         self.skip_reason = self.rules.reason_to_skip(loss_mean, grad_norm)
         self.skip_update = self.skip_reason is not None
         if self.skip_update and self.phase == FIRST:
             self.rejection = Rejection(False, self.skip_reason, loss_fault=self.skip_reason.startswith("loss"))
+        else:  # nobody will ask for this rank's own numbers: no tensor held between steps
+            self._mine = None
+        return self.skip_update
 
-    def _fault_line(self, local: torch.Tensor) -> str:
+    def _fault_line(self) -> str:
         """The line every rank raises: which ranks found what (an all-gather of each rank's two flags and place;
         made only on a fault)."""
+        local = self.local_numbers()
         places = [None] * dist.get_world_size()
         dist.all_gather_object(places, (bool(local[0]), bool(local[1]), str(self.coordinates)))
         found = []

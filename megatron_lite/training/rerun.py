@@ -95,7 +95,7 @@ def relative_difference(a: float, b: float) -> float:
 @dataclass
 class Attempt:
     """Every rank's guard numbers of one run of the step, rows in rank order: [bad loss, bad gradient, loss,
-    computes a loss, squared gradient norm] (NumericalGuard.check's local)."""
+    computes a loss, squared gradient norm] (NumericalGuard.local_numbers)."""
     numbers: List[List[float]]
 
     def loss(self, rank: int) -> Optional[float]:
@@ -142,7 +142,6 @@ class RerunStateMachine:
             guard.phase = APPLY
         rejection = guard.rejection
         if rejection is None:
-            guard.local = None
             return loss
         first = self._gather()
         self._replay(data, start, counters, train_batch)
@@ -167,7 +166,7 @@ class RerunStateMachine:
         try:
             first = train_batch(data)
         finally:
-            self.guard.phase, self.guard.local = APPLY, None
+            self.guard.phase = APPLY
         step_guard.restore_step_counters(self.engine, counters)
         set_rng_state(start)
         data.rewind()
@@ -190,7 +189,7 @@ class RerunStateMachine:
     def _gather(self) -> Attempt:
         """Every rank's numbers of the run just made: one all-gather of five numbers per rank, so every rank
         judges from the same values and takes the same branch."""
-        local, self.guard.local = self.guard.local.to(torch.float64), None
+        local = self.guard.take_local_numbers()
         rows = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, local)
         return Attempt([row.tolist() for row in rows])

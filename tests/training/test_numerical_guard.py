@@ -145,6 +145,42 @@ def test_a_nan_in_one_ranks_step_stops_every_rank_before_the_reduction_with_no_w
         assert (changed, moved) == (0, 0), f"rank {rank}: {changed} parameters, {moved} optimizer tensors moved"
 
 
+def _measured_then_reduced(bad_rank: int):
+    """Two ranks: the guard measures each rank's gradients (a NaN in bad_rank's), the data-parallel reduction
+    then sums them (every rank's holds the NaN), and the guard decides: (what measure raised, decide's line,
+    the grad norm the rules judged when no rank has a NaN)."""
+    import torch.distributed as dist
+
+    from megatron_lite.training.numerical_guard import Coordinates, NumericalFault, NumericalGuard
+
+    rank = dist.get_rank()
+    guard = NumericalGuard(NumericalGuardConfig(rerun_mode="disabled", skip_update_sigma=3.0), True,
+                           Coordinates(rank, 0, 0, rank, "host"), torch.device("cpu"))
+    grads = [torch.full((4,), 3.0 * (rank + 1)), torch.ones(2)]
+    if bad_rank == rank:
+        grads[1][0] = float("nan")
+    guard.measure(torch.tensor(2.0), 1, grads)  # returns: the all-reduce of its numbers is left in flight
+    for grad in grads:
+        dist.all_reduce(grad)  # what DeepSpeed does between: afterwards, no gradient says whose the NaN was
+    try:
+        guard.decide()
+    except NumericalFault as e:
+        return str(e), None
+    return None, guard.rules.window["grad_norm"][-1]
+
+
+def test_the_guard_judges_each_ranks_numbers_from_before_the_reduction_though_it_decides_after_it():
+    lines = {line for line, _ in run_distributed(_measured_then_reduced, 2, 1)}
+    assert len(lines) == 1, lines
+    line = lines.pop()
+    assert line.startswith("NaN/Inf in the gradient of rank 1 (tp 0, pp 0, dp 1, host host)"), line
+    assert "rank 0" not in line, line
+    norms = [norm for _, norm in run_distributed(_measured_then_reduced, 2, None)]
+    # Each rank's own squared norm, summed (4 * 3^2 + 2 and 4 * 6^2 + 2); judged after the sums it would be
+    # sqrt(4 * 9^2 + 4 + 4 * 9^2 + 4) = 18.2.
+    assert norms == [pytest.approx((4 * 9 + 2 + 4 * 36 + 2) ** 0.5)] * 2, norms
+
+
 K = 5  # the step whose update the spike makes the guard leave out
 STEPS = 8
 
