@@ -159,18 +159,11 @@ def _time_step_end(engine, totals) -> None:
     from megatron_lite.deepspeed_compat.pipeline import wrap_instruction
 
     for index, instruction in enumerate(STEP_END):
-        def wrap(run, index=index):
-            def timed(self, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return run(self, **kwargs)
-                finally:
-                    totals[index] += time.perf_counter() - start
-            return timed
-        wrap_instruction(engine, instruction, wrap)
+        wrap_instruction(engine, instruction, lambda run, index=index: _timed(run, totals, index))
 
 
 def _timed(method, totals, index):
+    """method, each call's seconds added to totals[index]."""
     def timed(*a, **k):
         start = time.perf_counter()
         try:

@@ -139,6 +139,7 @@ class Engine:
             self.rerun = RerunStateMachine(config.numerical_guard, guard, engine, config.logging.log_interval,
                                            config.training.train_iters)
         local_gradients = step_guard.LocalGradients(engine)
+        # guard.measure and guard.decide looked up at each call: the overhead benchmark times them in place.
         step_guard.check_before_gradient_reduction(engine, lambda: guard.measure(
             step_guard.local_loss_sum(engine), engine.gradient_accumulation_steps(), local_gradients()))
         step_guard.skip_optimizer_step_when(engine, lambda: guard.decide())

@@ -13,7 +13,7 @@ Once per step, in two places under the pipeline engine (deepspeed_compat/step_gu
      from one all-gather made only then); Rules may leave the update out (a spike); otherwise the step is applied.
 
 Why two places: the numbers must be each rank's own, so they are taken before the reduction mixes them; the
-decision is needed only by the optimizer step. In between, the all-reduce's latency (0.4-0.8 ms on gloo between
+decision is needed only by the optimizer step. In between, the all-reduce's latency (0.4-0.9 ms on gloo between
 two processes on this project's 2-core VM, benchmarks/bench_straggler_overhead.py) hides behind the gradient
 reductions the step makes anyway, and on a GPU the host reads the result when the step's gradients are reduced,
 not while the reductions wait to be launched. The reduced gradients of a step that is then stopped or left out
