@@ -3,15 +3,18 @@ same processes.
 
 PP x DP processes (one thread each, gloo on loopback) hold one engine of a GPT and its batches, and two sets of
 its hooks: "with" has the straggler report installed as the training loop installs it (training/stragglers.py:
-every pipeline instruction timed on the host, and the report's gather, with its line formatted and printed to
-a discarded buffer on rank 0, every --log-interval steps) and the numerical guard on as by default (the NaN/Inf
-check before the reduction, the rerun state machine), "without" neither (--measure picks one of them). They
+every pipeline instruction timed on the host, and the report's gather every --log-interval steps, waited for
+after the next step, with its line formatted and printed to a discarded buffer on rank 0) and the numerical
+guard on as by default (the NaN/Inf check before the reduction, the rerun state machine), "without" neither
+(--measure picks one of them). Each step is made as the training loop makes it: the engine's step, then every
+rank's agreement on stopping, by the loop's own all-reduce or, where the guard ran, read from the guard's. They
 run in interleaved rounds, the order alternating (this VM drifts 10-40% within minutes); per round the ratio
 with/without of the mean step time.
 Printed: each round's times and ratio, then the median ratio with a 95% bootstrap interval, the per-round
 range and the ratio of the fastest rounds; and, measured directly (free of the drift), the time rank 0 spent in
-the report per step, the timed instructions per step times what one timing costs, the guard's two calls, and
-the instructions after each step's last backward, each with and without. Target: <= 1.01.
+the report per step, the timed instructions per step times what one timing costs, the guard's two calls, the
+loop's own all-reduce on each side, and the instructions after each step's last backward, each with and
+without. Target: <= 1.01.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_straggler_overhead.py                # PP 2, CPU-sized
     python benchmarks/bench_straggler_overhead.py --pp 1 --dp 2
@@ -110,10 +113,11 @@ def _worker(rank, port, args, results):
     tb, records = TensorBoardWriter(None), RecordWriter(None)
     for name in NAMES:  # warm-up: allocations, the activation shapes sent once
         use(name)
-        engine.train_step(data)
+        loop_step(engine, data)
     if report is not None:
         report.clock.take(0.0)
     rounds, in_report = [], 0.0
+    in_agree = {name: 0.0 for name in NAMES}  # seconds in the loop's own all-reduce after each step
     for r in range(args.rounds):
         seconds = {}
         for name in NAMES if r % 2 == 0 else NAMES[::-1]:
@@ -122,13 +126,21 @@ def _worker(rank, port, args, results):
             dist.barrier()
             start = interval_start = time.perf_counter()
             for step in range(1, args.steps + 1):
-                engine.train_step(data)
-                if reporting and step % args.log_interval == 0:
-                    now = time.perf_counter()
-                    with contextlib.redirect_stdout(sink):
+                in_agree[name] += loop_step(engine, data)
+                if not reporting:
+                    continue
+                now = time.perf_counter()
+                with contextlib.redirect_stdout(sink):
+                    # As the training loop: the last report's gather waited for and its line printed after the
+                    # step that follows it, and a report every --log-interval steps, here in the middle of the
+                    # round's steps, so that a step follows it within the round.
+                    report.finish(tb, records)
+                    if (step - 1) % args.log_interval == args.log_interval // 2:
                         report.report(step, args.log_interval, now - interval_start, tb, records)
-                    interval_start = time.perf_counter()
-                    in_report += interval_start - now
+                        interval_start = time.perf_counter()
+                    if step == args.steps:  # the round's last report, waited for within the round
+                        report.finish(tb, records)
+                in_report += time.perf_counter() - now
             seconds[name] = (time.perf_counter() - start) / args.steps
         rounds.append(seconds)
         if r == 0:
@@ -145,9 +157,26 @@ def _worker(rank, port, args, results):
     pieces = _guard_pieces(engine) if measuring_guard else (0.0, 0.0)
     results.put((rank, rounds, in_report / args.rounds / args.steps, CountingClock.calls / max(measured_steps, 1),
                  _timer_seconds(), [t / (args.rounds * args.steps + 1) for t in in_guard],  # + 1: the warm-up step
-                 snapshot, pieces, {name: [t / measured_steps for t in ends[name]] for name in NAMES}))
+                 snapshot, pieces, {name: [t / measured_steps for t in ends[name]] for name in NAMES},
+                 {name: t / (args.rounds * args.steps) for name, t in in_agree.items()}))
     state.destroy()
     dist.destroy_process_group()
+
+
+def loop_step(engine, data) -> float:
+    """A step as the training loop makes it (training/loop.py train): the engine's step, then every rank's
+    agreement on stopping (an exit signal, a non-finite loss), by the loop's own all-reduce or, where the guard
+    ran, read from the guard's. Returns the seconds of the loop's own all-reduce (0 where the guard's carried it)."""
+    import math
+
+    from megatron_lite.training.distributed import agree_over_ranks
+
+    loss = engine.train_step(data).loss
+    if engine.guard.take_agreed() is None:
+        start = time.perf_counter()
+        agree_over_ranks([False, not math.isfinite(loss)], engine.device)
+        return time.perf_counter() - start
+    return 0.0
 
 
 STEP_END = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
@@ -174,12 +203,12 @@ def _timed(method, totals, index):
 
 
 def _guard_pieces(engine, calls: int = 200):
-    """(seconds of the guard's all-reduce of its 3 numbers, waited for at once, with every rank in lockstep;
+    """(seconds of the guard's all-reduce of its 4 numbers, waited for at once, with every rank in lockstep;
     seconds of its one pass over this rank's gradients)."""
     import torch
     import torch.distributed as dist
 
-    numbers = torch.zeros(3, dtype=torch.float64)
+    numbers = torch.zeros(4, dtype=torch.float64)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(calls):
@@ -264,7 +293,7 @@ def main() -> int:
           f"{args.steps} steps each, a report every {args.log_interval}", flush=True)
     every_rank = run_ranks(_worker, args.pp * args.dp, args)
     _, rounds, report_seconds, instructions, timer_seconds, (measure_seconds, decide_seconds), snapshot_seconds, \
-        pieces, _ = every_rank[0]
+        pieces, _, agree = every_rank[0]
     guard_seconds = measure_seconds + decide_seconds
     ratios = [r["with"] / r["without"] for r in rounds]
     median = statistics.median(ratios)
@@ -277,13 +306,15 @@ def main() -> int:
           f"{low:.4f}-{high:.4f}), per-round range {min(ratios):.4f}-{max(ratios):.4f}; fastest round with / fastest "
           f"without {fastest:.4f}; median step without {step * 1e3:.1f} ms; target <= 1.01: "
           f"{'met' if median <= 1.01 else 'NOT met'}")
-    direct = report_seconds + instructions * timer_seconds + guard_seconds + snapshot_seconds
-    print(f"measured directly on rank 0: the report's gather and line {report_seconds * 1e6:.0f} us per step, "
-          f"{instructions:.0f} timed instructions per step x {timer_seconds * 1e9:.0f} ns = "
-          f"{instructions * timer_seconds * 1e6:.1f} us; the guard's measure and decide (its all-reduce, what of it "
-          f"the gradient reductions between them did not hide, and any wait for the other ranks) "
-          f"{guard_seconds * 1e6:.0f} us per step, the rerun's snapshot {snapshot_seconds * 1e6:.0f} us; together "
-          f"{direct / step * 100:.3f}% of a step")
+    saved = agree["without"] - agree["with"]
+    direct = report_seconds + instructions * timer_seconds + guard_seconds + snapshot_seconds - saved
+    print(f"measured directly on rank 0: the report's gather (its start and its wait) and line "
+          f"{report_seconds * 1e6:.0f} us per step, {instructions:.0f} timed instructions per step x "
+          f"{timer_seconds * 1e9:.0f} ns = {instructions * timer_seconds * 1e6:.1f} us; the guard's measure and decide "
+          f"(its all-reduce, what of it the gradient reductions between them did not hide, and any wait for the "
+          f"other ranks) {guard_seconds * 1e6:.0f} us per step, the rerun's snapshot {snapshot_seconds * 1e6:.0f} us; "
+          f"less the loop's own all-reduce after each step that the guard's carries ({agree['without'] * 1e6:.0f} us "
+          f"without, {agree['with'] * 1e6:.0f} us with): together {direct / step * 100:.3f}% of a step")
     for r in every_rank:
         print(f"rank {r[0]}'s step end per step, " + ", ".join(
             f"{instruction} {r[8]['without'][i] * 1e6:.0f} -> {r[8]['with'][i] * 1e6:.0f} us"
@@ -296,9 +327,9 @@ def main() -> int:
               f"{(grown + snapshot_seconds) / step * 100:.2f}% of a step")
         print("the guard per step, measure + decide: " + ", ".join(
             f"rank {r[0]} {r[5][0] * 1e6:.0f} + {r[5][1] * 1e6:.0f} us" for r in every_rank))
-        print(f"the guard's pieces, each alone: its all-reduce of 3 numbers waited for at once "
-              f"{pieces[0] * 1e6:.0f} us (the guard waits for it at the optimizer step), its pass over rank 0's gradients "
-              f"{pieces[1] * 1e6:.0f} us")
+        print(f"the guard's pieces, each alone: its all-reduce of 4 numbers waited for at once "
+              f"{pieces[0] * 1e6:.0f} us (the guard waits for it at the optimizer step), its pass over rank 0's "
+              f"gradients {pieces[1] * 1e6:.0f} us")
     return 0
 
 

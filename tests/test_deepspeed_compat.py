@@ -270,6 +270,37 @@ def test_before_gradient_reduction_sees_the_gradients_the_optimizer_steps_with(e
         assert r["unchanged"], "the optimizer stepped with gradients other than accumulated_gradient's"
 
 
+def _timed_with_each_set_of_hooks():
+    """The instructions timed in a step under the hooks taken before time_pipeline_instructions, and under those
+    taken after it."""
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+    from tests.model.gpt_layouts import global_batches, micro_batches, tiny_config
+
+    config = tiny_config(1, 2, 1, ["--global-batch-size", "4"])
+    state.initialize(1, 2)
+    engine = Engine(config, with_scheduler=False)
+    untimed = pipeline.instruction_hooks(engine.engine)
+    ran = []
+    pipeline.time_pipeline_instructions(engine.engine, lambda name, seconds: ran.append(name), lambda: None)
+    timed = pipeline.instruction_hooks(engine.engine)
+    out = {}
+    for name, hooks in (("untimed", untimed), ("timed", timed), ("untimed again", untimed)):
+        pipeline.use_instruction_hooks(engine.engine, hooks)
+        ran.clear()
+        engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1))
+        out[name] = sorted(set(ran))
+    return out
+
+
+def test_instruction_hooks_switch_the_timed_instructions_and_the_timed_loss_broadcast_together():
+    from tests.harness import run_distributed
+
+    for r in run_distributed(_timed_with_each_set_of_hooks, 2):
+        assert r["untimed"] == [] and r["untimed again"] == [], "hooks taken before the timing still timed a step"
+        assert {"ForwardPass", "BackwardPass", "OptimizerStep", "AggregateLoss"} <= set(r["timed"])
+
+
 def _dualpipev_engine():
     """What each rank of a --pipeline-schedule dualpipev engine (PP 2, gas 4) holds, and the instructions it ran."""
     import torch.distributed as dist

@@ -135,14 +135,21 @@ def wrap_instruction(engine, instruction: str, wrap: Callable[[Callable], Callab
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, cls: wrap(engine._INSTRUCTION_MAP[cls])}
 
 
-def instruction_hooks(engine) -> dict:
-    """The engine's pipeline instructions as every wrap_instruction so far left them, to hand back to
-    use_instruction_hooks (a benchmark switches one engine between two sets of hooks)."""
-    return engine._INSTRUCTION_MAP
+def instruction_hooks(engine) -> tuple:
+    """The engine's pipeline instructions as every wrap_instruction so far left them, and the loss broadcast that
+    ends a step as time_pipeline_instructions left it, to hand back to use_instruction_hooks (a benchmark switches
+    one engine between two sets of hooks)."""
+    return engine._INSTRUCTION_MAP, engine.__dict__.get("_aggregate_total_loss")
 
 
-def use_instruction_hooks(engine, hooks: dict) -> None:
-    engine._INSTRUCTION_MAP = hooks
+def use_instruction_hooks(engine, hooks: tuple) -> None:
+    """Why the loss broadcast too: it is not an instruction of the map, and time_pipeline_instructions times it
+    on the instance; switching the map alone left it timed on both sides."""
+    engine._INSTRUCTION_MAP, aggregate = hooks
+    if aggregate is not None:
+        engine._aggregate_total_loss = aggregate
+    else:
+        engine.__dict__.pop("_aggregate_total_loss", None)
 
 
 def before_gradient_reduction(engine, run: Callable[[], None]) -> None:

@@ -106,8 +106,11 @@ def train(run: Run, start: float) -> int:
             skip_iteration(run)
             continue
         stats = train_step(run)
-        stop_signal, nonfinite = agree_over_ranks([run.exit_signal.received, not math.isfinite(stats.loss)],
-                                                  run.engine.device)
+        if run.straggler_report is not None:  # the last log line's, waited for behind this step
+            run.straggler_report.finish(run.tb, run.records)
+        agreed = run.engine.guard.take_agreed()  # the guard's all-reduce carried both flags, when it ran
+        stop_signal, nonfinite = agreed if agreed is not None else agree_over_ranks(
+            [run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
         if nonfinite and not config.precision.fp16:
             print_rank0(f"error: loss is {stats.loss} at iteration {run.iteration}; stopping. The last good checkpoint "
                         f"({checkpointing.latest_tag(t.save) if t.save else 'none'}) is kept; lower --lr or raise "
@@ -119,6 +122,8 @@ def train(run: Run, start: float) -> int:
         if maybe_save_or_exit(run, stop_signal):
             break
     run.exit_signal.release()
+    if run.straggler_report is not None:  # the last log line's, if no step followed it
+        run.straggler_report.finish(run.tb, run.records)
     if exit_code == 0 and run.iteration == t.train_iters:
         finish(run)
         status = "completed"
@@ -197,10 +202,12 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
     records = RecordWriter(records_directory(config.logging.tensorboard_dir, t.save) if rank0 else None)
     records.write("start", iteration=iteration, train_iters=t.train_iters, layout=summary, config=config.to_dict())
     straggler_report = stragglers.start(config, engine)  # before the stage timer, whose clocks count its drill
+    exit_signal = ExitSignal(t.exit_signal_handler)
+    engine.guard.exit_requested = lambda: exit_signal.received  # agreed in the guard's all-reduce (train())
     return Run(config=config, engine=engine, train_iter=train_iter, valid_dataset=valid_ds, save_folder=save_folder,
                straggler_report=straggler_report,
                tb=TensorBoardWriter(config.logging.tensorboard_dir if rank0 else None),
-               exit_signal=ExitSignal(t.exit_signal_handler), records=records,
+               exit_signal=exit_signal, records=records,
                stage_timer=StageTimer(engine.engine) if config.logging.timing_breakdown else None,
                iteration=iteration, consumed_samples=consumed, last_saved=iteration if t.load else None)
 
@@ -280,7 +287,7 @@ def maybe_log(run: Run, stats: StepStats) -> None:
             timing = stage_timing.scalars(stages, interval.iterations)
             run.tb.write("timing", timing, run.iteration)
             run.records.write("stage_timing", iteration=run.iteration, ms_per_iteration=timing)
-    if run.straggler_report is not None:  # a collective: every rank logs at the same iterations
+    if run.straggler_report is not None:  # a collective: every rank logs at the same iterations; printed later
         run.straggler_report.report(run.iteration, interval.iterations, interval.seconds, run.tb, run.records)
     run.interval = Interval()
 

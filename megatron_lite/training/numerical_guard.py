@@ -5,8 +5,10 @@ Once per step, in two places under the pipeline engine (deepspeed_compat/step_gu
 
   1. `measure`, after the step's last backward and before any gradient is reduced: this rank's numbers, on the
      device, without a host sync: the sum of its micro-batch losses (where it computes one) and the squared norm
-     of its accumulated gradients from one fused torch._foreach_norm; then one all-reduce (sum) of those and of
-     the count of ranks that compute a loss over the world, started and not waited for;
+     of its accumulated gradients from one fused torch._foreach_norm; then one all-reduce (sum) of those, of
+     the count of ranks that compute a loss, and of whether this rank was asked to exit (the training loop's
+     SIGTERM/SIGUSR1, agreed here so that the loop needs no collective of its own: take_agreed) over the world,
+     started and not waited for;
   2. `decide`, where the optimizer step would begin: the wait for that all-reduce, one host read of the result,
      and the decision, the same on every rank from the same reduced numbers: a NaN/Inf anywhere (a NaN/Inf on
      any rank makes the sum NaN/Inf) stops the run (NumericalFault, before any rank's update; the ranks are named
@@ -33,7 +35,7 @@ import math
 import os
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -165,6 +167,12 @@ class NumericalGuard:
         self._pending: Optional[tuple] = None
         """measure()'s all-reduce in flight: (its work, the numbers it sums: loss sum, ranks computing one, squared
         gradient norm), until decide()."""
+        self.exit_requested: Callable[[], bool] = lambda: False
+        """Whether this rank was asked to stop (the training loop's SIGTERM/SIGUSR1 flag), read by measure() and
+        reduced with the step's numbers."""
+        self._agreed: Optional[Tuple[bool, bool]] = None
+        """decide()'s (an exit asked for on some rank, the loss not finite on some rank), the same on every rank,
+        until take_agreed()."""
         self.suspicious: Optional[dict] = None
         """After a reproducible fault (training/rerun.py): the iteration, rank and host, saved in the checkpoint."""
 
@@ -194,7 +202,8 @@ class NumericalGuard:
         loss = zero if loss_sum is None else loss_sum.detach().reshape(()).to(torch.float64, copy=True)
         square = zero if not grads else torch.stack(torch._foreach_norm(grads)).double().square().sum()
         self._mine = (loss, loss_sum is not None, square, micro_batches)
-        numbers = torch.stack((loss, zero if loss_sum is None else one, square))
+        exiting = one if self.exit_requested() else zero
+        numbers = torch.stack((loss, zero if loss_sum is None else one, square, exiting))
         self._pending = (dist.all_reduce(numbers, async_op=True), numbers)
 
     def take_local_numbers(self) -> torch.Tensor:
@@ -227,8 +236,9 @@ class NumericalGuard:
         work, numbers = self._pending
         self._pending = None
         work.wait()
-        loss_total, loss_count, grad_square = numbers.tolist()
+        loss_total, loss_count, grad_square, exits = numbers.tolist()
         bad_loss, bad_grad = not math.isfinite(loss_total), not math.isfinite(grad_square)
+        self._agreed = (exits > 0, bad_loss)
         self.skip_update, self.skip_reason = False, None
         if self.phase == NUMBERS_ONLY:
             self.skip_update = True
@@ -256,6 +266,15 @@ class NumericalGuard:
         else:  # nobody will ask for this rank's own numbers: no tensor held between steps
             self._mine = None
         return self.skip_update
+
+    def take_agreed(self) -> Optional[Tuple[bool, bool]]:
+        """What the training loop agrees on after each step (an exit asked for on any rank, the loss not finite on
+        any rank), as the last decide() reduced it, then forgotten; None when no decide() ran since (the guard
+        off). Why: the loop's own all-reduce of these two flags was a blocking collective (and, on a GPU, a host
+        sync) every step; carried in the guard's, it costs nothing more. A signal that arrives after this step's
+        measure() is agreed at the next step's."""
+        agreed, self._agreed = self._agreed, None
+        return agreed
 
     def _fault_line(self) -> str:
         """The line every rank raises: which ranks found what (an all-gather of each rank's two flags and place;

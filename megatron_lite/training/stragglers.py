@@ -6,7 +6,8 @@ step), in the data-parallel gradient reduction, in the optimizer step, and the r
 only: the pipeline engine's instructions are timed as --timing-breakdown times them
 (deepspeed_compat.pipeline.time_pipeline_instructions) but without waiting for the device, so no step gains a
 CUDA synchronisation and none gains a collective. At each log line one small gather brings every rank's sums
-to rank 0 (host names and places were gathered once, at start-up).
+to rank 0 (host names and places were gathered once, at start-up); it is waited for, and the line printed,
+after the next step, so that its latency hides behind that step.
 
 The ranks of a synchronous step all take about as long: a slow rank makes the others wait for it in their
 receives and all-reduces. So ranks are ranked by their *work*, the step time less the time blocked on other
@@ -148,15 +149,29 @@ class StragglerReport:
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((socket.gethostname(), place), everyone, dst=0)  # once: hosts do not change
         self.places = everyone
+        self._pending: Optional[tuple] = None
+        """report()'s gather in flight (its work, this rank's sums, which it must keep alive until it completes,
+        rank 0's receiving tensors, the iteration and how many it covers), until finish()."""
 
-    def report(self, iteration: int, iterations: int, step_seconds: float, tb, records) -> Optional[str]:
-        """A collective at the log line: every rank sends its sums; rank 0 prints, writes TensorBoard's
-        straggler/... and a `straggler` record, and returns the line."""
+    def report(self, iteration: int, iterations: int, step_seconds: float, tb, records) -> None:
+        """A collective at the log line, started and not waited for: every rank sends its sums to rank 0, and
+        finish() (after the next step) prints them. Why: the gather waits for the slowest rank to reach it and
+        for rank 0 to receive from every rank (0.7-1.0 ms on gloo between two processes on this project's VM,
+        benchmarks/bench_straggler_overhead.py); started here, that latency passes behind the next step's work."""
+        self.finish(tb, records)  # one still pending (the loop finishes each after the next step)
         mine = torch.tensor(self.clock.take(step_seconds), dtype=torch.float64, device=self.device)
-        rank0 = dist.get_rank() == 0
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if rank0 else None
-        dist.gather(mine, gathered, dst=0)
-        if not rank0:
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        self._pending = (dist.gather(mine, gathered, dst=0, async_op=True), mine, gathered, iteration, iterations)
+
+    def finish(self, tb, records) -> Optional[str]:
+        """On every rank: the pending report's gather waited for; on rank 0 its line printed, TensorBoard's
+        straggler/... and a `straggler` record written (at the iteration of its log line), and the line returned."""
+        if self._pending is None:
+            return None
+        work, _, gathered, iteration, iterations = self._pending
+        self._pending = None
+        work.wait()
+        if gathered is None:
             return None
         ranks = [RankTimes(rank, host, place, 1e3 * values[0] / iterations,
                            {p: 1e3 * v / iterations for p, v in zip(PHASES, values[1:])})

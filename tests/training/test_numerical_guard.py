@@ -185,6 +185,41 @@ K = 5  # the step whose update the spike makes the guard leave out
 STEPS = 8
 
 
+def _agreed_each_step(extra, exit_on_rank1_at):
+    """PP 2, three steps: what the guard's all-reduce agreed after each (take_agreed), then whether it forgets;
+    rank 1 asks to exit from step exit_on_rank1_at."""
+    import torch.distributed as dist
+
+    from megatron_lite.parallel import state
+    from megatron_lite.training.engine import Engine
+
+    config = tiny_config(1, 2, 1, ["--global-batch-size", "4", *extra])
+    state.initialize(1, 2)
+    try:
+        engine = Engine(config, with_scheduler=False)
+        agreed = []
+        for iteration in range(1, 4):
+            asks = dist.get_rank() == 1 and iteration >= exit_on_rank1_at
+            engine.guard.exit_requested = lambda asks=asks: asks
+            engine.train_step(micro_batches(config, global_batches(config, 1), 0, 1), iteration)
+            agreed.append(engine.guard.take_agreed())
+        return agreed, engine.guard.take_agreed()
+    finally:
+        state.destroy()
+
+
+@pytest.mark.parametrize("extra, exit_at, expected", [
+    ((), 2, [(False, False), (True, False), (True, False)]),
+    (("--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss", "--rerun-mode", "disabled",
+      "--inject-fault", "inf_loss:1:2"), 9, [(False, False), (False, True), (False, False)]),
+    (("--no-check-for-nan-in-loss-and-grad", "--rerun-mode", "disabled"), 1, [None, None, None]),
+], ids=["exit-on-one-rank", "unchecked-inf-loss", "guard-off"])
+def test_every_rank_agrees_on_an_exit_and_a_non_finite_loss_from_the_guards_all_reduce_alone(extra, exit_at, expected):
+    # The training loop reads these instead of all-reducing its own flags; with the guard off it still does.
+    for agreed, again in run_distributed(_agreed_each_step, 2, list(extra), exit_at):
+        assert agreed == expected and again is None
+
+
 def _spiky_run(spike: bool):
     """DP 2: each step's (loss, skipped) and the final weights; with spike, rank 1's loss x 1000 at step K,
     otherwise step K's data read and not trained on (the uninterrupted run that skipped that update)."""
