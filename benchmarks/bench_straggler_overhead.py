@@ -117,7 +117,7 @@ def _worker(rank, port, args, results):
     if report is not None:
         report.clock.take(0.0)
     rounds, in_report = [], 0.0
-    in_agree = {name: 0.0 for name in NAMES}  # seconds in the loop's own all-reduce after each step
+    in_agree = {name: 0.0 for name in NAMES}  # seconds in the loop's agreement after each step
     for r in range(args.rounds):
         seconds = {}
         for name in NAMES if r % 2 == 0 else NAMES[::-1]:
@@ -165,18 +165,14 @@ def _worker(rank, port, args, results):
 
 def loop_step(engine, data) -> float:
     """A step as the training loop makes it (training/loop.py train): the engine's step, then every rank's
-    agreement on stopping (an exit signal, a non-finite loss), by the loop's own all-reduce or, where the guard
-    ran, read from the guard's. Returns the seconds of the loop's own all-reduce (0 where the guard's carried it)."""
-    import math
-
-    from megatron_lite.training.distributed import agree_over_ranks
+    agreement on stopping (loop.agree_after_step: the guard's all-reduce where it ran, else the loop's own).
+    Returns the seconds of that agreement."""
+    from megatron_lite.training.loop import agree_after_step
 
     loss = engine.train_step(data).loss
-    if engine.guard.take_agreed() is None:
-        start = time.perf_counter()
-        agree_over_ranks([False, not math.isfinite(loss)], engine.device)
-        return time.perf_counter() - start
-    return 0.0
+    start = time.perf_counter()
+    agree_after_step(engine, False, loss)
+    return time.perf_counter() - start
 
 
 STEP_END = ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep")
@@ -313,8 +309,8 @@ def main() -> int:
           f"{timer_seconds * 1e9:.0f} ns = {instructions * timer_seconds * 1e6:.1f} us; the guard's measure and decide "
           f"(its all-reduce, what of it the gradient reductions between them did not hide, and any wait for the "
           f"other ranks) {guard_seconds * 1e6:.0f} us per step, the rerun's snapshot {snapshot_seconds * 1e6:.0f} us; "
-          f"less the loop's own all-reduce after each step that the guard's carries ({agree['without'] * 1e6:.0f} us "
-          f"without, {agree['with'] * 1e6:.0f} us with): together {direct / step * 100:.3f}% of a step")
+          f"less the loop's agreement after each step, an all-reduce that the guard's carries "
+          f"({agree['without'] * 1e6:.0f} us without, {agree['with'] * 1e6:.0f} us with): together {direct / step * 100:.3f}% of a step")
     for r in every_rank:
         print(f"rank {r[0]}'s step end per step, " + ", ".join(
             f"{instruction} {r[8]['without'][i] * 1e6:.0f} -> {r[8]['with'][i] * 1e6:.0f} us"

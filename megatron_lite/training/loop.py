@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,9 +108,7 @@ def train(run: Run, start: float) -> int:
         stats = train_step(run)
         if run.straggler_report is not None:  # the last log line's, waited for behind this step
             run.straggler_report.finish(run.tb, run.records)
-        agreed = run.engine.guard.take_agreed()  # the guard's all-reduce carried both flags, when it ran
-        stop_signal, nonfinite = agreed if agreed is not None else agree_over_ranks(
-            [run.exit_signal.received, not math.isfinite(stats.loss)], run.engine.device)
+        stop_signal, nonfinite = agree_after_step(run.engine, run.exit_signal.received, stats.loss)
         if nonfinite and not config.precision.fp16:
             print_rank0(f"error: loss is {stats.loss} at iteration {run.iteration}; stopping. The last good checkpoint "
                         f"({checkpointing.latest_tag(t.save) if t.save else 'none'}) is kept; lower --lr or raise "
@@ -215,6 +213,16 @@ def _set_up(config: Config, lock, lock_problem: Optional[str], lock_note: Option
 def _context_parallel_place():
     """(CP rank, CP size): which part of each sample's sequence this rank keeps."""
     return state.get_context_parallel_rank(), state.get_context_parallel_world_size()
+
+
+def agree_after_step(engine: Engine, exit_received: bool, loss: float) -> Tuple[bool, bool]:
+    """Every rank's agreement after a step: (an exit signal on some rank, the loss not finite on some rank), read
+    from the guard's all-reduce where the guard ran this step (NumericalGuard.take_agreed), else all-reduced here."""
+    agreed = engine.guard.take_agreed()
+    if agreed is not None:
+        return agreed
+    stop, nonfinite = agree_over_ranks([exit_received, not math.isfinite(loss)], engine.device)
+    return stop, nonfinite
 
 
 def train_step(run: Run) -> StepStats:

@@ -166,7 +166,7 @@ class NumericalGuard:
                            torch.ones((), dtype=torch.float64, device=device))
         self._pending: Optional[tuple] = None
         """measure()'s all-reduce in flight: (its work, the numbers it sums: loss sum, ranks computing one, squared
-        gradient norm), until decide()."""
+        gradient norm, ranks asked to exit), until decide()."""
         self.exit_requested: Callable[[], bool] = lambda: False
         """Whether this rank was asked to stop (the training loop's SIGTERM/SIGUSR1 flag), read by measure() and
         reduced with the step's numbers."""
